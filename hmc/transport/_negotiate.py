@@ -1,0 +1,157 @@
+"""Path negotiation: a pure function of two endpoints' declared capabilities and user policy.
+
+Returns the chosen path and, for every path that ranks above it, the reason it
+was refused; `hmc path A B` prints exactly this table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from hmc.config import PathPolicy
+from hmc.errors import NoPathError
+from hmc.transport._base import Capabilities, PathName
+from hmc.v1 import common_pb2
+
+__all__ = ["Endpoint", "PathChoice", "negotiate"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """One side of a pair: the agent that owns the memory and the memory's device."""
+
+    agent: common_pb2.AgentInfo
+    device: common_pb2.DeviceInfo
+
+    @classmethod
+    def of(cls, descriptor: common_pb2.BufferDescriptor) -> Endpoint:
+        return cls(descriptor.owner, descriptor.device)
+
+    def capability(self, path: PathName) -> Capabilities | None:
+        for message in self.agent.transports:
+            if message.path == path.value:
+                return Capabilities.from_proto(message)
+        return None
+
+    @property
+    def label(self) -> str:
+        return f"{self.agent.id or '?'}@{self.agent.node or '?'}:{self.device.name or 'host'}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PathChoice:
+    path: PathName
+    reason: str
+    rejected: tuple[tuple[PathName, str], ...]
+    preferred_op: str = "write"
+
+    def to_proto(self) -> common_pb2.PathDecision:
+        return common_pb2.PathDecision(
+            path=self.path.value,
+            reason=self.reason,
+            rejected=[common_pb2.RejectedPath(path=p.value, reason=r) for p, r in self.rejected],
+            preferred_op=self.preferred_op,
+        )
+
+    @classmethod
+    def from_proto(cls, message: common_pb2.PathDecision) -> PathChoice:
+        return cls(
+            path=PathName(message.path),
+            reason=message.reason,
+            rejected=tuple((PathName(r.path), r.reason) for r in message.rejected),
+            preferred_op=message.preferred_op or "write",
+        )
+
+
+_VENDOR_NAMES = {common_pb2.VENDOR_HOST: "host", common_pb2.VENDOR_NVIDIA: "nvidia", common_pb2.VENDOR_AMD: "amd"}
+
+
+def _vendor(device: common_pb2.DeviceInfo) -> str:
+    return _VENDOR_NAMES.get(device.vendor, "host")
+
+
+def _is_host(device: common_pb2.DeviceInfo) -> bool:
+    return device.kind in (common_pb2.DEVICE_KIND_UNSPECIFIED, common_pb2.DEVICE_KIND_HOST)
+
+
+def _check_caps(path: PathName, src: Endpoint, dst: Endpoint) -> str | None:
+    """Why `path` cannot serve the pair from the declarations alone (None: it can)."""
+    for end in (src, dst):
+        cap = end.capability(path)
+        if cap is None:
+            return f"agent {end.agent.id or '?'} on {end.agent.node or '?'} has no {path.value} transport"
+        kind = _kind_name(end.device)
+        if kind not in {k.value for k in cap.memory_kinds}:
+            return f"{path.value} on agent {end.agent.id} cannot reach {kind} memory ({end.device.name})"
+    return None
+
+
+def _kind_name(device: common_pb2.DeviceInfo) -> str:
+    return {common_pb2.DEVICE_KIND_CUDA: "cuda", common_pb2.DEVICE_KIND_HIP: "hip"}.get(device.kind, "host")
+
+
+def _local(src: Endpoint, dst: Endpoint) -> str | None:
+    if src.agent.id != dst.agent.id:
+        return "the buffers belong to different agents"
+    return _check_caps(PathName.LOCAL, src, dst)
+
+
+def _ipc(src: Endpoint, dst: Endpoint) -> str | None:
+    if not src.agent.host_id or src.agent.host_id != dst.agent.host_id:
+        return f"different hosts ({src.agent.node or '?'} vs {dst.agent.node or '?'})"
+    devices = (src.device, dst.device)
+    if not all(_is_host(d) for d in devices):
+        vendors = {_vendor(d) for d in devices if not _is_host(d)}
+        if len(vendors) > 1:
+            return f"cross-vendor pair ({' vs '.join(sorted(vendors))}): vendor IPC cannot map the other vendor's memory"
+    return _check_caps(PathName.IPC, src, dst)
+
+
+def _rdma(src: Endpoint, dst: Endpoint) -> str | None:
+    return _check_caps(PathName.RDMA, src, dst)
+
+
+def _ucx(src: Endpoint, dst: Endpoint) -> str | None:
+    return _check_caps(PathName.UCX, src, dst)
+
+
+def _staged(src: Endpoint, dst: Endpoint) -> str | None:
+    return _check_caps(PathName.STAGED, src, dst)
+
+
+_RULES: dict[PathName, Callable[[Endpoint, Endpoint], str | None]] = {
+    PathName.LOCAL: _local,
+    PathName.IPC: _ipc,
+    PathName.RDMA: _rdma,
+    PathName.UCX: _ucx,
+    PathName.STAGED: _staged,
+}
+
+_WHY_CHOSEN = {
+    PathName.LOCAL: "same agent: one copy",
+    PathName.IPC: "same host: one-sided copy into the peer's mapped memory, no staging",
+    PathName.RDMA: "both ends reach the memory through an RDMA NIC",
+    PathName.UCX: "UCX on both ends",
+    PathName.STAGED: "works between any two agents: pipelined TCP streams",
+}
+
+
+def negotiate(src: Endpoint, dst: Endpoint, policy: PathPolicy = PathPolicy()) -> PathChoice:
+    """Choose the best path for moving bytes between `src` and `dst`."""
+    order = [PathName(p) for p in policy.prefer] + [p for p in PathName if p.value not in policy.prefer]
+    rejected: list[tuple[PathName, str]] = []
+    for path in order:
+        if path.value in policy.deny:
+            rejected.append((path, "denied by policy (paths.deny)"))
+            continue
+        if path.value not in policy.allow:
+            rejected.append((path, "not in the allowed paths (paths.allow)"))
+            continue
+        why_not = _RULES[path](src, dst)
+        if why_not is None:
+            reason = _WHY_CHOSEN[path] + (" (preferred by policy)" if path.value in policy.prefer else "")
+            return PathChoice(path=path, reason=reason, rejected=tuple(rejected))
+        rejected.append((path, why_not))
+    table = "; ".join(f"{p.value}: {r}" for p, r in rejected)
+    raise NoPathError(f"no path between {src.label} and {dst.label}: {table}")
