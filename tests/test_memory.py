@@ -1,0 +1,120 @@
+"""The Memory API on host memory: allocate, register, copy, fill, view, free."""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+
+import hmc.memory as memory
+from hmc.errors import ArgumentError, ClosedResourceError, OutOfRangeError, UnsupportedError
+from hmc.memory import DeviceKind, MemoryKind
+
+
+def random_bytes(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_host_device_is_always_present() -> None:
+    names = [d.name for d in memory.devices()]
+    assert names[0] == "host"
+    host = memory.get_device("host")
+    assert host.kind is DeviceKind.HOST and host.total_memory > 0
+    with pytest.raises(ArgumentError, match="no device"):
+        memory.get_device("cuda:99")
+
+
+def test_absent_backends_are_not_errors() -> None:
+    present = {d.kind for d in memory.devices()}
+    if DeviceKind.HIP not in present:
+        with pytest.raises(UnsupportedError):
+            memory.backend_for(DeviceKind.HIP)
+
+
+@pytest.mark.parametrize("size", [1, 4095, 1 << 20])
+def test_allocate_copy_fill_free(size: int) -> None:
+    data = random_bytes(size)
+    with memory.allocate(size) as region:
+        assert region.kind is MemoryKind.HOST and region.size == size
+        memory.fill(region, 0xA5)
+        assert (region.numpy() == 0xA5).all()
+        memory.copy(region, data)
+        out = np.full(size, 0x5A, dtype=np.uint8)
+        memory.copy(out, region)
+        assert np.array_equal(out, data)
+    assert region.freed
+    region.free()
+    with pytest.raises(ClosedResourceError):
+        region.numpy()
+
+
+def test_pinned_host_allocation() -> None:
+    try:
+        region = memory.allocate(1 << 16, pinned=True)
+    except Exception as exc:  # mlock may be limited by RLIMIT_MEMLOCK
+        pytest.skip(f"mlock not permitted here: {exc}")
+    with region:
+        assert region.kind is MemoryKind.HOST_PINNED
+
+
+def test_register_buffer_protocol_objects() -> None:
+    array = random_bytes(1000).reshape(10, 100)
+    region = memory.register(array)
+    assert region.address == array.ctypes.data and region.size == 1000
+    assert np.array_equal(region.numpy(), array.ravel())
+    scratch = bytearray(b"x" * 64)
+    assert memory.register(scratch).size == 64
+    with mmap.mmap(-1, 4096) as mapping:
+        assert memory.register(mapping).size == 4096
+    assert memory.register(b"readonly").readonly
+
+
+def test_register_dlpack_cpu_object() -> None:
+    class Producer:
+        def __init__(self, array: np.ndarray) -> None:
+            self.array = array
+
+        def __dlpack__(self, **kwargs: object) -> object:
+            return self.array.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return (1, 0)
+
+    array = random_bytes(256).view(np.int32)
+    region = memory.register(Producer(array))
+    assert region.address == array.ctypes.data and region.size == 256
+
+
+def test_register_rejects_strided_and_foreign_objects() -> None:
+    with pytest.raises(ArgumentError, match="contiguous"):
+        memory.register(np.zeros((10, 10), np.uint8)[:, ::2])
+    with pytest.raises(ArgumentError, match="cannot register"):
+        memory.register(object())
+
+
+def test_cuda_array_interface_without_cuda_is_unsupported() -> None:
+    class FakeDeviceArray:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0x1000, False), "version": 3}
+
+    if DeviceKind.CUDA in {d.kind for d in memory.devices()}:
+        pytest.skip("CUDA present: covered by tests/gpu")
+    with pytest.raises(UnsupportedError):
+        memory.register(FakeDeviceArray())
+
+
+def test_views_and_bounds() -> None:
+    data = random_bytes(100)
+    region = memory.register(data)
+    sub = memory.view(region, 10, 20)
+    assert np.array_equal(sub.numpy(), data[10:30])
+    with pytest.raises(OutOfRangeError):
+        memory.view(region, 90, 20)
+    poisoned = np.full(100, 7, np.uint8)
+    with pytest.raises(OutOfRangeError):
+        memory.copy(poisoned, data, 50, dst_offset=60)
+    assert (poisoned == 7).all()
+    with pytest.raises(ArgumentError, match="read-only"):
+        memory.copy(b"immutable", data, 4)
+    with pytest.raises(ArgumentError, match="byte"):
+        memory.fill(poisoned, 256)
