@@ -1,0 +1,221 @@
+"""`hmc.Client`: a synchronous client of hmcd, for users, schedulers and the CLI.
+
+    with Client() as hmcd:                      # unix:<config.socket>
+        hmcd.node_info(); hmcd.buffers()
+        hmcd.path("prefill-kv", "decode-kv")      # PathChoice: the path and why better ones lost
+        hmcd.migrate("prefill-kv", "decode-kv", (src_offsets, dst_offsets, lengths))
+
+Addresses are `unix:/path` or `host:port` (TCP, with the token from the argument
+or `Config.token`). Every call has a deadline (`timeout`, default
+`Config.timeout_s`); every failure is a typed `hmc.errors.HMCError`, with
+UnavailableError naming the address when hmcd is not there.
+
+Concurrency: one sync gRPC channel; methods may be called from several threads.
+`events()` iterators each hold one streaming call; close them (or exhaust them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from hmc.config import Config
+from hmc.control._auth import bearer_metadata
+from hmc.control._errors import error_from_proto, rpc_errors, translate_rpc_error
+from hmc.errors import ArgumentError, ClosedResourceError, TimeoutError
+from hmc.transport._negotiate import PathChoice
+from hmc.transport._ranges import RangeList
+from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
+
+__all__ = ["Client", "EventStream"]
+
+_FINAL = frozenset({common_pb2.TRANSFER_STATE_DONE, common_pb2.TRANSFER_STATE_FAILED, common_pb2.TRANSFER_STATE_CANCELLED})
+
+
+def _ref(ref: str | daemon_pb2.BufferRef | common_pb2.BufferDescriptor) -> daemon_pb2.BufferRef:
+    """A BufferRef from a name, an `id:<id>` string, a descriptor or a BufferRef."""
+    if isinstance(ref, daemon_pb2.BufferRef):
+        return ref
+    if isinstance(ref, common_pb2.BufferDescriptor):
+        return daemon_pb2.BufferRef(id=ref.id)
+    if not isinstance(ref, str) or not ref:
+        raise ArgumentError(f"a buffer reference must be a non-empty name or 'id:<id>', got {ref!r}")
+    if ref.startswith("id:"):
+        return daemon_pb2.BufferRef(id=ref[3:])
+    return daemon_pb2.BufferRef(name=ref)
+
+
+class EventStream:
+    """hmcd's events as an iterator; ends quietly when its timeout passes."""
+
+    def __init__(self, call: Any, address: str) -> None:
+        self._call = call
+        self._address = address
+
+    def __iter__(self) -> Iterator[daemon_pb2.Event]:
+        return self
+
+    def __next__(self) -> daemon_pb2.Event:
+        try:
+            return next(self._call)
+        except grpc.RpcError as exc:
+            if isinstance(exc, grpc.Call) and exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                raise StopIteration from None
+            raise translate_rpc_error(exc, self._address) from exc
+
+    def close(self) -> None:
+        self._call.cancel()
+
+    def __enter__(self) -> EventStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Client:
+    """A connection to one hmcd."""
+
+    def __init__(self, address: str | None = None, *, config: Config | None = None, token: str | None = None, timeout: float | None = None) -> None:
+        self._config = config or Config.load()
+        self.address = address or f"unix:{self._config.socket}"
+        self.timeout = self._config.timeout_s if timeout is None else timeout
+        is_tcp = not self.address.startswith("unix:")
+        self._metadata = bearer_metadata(self._config.token if token is None else token) if is_tcp else ()
+        self._channel = grpc.insecure_channel(self.address)
+        self._nodes = daemon_pb2_grpc.NodeServiceStub(self._channel)
+        self._registry = daemon_pb2_grpc.RegistryServiceStub(self._channel)
+        self._paths = daemon_pb2_grpc.PathServiceStub(self._channel)
+        self._transfers = daemon_pb2_grpc.TransferServiceStub(self._channel)
+        self._events = daemon_pb2_grpc.EventServiceStub(self._channel)
+        self._closed = False
+
+    def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        if self._closed:
+            raise ClosedResourceError("client is closed")
+        with rpc_errors(self.address):
+            return method(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata)
+
+    # -- node ------------------------------------------------------------------------
+
+    def node_info(self) -> daemon_pb2.NodeInfo:
+        """Inventory, addresses, peers and counts of the node."""
+        return self._call(self._nodes.GetNodeInfo, daemon_pb2.NodeInfoRequest())
+
+    def health(self) -> daemon_pb2.HealthResponse:
+        return self._call(self._nodes.Health, daemon_pb2.HealthRequest())
+
+    def devices(self) -> list[common_pb2.DeviceInfo]:
+        return list(self.node_info().devices)
+
+    def metrics(self) -> str:
+        """Prometheus exposition text."""
+        return self._call(self._nodes.GetMetrics, daemon_pb2.MetricsRequest()).text
+
+    # -- buffers and paths ---------------------------------------------------------------
+
+    def buffers(self, local_only: bool = False) -> list[common_pb2.BufferDescriptor]:
+        """ConnBuffers of this node, and of its static peers unless `local_only`."""
+        return list(self._call(self._registry.ListBuffers, daemon_pb2.ListBuffersRequest(local_only=local_only)).buffers)
+
+    def lookup(self, ref: str | daemon_pb2.BufferRef) -> common_pb2.BufferDescriptor:
+        """A ConnBuffer by name (or `id:<id>`), here or at a peer."""
+        return self._call(self._registry.LookupBuffer, daemon_pb2.LookupBufferRequest(ref=_ref(ref)))
+
+    def path(self, src: str | daemon_pb2.BufferRef, dst: str | daemon_pb2.BufferRef) -> PathChoice:
+        """The path hmcd would choose from src to dst, and why every better one was refused."""
+        decision = self._call(self._paths.Negotiate, daemon_pb2.NegotiateRequest(src=_ref(src), dst=_ref(dst)))
+        return PathChoice.from_proto(decision)
+
+    # -- third-party transfers -------------------------------------------------------------
+
+    def submit(
+        self,
+        src: str | daemon_pb2.BufferRef,
+        dst: str | daemon_pb2.BufferRef,
+        src_offsets: Any,
+        dst_offsets: Any,
+        lengths: Any,
+        notify: bytes | None = None,
+        timeout: float | None = None,
+    ) -> daemon_pb2.TransferStatus:
+        """Ask hmcd to move ranges from src to dst; returns the PENDING status (with its `transfer_id`)."""
+        ranges = RangeList.build(src_offsets, dst_offsets, lengths)
+        request = daemon_pb2.SubmitTransferRequest(
+            src=_ref(src), dst=_ref(dst), ranges=ranges.to_proto(), notification=notify or b"", timeout_s=self.timeout if timeout is None else timeout
+        )
+        return self._call(self._transfers.Submit, request)
+
+    def status(self, transfer_id: str) -> daemon_pb2.TransferStatus:
+        """A transfer's status now, without waiting."""
+        return self._call(self._transfers.Wait, daemon_pb2.TransferRef(transfer_id=transfer_id, timeout_s=0.0))
+
+    def wait(self, transfer_id: str, timeout: float | None = None) -> daemon_pb2.TransferStatus:
+        """Block until the transfer is DONE (its status) or failed (its typed error); TimeoutError after `timeout`."""
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while True:
+            remaining = max(deadline - time.monotonic(), 0.0)
+            status = self._call(self._transfers.Wait, daemon_pb2.TransferRef(transfer_id=transfer_id, timeout_s=remaining), timeout=remaining + 5.0)
+            if status.state in _FINAL:
+                break
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"transfer {transfer_id} still {common_pb2.TransferState.Name(status.state)} after {limit:g}s")
+        error = error_from_proto(status.error)
+        if status.state != common_pb2.TRANSFER_STATE_DONE and error is not None:
+            raise error
+        return status
+
+    def cancel(self, transfer_id: str) -> daemon_pb2.TransferStatus:
+        """Cancel a transfer (best effort: some ranges may have landed)."""
+        return self._call(self._transfers.Cancel, daemon_pb2.TransferRef(transfer_id=transfer_id))
+
+    def migrate(
+        self, src: str | daemon_pb2.BufferRef, dst: str | daemon_pb2.BufferRef, ranges: Any, notify: bytes | None = None, timeout: float | None = None
+    ) -> daemon_pb2.TransferStatus:
+        """Move KV-cache blocks: `ranges` is (src_offsets, dst_offsets, lengths) or a RangeList; waits for DONE."""
+        if isinstance(ranges, RangeList):
+            src_offsets, dst_offsets, lengths = ranges.src, ranges.dst, ranges.lengths
+        else:
+            try:
+                src_offsets, dst_offsets, lengths = ranges
+            except (TypeError, ValueError) as exc:
+                raise ArgumentError("ranges must be (src_offsets, dst_offsets, lengths) or a RangeList") from exc
+        submitted = self.submit(src, dst, src_offsets, dst_offsets, lengths, notify=notify, timeout=timeout)
+        return self.wait(submitted.transfer_id, timeout=(self.timeout if timeout is None else timeout) + 5.0)
+
+    # -- events --------------------------------------------------------------------------
+
+    def events(self, timeout: float | None = None, include_peers: bool = False) -> EventStream:
+        """Watch hmcd's events; returns once subscribed. `timeout` ends the stream (None: never)."""
+        if self._closed:
+            raise ClosedResourceError("client is closed")
+        call = self._events.Watch(daemon_pb2.WatchRequest(include_peers=include_peers), timeout=timeout, metadata=self._metadata)
+        try:
+            call.initial_metadata()  # hmcd sends it once the subscription exists
+        except grpc.RpcError as exc:  # pragma: no cover - initial_metadata() returns on failure too
+            raise translate_rpc_error(exc, self.address) from exc
+        if call.done() and call.code() not in (grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED):
+            with rpc_errors(self.address):
+                next(call)
+        return EventStream(call, self.address)
+
+    # -- life cycle ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the channel; idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<hmc.Client {self.address}{' closed' if self._closed else ''}>"

@@ -1,0 +1,208 @@
+"""hmcd, the per-node daemon: the parts wired together and served over gRPC.
+
+    Daemon(config)
+      inventory    host, devices (vendor override applied), RDMA NICs, transports
+      events       EventBus: Watch subscribers, sequence numbers
+      registry     ConnBuffers of attached agents, withdrawn with their stream
+      directory    static peers: health, event relay, lookups that fall through
+      transfers    third-party transfers executed by agents on instruction
+      metrics      a CollectorRegistry of this daemon only
+
+Two grpc.aio servers share the servicers: one on `unix:<config.socket>` (file
+permissions guard it) and, when `config.listen` is set, one on TCP with the
+token interceptor. Port 0 picks a free port; `tcp_address` reports it.
+
+Concurrency: everything runs on one asyncio loop (uvloop when importable, see
+`_hmcd_main`), the loop that called `start()`. The only other thread is the
+optional metrics HTTP exporter ("hmc-metrics-http"), which only reads metrics.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import time
+
+import grpc
+import grpc.aio
+
+from hmc.config import Config
+from hmc.control._auth import TokenInterceptor, prepare_socket_path, secure_socket_file
+from hmc.control._directory import Peer, StaticDirectory
+from hmc.control._errors import ErrorBoundary
+from hmc.control._events import EventBus
+from hmc.control._inventory import Inventory
+from hmc.control._metrics import DaemonMetrics
+from hmc.control._registry import Registry, describe_ref
+from hmc.control._services import PROTOCOL_VERSION, add_services
+from hmc.control._transfers import TransferTable
+from hmc.errors import ArgumentError, BufferWithdrawnError, ClosedResourceError, UnavailableError, UnknownBufferError
+from hmc.v1 import common_pb2, daemon_pb2
+
+__all__ = ["Daemon"]
+
+log = logging.getLogger("hmc.hmcd")
+
+SERVER_OPTIONS = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.so_reuseport", 0),
+)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("hmc")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+class Daemon:
+    """One hmcd. `await start()`, then `await wait_stopped()`; `await stop()` from anywhere on its loop."""
+
+    def __init__(self, config: Config, *, inventory: Inventory | None = None) -> None:
+        self.config = config
+        self.inventory = inventory or Inventory.collect(config)
+        self.metrics = DaemonMetrics()
+        self.events = EventBus(config.node)
+        self.events.add_listener(self._observe_event)
+        self.registry = Registry(config.node, self.events)
+        self.directory = StaticDirectory(config, self.events, self.metrics)
+        self.transfers = TransferTable(config, self.registry, self.directory, self.resolve, self.metrics)
+        self.tcp_address = ""
+        self.metrics_port = 0
+        self.serving = False
+        self._servers: list[grpc.aio.Server] = []
+        self._started = time.monotonic()
+        self._stopped: bool = False
+
+    @property
+    def unix_address(self) -> str:
+        return f"unix:{self.config.socket}"
+
+    # -- life cycle -------------------------------------------------------------------
+
+    async def start(self, metrics_port: int | None = None) -> None:
+        """Bind the unix socket (and TCP when configured) and start serving."""
+        if self._servers:
+            raise ClosedResourceError("hmcd already started")
+        boundary = ErrorBoundary(self.metrics.observe_rpc)
+        prepare_socket_path(self.config.socket)
+        unix = grpc.aio.server(interceptors=[boundary], options=SERVER_OPTIONS)
+        add_services(self, unix)
+        unix.add_insecure_port(self.unix_address)
+        old_umask = os.umask(0o177)  # the socket file is born 0600 (no window before the chmod)
+        try:
+            await unix.start()
+        finally:
+            os.umask(old_umask)
+        secure_socket_file(self.config.socket)
+        self._servers.append(unix)
+        if self.config.listen:
+            await self._start_tcp(boundary)
+        if metrics_port is not None:
+            host = self.config.listen.rsplit(":", 1)[0] if self.config.listen else "127.0.0.1"
+            self.metrics_port = self.metrics.serve_http(host.strip("[]") or "0.0.0.0", metrics_port)
+        self.directory.start()
+        self.serving = True
+        self._started = time.monotonic()
+        log.info(
+            "hmcd %s serving node %s on %s%s%s",
+            _version(),
+            self.config.node,
+            self.unix_address,
+            f" and tcp {self.tcp_address}" if self.tcp_address else "",
+            f"; metrics on http port {self.metrics_port}" if self.metrics_port else "",
+        )
+
+    async def _start_tcp(self, boundary: ErrorBoundary) -> None:
+        host, sep, port = self.config.listen.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ArgumentError(f"listen address {self.config.listen!r} must look like HOST:PORT")
+        interceptors: list[grpc.aio.ServerInterceptor] = [boundary]
+        if self.config.token:
+            interceptors.insert(0, TokenInterceptor(self.config.token))
+        else:
+            log.warning("hmcd listens on TCP %s without a token: anyone who can reach it may use it", self.config.listen)
+        tcp = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
+        add_services(self, tcp)
+        try:
+            bound = tcp.add_insecure_port(self.config.listen)
+        except RuntimeError as exc:
+            raise UnavailableError(f"cannot listen on {self.config.listen}: {exc}") from exc
+        if bound == 0:
+            raise UnavailableError(f"cannot listen on {self.config.listen} (address in use or not local)")
+        await tcp.start()
+        self._servers.append(tcp)
+        self.tcp_address = f"{host}:{bound}"
+
+    async def stop(self, grace: float = 2.0) -> None:
+        """Stop serving: end watches and streams, fail pending transfers; idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.serving = False
+        self.events.close()
+        self.transfers.close()
+        for server in self._servers:
+            await server.stop(grace)
+        await self.directory.close()
+        self.metrics.close()
+        try:
+            os.unlink(self.config.socket)
+        except OSError:
+            pass
+        log.info("hmcd stopped")
+
+    async def wait_stopped(self) -> None:
+        for server in self._servers:
+            await server.wait_for_termination()
+
+    # -- shared by the services ----------------------------------------------------------
+
+    async def resolve(self, ref: daemon_pb2.BufferRef, local_only: bool, timeout: float) -> tuple[common_pb2.BufferDescriptor, Peer | None]:
+        """The buffer `ref` names: here first, then at the static peers unless `local_only`."""
+        what = describe_ref(ref)
+        local = self.registry.find(ref)
+        if local is not None:
+            return local, None
+        if local_only or not self.directory.peers:
+            self.registry.require(ref)
+        found = await self.directory.lookup(ref, timeout)
+        if found is not None:
+            return found
+        if self.registry.was_withdrawn(ref):
+            raise BufferWithdrawnError(f"buffer {what} was withdrawn from node {self.config.node}")
+        asked = ", ".join(peer.node or peer.address for peer in self.directory.peers)
+        unreachable = self.directory.unreachable()
+        note = f"; unreachable: {', '.join(unreachable)}" if unreachable else ""
+        raise UnknownBufferError(f"no buffer with {what} on node {self.config.node} or its peers ({asked}){note}")
+
+    def node_info(self) -> daemon_pb2.NodeInfo:
+        inv = self.inventory
+        return daemon_pb2.NodeInfo(
+            node=inv.node,
+            host_id=inv.host_id,
+            hostname=inv.hostname,
+            version=_version(),
+            protocol_version=PROTOCOL_VERSION,
+            devices=inv.devices,
+            rdma_devices=inv.rdma_devices,
+            transports=inv.transports,
+            unix_address=self.unix_address,
+            tcp_address=self.tcp_address,
+            peers=self.directory.statuses(),
+            agents=len(self.registry.sessions),
+            buffers=len(self.registry),
+            uptime_s=time.monotonic() - self._started,
+        )
+
+    def _observe_event(self, event: daemon_pb2.Event, relayed: bool) -> None:
+        self.metrics.observe_event(event, relayed)
+        if not relayed:
+            self.metrics.agents.set(len(self.registry.sessions))
+            self.metrics.buffers.set(len(self.registry))

@@ -1,0 +1,195 @@
+"""hmcd's gRPC servicers: thin adapters from the contract in daemon.proto to the daemon's parts.
+
+Servicers raise `HMCError`s; the `ErrorBoundary` interceptor turns them into
+statuses. Every handler bounds its waits by the call's deadline and
+`Config.timeout_s`, whichever is sooner.
+
+Concurrency: every handler runs on hmcd's event loop. An agent's Attach stream
+has two tasks: the handler reads the agent's messages; a writer task drains the
+session's outbox (acks, instructions, events) into the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import grpc
+import grpc.aio
+
+from hmc.control._errors import abort
+from hmc.control._registry import AgentSession, describe_ref
+from hmc.errors import HMCError, ProtocolError, TimeoutError, VersionMismatchError
+from hmc.transport._negotiate import Endpoint, negotiate
+from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from hmc.control._hmcd import Daemon
+
+__all__ = ["add_services"]
+
+log = logging.getLogger("hmc.hmcd")
+
+PROTOCOL_VERSION = common_pb2.PROTOCOL_VERSION_1
+
+
+def call_timeout(daemon: Daemon, context: grpc.aio.ServicerContext, limit: float | None = None) -> float:
+    """Seconds this call may still spend: its deadline or `limit` (default: the configured timeout), whichever is sooner."""
+    remaining = context.time_remaining()
+    limit = daemon.config.timeout_s if limit is None else limit
+    return max(min(limit, remaining - 0.05) if remaining is not None else limit, 0.0)
+
+
+class NodeServicer(daemon_pb2_grpc.NodeServiceServicer):
+    def __init__(self, daemon: Daemon) -> None:
+        self._daemon = daemon
+
+    async def GetNodeInfo(self, request: daemon_pb2.NodeInfoRequest, context: grpc.aio.ServicerContext) -> daemon_pb2.NodeInfo:
+        return self._daemon.node_info()
+
+    async def Health(self, request: daemon_pb2.HealthRequest, context: grpc.aio.ServicerContext) -> daemon_pb2.HealthResponse:
+        return daemon_pb2.HealthResponse(serving=self._daemon.serving, node=self._daemon.config.node)
+
+    async def GetMetrics(self, request: daemon_pb2.MetricsRequest, context: grpc.aio.ServicerContext) -> daemon_pb2.MetricsResponse:
+        return daemon_pb2.MetricsResponse(text=self._daemon.metrics.text())
+
+
+class RegistryServicer(daemon_pb2_grpc.RegistryServiceServicer):
+    def __init__(self, daemon: Daemon) -> None:
+        self._daemon = daemon
+
+    async def Attach(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        daemon = self._daemon
+        hello = await self._read_hello(context)
+        if hello is None:
+            return
+        if not hello.agent.node:
+            hello.agent.node = daemon.config.node
+        session = daemon.registry.attach(hello.agent)
+        writer: asyncio.Task[None] | None = None
+        try:
+            await context.write(daemon_pb2.DaemonMessage(hello=daemon_pb2.DaemonHello(protocol_version=PROTOCOL_VERSION, node=daemon.config.node, host_id=daemon.inventory.host_id)))
+            writer = asyncio.create_task(_drain(session, context), name=f"hmc-attach-writer:{session.agent_id}")
+            while True:
+                message = await context.read()
+                if message is grpc.aio.EOF:
+                    break
+                await self._handle(session, message)
+        finally:
+            if writer is not None:
+                writer.cancel()
+            daemon.transfers.agent_lost(session)
+            daemon.registry.detach(session)
+
+    async def _read_hello(self, context: grpc.aio.ServicerContext) -> daemon_pb2.AgentHello | None:
+        try:
+            first = await asyncio.wait_for(context.read(), self._daemon.config.timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"agent sent no hello within {self._daemon.config.timeout_s:g}s") from None
+        if first is grpc.aio.EOF:
+            return None
+        if first.WhichOneof("kind") != "hello":
+            await abort(context, ProtocolError(f"the first message on an Attach stream must be a hello, got {first.WhichOneof('kind')}"), grpc.StatusCode.FAILED_PRECONDITION)
+        if first.hello.protocol_version != PROTOCOL_VERSION:
+            await abort(
+                context,
+                VersionMismatchError(f"agent speaks protocol version {first.hello.protocol_version}; this hmcd speaks {PROTOCOL_VERSION}"),
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
+        return first.hello
+
+    async def _handle(self, session: AgentSession, message: daemon_pb2.AgentMessage) -> None:
+        kind = message.WhichOneof("kind")
+        registry = self._daemon.registry
+        if kind == "register":
+            error = _attempt(lambda: registry.register(session, message.register.descriptor))
+            await session.outbox.put(daemon_pb2.DaemonMessage(ack=daemon_pb2.Ack(request_id=message.register.request_id, error=error)))
+        elif kind == "unregister":
+            error = _attempt(lambda: registry.unregister(session, message.unregister.buffer_id))
+            await session.outbox.put(daemon_pb2.DaemonMessage(ack=daemon_pb2.Ack(request_id=message.unregister.request_id, error=error)))
+        elif kind == "report":
+            self._daemon.transfers.report(session, message.report)
+        else:
+            raise ProtocolError(f"unexpected {kind or 'empty'} message on the Attach stream of agent {session.agent_id!r}")
+
+    async def LookupBuffer(self, request: daemon_pb2.LookupBufferRequest, context: grpc.aio.ServicerContext) -> common_pb2.BufferDescriptor:
+        descriptor, _ = await self._daemon.resolve(request.ref, request.local_only, call_timeout(self._daemon, context))
+        return descriptor
+
+    async def ListBuffers(self, request: daemon_pb2.ListBuffersRequest, context: grpc.aio.ServicerContext) -> daemon_pb2.ListBuffersResponse:
+        found = self._daemon.registry.buffers()
+        if not request.local_only:
+            found += await self._daemon.directory.list_buffers(call_timeout(self._daemon, context))
+        return daemon_pb2.ListBuffersResponse(buffers=found)
+
+
+def _attempt(action: object) -> common_pb2.Error | None:
+    """Run a registry change; its HMCError as a wire Error (None when it worked)."""
+    try:
+        action()  # type: ignore[operator]
+    except HMCError as exc:
+        return common_pb2.Error(code=int(exc.code), message=str(exc))
+    return None
+
+
+async def _drain(session: AgentSession, context: grpc.aio.ServicerContext) -> None:
+    """Write the session's queued messages to its stream until cancelled or broken."""
+    try:
+        while True:
+            message = await session.outbox.get()
+            await context.write(message)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the stream broke; the reader sees it end too
+        log.debug("writing to agent %s failed: %s", session.agent_id, exc)
+
+
+class PathServicer(daemon_pb2_grpc.PathServiceServicer):
+    def __init__(self, daemon: Daemon) -> None:
+        self._daemon = daemon
+
+    async def Negotiate(self, request: daemon_pb2.NegotiateRequest, context: grpc.aio.ServicerContext) -> common_pb2.PathDecision:
+        timeout = call_timeout(self._daemon, context)
+        describe_ref(request.src), describe_ref(request.dst)
+        (src, _), (dst, _) = await asyncio.gather(self._daemon.resolve(request.src, False, timeout), self._daemon.resolve(request.dst, False, timeout))
+        return negotiate(Endpoint.of(src), Endpoint.of(dst), self._daemon.config.policy).to_proto()
+
+
+class TransferServicer(daemon_pb2_grpc.TransferServiceServicer):
+    def __init__(self, daemon: Daemon) -> None:
+        self._daemon = daemon
+
+    async def Submit(self, request: daemon_pb2.SubmitTransferRequest, context: grpc.aio.ServicerContext) -> daemon_pb2.TransferStatus:
+        return await self._daemon.transfers.submit(request, call_timeout(self._daemon, context))
+
+    async def Wait(self, request: daemon_pb2.TransferRef, context: grpc.aio.ServicerContext) -> daemon_pb2.TransferStatus:
+        return await self._daemon.transfers.wait(request, call_timeout(self._daemon, context, limit=request.timeout_s))
+
+    async def Cancel(self, request: daemon_pb2.TransferRef, context: grpc.aio.ServicerContext) -> daemon_pb2.TransferStatus:
+        return await self._daemon.transfers.cancel(request, call_timeout(self._daemon, context))
+
+
+class EventServicer(daemon_pb2_grpc.EventServiceServicer):
+    def __init__(self, daemon: Daemon) -> None:
+        self._daemon = daemon
+
+    async def Watch(self, request: daemon_pb2.WatchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[daemon_pb2.Event]:
+        subscription = self._daemon.events.subscribe(request.include_peers)
+        try:
+            await context.send_initial_metadata(())  # the client's cue that it is subscribed
+            async for event in subscription:
+                yield event
+        finally:
+            self._daemon.events.unsubscribe(subscription)
+
+
+def add_services(daemon: Daemon, server: grpc.aio.Server) -> None:
+    """Register every hmcd service on `server`."""
+    daemon_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(daemon), server)
+    daemon_pb2_grpc.add_RegistryServiceServicer_to_server(RegistryServicer(daemon), server)
+    daemon_pb2_grpc.add_PathServiceServicer_to_server(PathServicer(daemon), server)
+    daemon_pb2_grpc.add_TransferServiceServicer_to_server(TransferServicer(daemon), server)
+    daemon_pb2_grpc.add_EventServiceServicer_to_server(EventServicer(daemon), server)

@@ -1,0 +1,271 @@
+"""Third-party transfers: a client asks hmcd; the agent that owns the source moves the bytes.
+
+Submit resolves both buffers (locally, then at peers), checks the ranges against
+both sizes, negotiates the path (so NoPathError comes back at once), and picks
+the executor:
+
+- src is local: its owner WRITEs to dst (the default; pushes are never slower);
+- the pair prefers reads and dst is local: dst's owner READs from src;
+- src lives under a peer hmcd: the Submit is forwarded there (`local_only`, same
+  transfer id) and Wait/Cancel follow it.
+
+The executor gets a `TransferInstruction` on its Attach stream and answers with
+`TransferReport`s. hmcd enforces the deadline (timeout_s plus a grace period),
+fails pending transfers with PEER_LOST when their executor's stream ends, and keeps
+finished transfers (bounded) so a late Wait still sees the outcome.
+
+Concurrency: owned by hmcd's event loop; each transfer has an asyncio.Event set
+once, when it reaches a final state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+
+from hmc.config import Config
+from hmc.control._directory import Peer, StaticDirectory
+from hmc.control._errors import error_to_proto
+from hmc.control._metrics import DaemonMetrics
+from hmc.control._registry import AgentSession, Registry, describe_ref
+from hmc.errors import (
+    ArgumentError,
+    BrokenResourceError,
+    BufferWithdrawnError,
+    BusyResourceError,
+    CancelledError,
+    HMCError,
+    TimeoutError,
+    UnavailableError,
+)
+from hmc.transport._negotiate import Endpoint, negotiate
+from hmc.transport._ranges import RangeList
+from hmc.v1 import common_pb2, daemon_pb2
+
+__all__ = ["Resolver", "TransferTable"]
+
+log = logging.getLogger("hmc.hmcd")
+
+Resolver = Callable[[daemon_pb2.BufferRef, bool, float], Awaitable[tuple[common_pb2.BufferDescriptor, Peer | None]]]
+"""(ref, local_only, timeout) -> (descriptor, peer that has it or None when local); raises UnknownBufferError."""
+
+_FINAL = frozenset({common_pb2.TRANSFER_STATE_DONE, common_pb2.TRANSFER_STATE_FAILED, common_pb2.TRANSFER_STATE_CANCELLED})
+_GRACE_S = 2.0
+_FORWARDER = object()  # "dst came resolved from the forwarding hmcd": not local, not one of our peers
+
+
+@dataclasses.dataclass(eq=False)
+class _Transfer:
+    status: daemon_pb2.TransferStatus
+    executor: AgentSession | None = None
+    peer: Peer | None = None
+    done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    timer: asyncio.TimerHandle | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.status.state in _FINAL
+
+
+class TransferTable:
+    """Every third-party transfer this hmcd started or forwarded."""
+
+    def __init__(self, config: Config, registry: Registry, directory: StaticDirectory, resolve: Resolver, metrics: DaemonMetrics, *, keep_finished: int = 10_000) -> None:
+        self._config = config
+        self._registry = registry
+        self._directory = directory
+        self._resolve = resolve
+        self._metrics = metrics
+        self._keep_finished = keep_finished
+        self._active: dict[str, _Transfer] = {}
+        self._finished: collections.OrderedDict[str, _Transfer] = collections.OrderedDict()
+
+    # -- submit -------------------------------------------------------------------
+
+    async def submit(self, request: daemon_pb2.SubmitTransferRequest, call_timeout: float) -> daemon_pb2.TransferStatus:
+        describe_ref(request.src), describe_ref(request.dst)
+        ranges = RangeList.from_proto(request.ranges)
+        if not len(ranges):
+            raise ArgumentError("transfer has no ranges")
+        timeout_s = request.timeout_s or self._config.timeout_s
+        if timeout_s < 0:
+            raise ArgumentError(f"timeout_s must not be negative, got {request.timeout_s}")
+        transfer_id = request.transfer_id or uuid.uuid4().hex
+        if transfer_id in self._active or transfer_id in self._finished:
+            raise ArgumentError(f"transfer id {transfer_id!r} is already in use")
+        src, src_peer = await self._resolve(request.src, request.local_only, call_timeout)
+        if request.local_only and request.HasField("dst_descriptor"):
+            dst, dst_peer = request.dst_descriptor, _FORWARDER
+        else:
+            dst, dst_peer = await self._resolve(request.dst, False, call_timeout)
+        ranges.check(src.size, dst.size)
+        choice = negotiate(Endpoint.of(src), Endpoint.of(dst), self._config.policy)
+        status = daemon_pb2.TransferStatus(transfer_id=transfer_id, state=common_pb2.TRANSFER_STATE_PENDING, bytes_total=ranges.total, path=choice.path.value)
+
+        read_here = choice.preferred_op == "read" and dst_peer is None
+        if src_peer is None and not read_here:
+            op, local, remote = common_pb2.TRANSFER_OP_WRITE, src, dst
+        elif src_peer is not None and not request.local_only and not read_here:
+            forwarded = _forwarded(request, transfer_id, dst)
+            return await self._forward(forwarded, src_peer, status, call_timeout)
+        elif dst_peer is None:
+            op, local, remote = common_pb2.TRANSFER_OP_READ, dst, src
+        else:  # pragma: no cover - local_only resolves src here, so the first branch applies
+            raise ArgumentError("neither buffer of a forwarded transfer is on this node")
+
+        session = self._registry.owner(local.id)
+        if session is None:  # withdrawn while the other buffer was being resolved
+            raise BufferWithdrawnError(f"buffer {local.id!r} was withdrawn while the transfer was being submitted")
+        instruction = daemon_pb2.TransferInstruction(
+            transfer_id=transfer_id, op=op, local_buffer_id=local.id, remote=remote, ranges=request.ranges, notification=request.notification, timeout_s=timeout_s
+        )
+        status.executor_agent = session.agent_id
+        if not session.send(daemon_pb2.DaemonMessage(instruction=instruction)):
+            raise BusyResourceError(f"agent {session.agent_id!r} has too many queued instructions")
+        record = _Transfer(status=status, executor=session)
+        self._track(record, timeout_s)
+        log.debug("transfer %s: %s executes %s of %d bytes over %s", transfer_id, session.agent_id, common_pb2.TransferOp.Name(op), ranges.total, choice.path.value)
+        return _copy(status)
+
+    async def _forward(self, request: daemon_pb2.SubmitTransferRequest, peer: Peer, status: daemon_pb2.TransferStatus, call_timeout: float) -> daemon_pb2.TransferStatus:
+        reply = await self._directory.submit(peer, request, call_timeout)
+        status.MergeFrom(reply)
+        record = _Transfer(status=status, peer=peer)
+        self._active[request.transfer_id] = record  # the peer enforces the deadline; this is a pointer to it
+        log.debug("transfer %s forwarded to peer %s", request.transfer_id, peer.address)
+        return _copy(status)
+
+    def _track(self, record: _Transfer, timeout_s: float) -> None:
+        self._active[record.status.transfer_id] = record
+        self._metrics.transfer_moved(None, record.status.state)
+        loop = asyncio.get_running_loop()
+        record.timer = loop.call_later(timeout_s + _GRACE_S, self._expire, record, timeout_s)
+
+    # -- reports and endings --------------------------------------------------------
+
+    def report(self, session: AgentSession, report: daemon_pb2.TransferReport) -> None:
+        """A TransferReport arrived on `session`'s stream."""
+        record = self._active.get(report.transfer_id)
+        if record is None or record.executor is not session:
+            log.debug("ignoring report for transfer %r from agent %s (unknown, finished or not its executor)", report.transfer_id, session.agent_id)
+            return
+        if report.bytes_done:
+            record.status.bytes_done = report.bytes_done
+        if report.path:
+            record.status.path = report.path
+        if report.state in _FINAL:
+            self._finish(record, report.state, report.error if report.HasField("error") else None)
+        elif report.state == common_pb2.TRANSFER_STATE_RUNNING and record.status.state != report.state:
+            self._metrics.transfer_moved(record.status.state, report.state)
+            record.status.state = report.state
+
+    def agent_lost(self, session: AgentSession) -> None:
+        """`session`'s stream ended: its unfinished transfers fail with PEER_LOST."""
+        for record in [r for r in self._active.values() if r.executor is session]:
+            error = BrokenResourceError(f"agent {session.agent_id!r} disconnected before finishing transfer {record.status.transfer_id}")
+            self._finish(record, common_pb2.TRANSFER_STATE_FAILED, error_to_proto(error))
+
+    def _expire(self, record: _Transfer, timeout_s: float) -> None:
+        if not record.final:
+            error = TimeoutError(f"transfer {record.status.transfer_id} did not finish within {timeout_s:g}s")
+            self._tell_executor_cancel(record)
+            self._finish(record, common_pb2.TRANSFER_STATE_FAILED, error_to_proto(error))
+
+    def _finish(self, record: _Transfer, state: int, error: common_pb2.Error | None) -> None:
+        if record.final:
+            return
+        if state == common_pb2.TRANSFER_STATE_FAILED and (error is None or error.code == 0):
+            error = error_to_proto(HMCError(f"agent reported transfer {record.status.transfer_id} failed without a reason"))
+        self._metrics.transfer_moved(record.status.state, state)
+        record.status.state = state
+        if error is not None:
+            record.status.error.CopyFrom(error)
+        if state == common_pb2.TRANSFER_STATE_DONE:
+            record.status.bytes_done = record.status.bytes_done or record.status.bytes_total
+            self._metrics.transfer_bytes.inc(record.status.bytes_done)
+        if record.timer is not None:
+            record.timer.cancel()
+        record.done.set()
+        transfer_id = record.status.transfer_id
+        self._active.pop(transfer_id, None)
+        self._finished[transfer_id] = record
+        while len(self._finished) > self._keep_finished:
+            self._finished.popitem(last=False)
+
+    def _tell_executor_cancel(self, record: _Transfer) -> None:
+        if record.executor is not None:
+            record.executor.send(daemon_pb2.DaemonMessage(cancel=daemon_pb2.TransferCancel(transfer_id=record.status.transfer_id)))
+
+    # -- wait and cancel ----------------------------------------------------------------
+
+    def _get(self, transfer_id: str) -> _Transfer:
+        if not transfer_id:
+            raise ArgumentError("transfer id is empty")
+        record = self._active.get(transfer_id) or self._finished.get(transfer_id)
+        if record is None:
+            raise ArgumentError(f"no transfer {transfer_id!r} on node {self._config.node} (unknown or long finished)")
+        return record
+
+    async def wait(self, ref: daemon_pb2.TransferRef, call_timeout: float) -> daemon_pb2.TransferStatus:
+        """The status once final, or as it stands when `ref.timeout_s` (0: poll) runs out."""
+        record = self._get(ref.transfer_id)
+        if ref.timeout_s < 0:
+            raise ArgumentError(f"timeout_s must not be negative, got {ref.timeout_s}")
+        timeout = min(ref.timeout_s, call_timeout)
+        if record.peer is not None and not record.final:
+            forwarded = daemon_pb2.TransferRef(transfer_id=ref.transfer_id, timeout_s=max(timeout - 0.2, 0.0))
+            self._update_forwarded(record, await self._directory.wait(record.peer, forwarded, call_timeout))
+        elif not record.final and timeout > 0:
+            try:
+                await asyncio.wait_for(record.done.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        return _copy(record.status)
+
+    async def cancel(self, ref: daemon_pb2.TransferRef, call_timeout: float) -> daemon_pb2.TransferStatus:
+        """Cancel an unfinished transfer (best effort: bytes may already have landed)."""
+        record = self._get(ref.transfer_id)
+        if record.peer is not None and not record.final:
+            self._update_forwarded(record, await self._directory.cancel(record.peer, ref, call_timeout))
+        elif not record.final:
+            self._tell_executor_cancel(record)
+            self._finish(record, common_pb2.TRANSFER_STATE_CANCELLED, error_to_proto(CancelledError(f"transfer {ref.transfer_id} was cancelled")))
+        return _copy(record.status)
+
+    def _update_forwarded(self, record: _Transfer, reply: daemon_pb2.TransferStatus) -> None:
+        record.status.CopyFrom(reply)
+        if record.final:
+            record.done.set()
+            transfer_id = record.status.transfer_id
+            self._active.pop(transfer_id, None)
+            self._finished[transfer_id] = record
+
+    def close(self) -> None:
+        """hmcd is stopping: every unfinished local transfer fails."""
+        for record in list(self._active.values()):
+            if record.peer is None:
+                self._finish(record, common_pb2.TRANSFER_STATE_FAILED, error_to_proto(UnavailableError("hmcd stopped")))
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+
+def _forwarded(request: daemon_pb2.SubmitTransferRequest, transfer_id: str, dst: common_pb2.BufferDescriptor) -> daemon_pb2.SubmitTransferRequest:
+    """The request as sent to the hmcd owning src: same id, dst already resolved, no further hops."""
+    out = daemon_pb2.SubmitTransferRequest()
+    out.CopyFrom(request)
+    out.local_only = True
+    out.transfer_id = transfer_id
+    out.dst_descriptor.CopyFrom(dst)
+    return out
+
+
+def _copy(status: daemon_pb2.TransferStatus) -> daemon_pb2.TransferStatus:
+    out = daemon_pb2.TransferStatus()
+    out.CopyFrom(status)
+    return out
