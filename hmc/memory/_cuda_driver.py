@@ -1,0 +1,204 @@
+"""The CUDA driver as the CUDA backend uses it: result checking, primary contexts, streams, events.
+
+`check` is the backend's one translation boundary: every CUresult other than
+CUDA_SUCCESS becomes `hmc.errors.DeviceError` there, named with cuGetErrorName.
+
+Contexts are the devices' primary contexts, the ones the CUDA runtime, PyTorch and
+CuPy use, so memory and streams are shared with them. Each is retained on first
+use and kept for the life of the process. `Contexts.use()` pushes one for the
+length of a call and pops it afterwards, so a caller's current device (for example
+`torch.cuda.current_device()`) is never changed behind its back.
+
+Concurrency: `Contexts` is thread-safe. A `CudaStream` or `CudaEvent` may be used
+from any thread; operations enqueued on one stream from several threads run in the
+order the enqueue calls happened to be made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any, Self
+
+from hmc.errors import DeviceError
+from hmc.memory._base import Device, Stream
+
+try:
+    from cuda.bindings import driver
+except ImportError:  # cuda-python is not installed: the CUDA backend is absent
+    driver = None
+
+__all__ = ["Contexts", "CudaEvent", "CudaStream", "check", "driver"]
+
+
+def check(result: tuple[Any, ...]) -> Any:
+    """The outputs of a cuda.bindings call: None, one value, or a tuple of them.
+
+    Raises DeviceError when the call's CUresult is not CUDA_SUCCESS.
+    """
+    status = result[0]
+    if status != driver.CUresult.CUDA_SUCCESS:
+        name_status, name = driver.cuGetErrorName(status)
+        label = name.decode() if name_status == driver.CUresult.CUDA_SUCCESS else f"CUresult {int(status)}"
+        raise DeviceError(f"CUDA driver call failed: {label}")
+    if len(result) == 1:
+        return None
+    if len(result) == 2:
+        return result[1]
+    return result[1:]
+
+
+class Contexts:
+    """The devices' primary contexts, retained on first use, and the peer links enabled so far."""
+
+    def __init__(self) -> None:
+        # _context_lock guards _contexts: two threads reaching a device first retain it once.
+        self._context_lock = threading.Lock()
+        self._contexts: dict[int, Any] = {}
+        # _peer_lock guards _peers and serialises cuCtxEnablePeerAccess calls.
+        self._peer_lock = threading.Lock()
+        self._peers: set[tuple[int, int]] = set()
+
+    def context(self, ordinal: int) -> Any:
+        """The primary context of device `ordinal` (a CUcontext)."""
+        with self._context_lock:
+            context = self._contexts.get(ordinal)
+            if context is None:
+                device = check(driver.cuDeviceGet(ordinal))
+                context = check(driver.cuDevicePrimaryCtxRetain(device))
+                self._contexts[ordinal] = context
+            return context
+
+    @contextlib.contextmanager
+    def use(self, ordinal: int) -> Iterator[None]:
+        """Make device `ordinal`'s primary context current for the block, then restore the caller's."""
+        check(driver.cuCtxPushCurrent(self.context(ordinal)))
+        try:
+            yield
+        finally:
+            check(driver.cuCtxPopCurrent())
+
+    @contextlib.contextmanager
+    def use_any(self) -> Iterator[None]:
+        """Keep the caller's current context if it has one, else use device 0's primary context."""
+        if int(check(driver.cuCtxGetCurrent())) != 0:
+            yield
+        else:
+            with self.use(0):
+                yield
+
+    def enable_peer_access(self, ordinal: int, peer: int) -> None:
+        """Let device `ordinal` reach `peer`'s memory directly (NVLink or PCIe P2P); idempotent."""
+        with self._peer_lock:
+            if (ordinal, peer) in self._peers:
+                return
+            peer_context = self.context(peer)
+            with self.use(ordinal):
+                status = driver.cuCtxEnablePeerAccess(peer_context, 0)[0]
+            if status != driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
+                check((status,))
+            self._peers.add((ordinal, peer))
+
+
+class CudaEvent:
+    """A marker in a stream: poll it with query() or wait with synchronize()."""
+
+    def __init__(self, contexts: Contexts, device: Device) -> None:
+        self.device = device
+        self._contexts = contexts
+        with contexts.use(device.index):
+            self._event = check(driver.cuEventCreate(int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
+        self._closed = False
+
+    @property
+    def handle(self) -> int:
+        """The native CUevent handle."""
+        return int(self._event)
+
+    def record(self, stream: CudaStream) -> None:
+        """Mark the point, in `stream`, after everything enqueued so far."""
+        with self._contexts.use(self.device.index):
+            check(driver.cuEventRecord(self._event, stream.handle))
+
+    def query(self) -> bool:
+        """True once all work before the recorded point has finished."""
+        with self._contexts.use(self.device.index):
+            status = driver.cuEventQuery(self._event)[0]
+        if status == driver.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        check((status,))
+        return True
+
+    def synchronize(self) -> None:
+        """Block until all work before the recorded point has finished."""
+        with self._contexts.use(self.device.index):
+            check(driver.cuEventSynchronize(self._event))
+
+    def close(self) -> None:
+        """Destroy the event; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._contexts.use(self.device.index):
+            check(driver.cuEventDestroy(self._event))
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class CudaStream(Stream):
+    """A non-blocking stream in one device's primary context."""
+
+    def __init__(self, contexts: Contexts, device: Device) -> None:
+        self.device = device
+        self._contexts = contexts
+        with contexts.use(device.index):
+            self._stream = check(driver.cuStreamCreate(int(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)))
+        self._closed = False
+
+    @property
+    def handle(self) -> int:
+        """The native CUstream handle."""
+        return int(self._stream)
+
+    def synchronize(self) -> None:
+        with self._contexts.use(self.device.index):
+            check(driver.cuStreamSynchronize(self._stream))
+
+    def query(self) -> bool:
+        """True once everything enqueued so far has finished."""
+        with self._contexts.use(self.device.index):
+            status = driver.cuStreamQuery(self._stream)[0]
+        if status == driver.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        check((status,))
+        return True
+
+    def record_event(self) -> CudaEvent:
+        """A new event marking the current end of this stream (close it when done)."""
+        event = CudaEvent(self._contexts, self.device)
+        event.record(self)
+        return event
+
+    def wait_event(self, event: CudaEvent) -> None:
+        """Make later work on this stream wait for `event` (which may be on another device's stream)."""
+        with self._contexts.use(self.device.index):
+            check(driver.cuStreamWaitEvent(self._stream, event.handle, 0))
+
+    def close(self) -> None:
+        """Destroy the stream once its queued work finishes; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._contexts.use(self.device.index):
+            check(driver.cuStreamDestroy(self._stream))
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
