@@ -140,8 +140,9 @@ class Daemon:
         self._servers.append(tcp)
         self.tcp_address = f"{host}:{bound}"
 
-    async def stop(self, grace: float = 2.0) -> None:
-        """Stop serving: end watches and streams, fail pending transfers; idempotent."""
+    async def stop(self, grace: float = 0.5) -> None:
+        """Stop serving: end watches, fail pending transfers, give unary calls `grace` seconds,
+        then cancel what remains (agents' streams, which never end on their own); idempotent."""
         if self._stopped:
             return
         self._stopped = True

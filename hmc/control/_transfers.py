@@ -54,7 +54,11 @@ Resolver = Callable[[daemon_pb2.BufferRef, bool, float], Awaitable[tuple[common_
 """(ref, local_only, timeout) -> (descriptor, peer that has it or None when local); raises UnknownBufferError."""
 
 _FINAL = frozenset({common_pb2.TRANSFER_STATE_DONE, common_pb2.TRANSFER_STATE_FAILED, common_pb2.TRANSFER_STATE_CANCELLED})
-_GRACE_S = 2.0
+
+def _grace(timeout_s: float) -> float:
+    """How long after its deadline hmcd waits for the executor's own (more precise) report."""
+    return min(2.0, 0.5 + timeout_s / 4)
+
 _FORWARDER = object()  # "dst came resolved from the forwarding hmcd": not local, not one of our peers
 
 
@@ -143,7 +147,7 @@ class TransferTable:
         self._active[record.status.transfer_id] = record
         self._metrics.transfer_moved(None, record.status.state)
         loop = asyncio.get_running_loop()
-        record.timer = loop.call_later(timeout_s + _GRACE_S, self._expire, record, timeout_s)
+        record.timer = loop.call_later(timeout_s + _grace(timeout_s), self._expire, record, timeout_s)
 
     # -- reports and endings --------------------------------------------------------
 

@@ -1,0 +1,207 @@
+"""Helpers for the hmcd tests: real hmcd processes on port 0, fake agents built from DaemonLink alone.
+
+Test modules import what they use from here explicitly (`from control_fixtures import ...`).
+Every wait is bounded; daemons are stopped with SIGTERM (then SIGKILL) at teardown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from hmc.config import Config
+from hmc.control import Client, DaemonLink
+from hmc.control._inventory import host_id, transports
+from hmc.memory import DeviceKind
+from hmc.v1 import common_pb2, daemon_pb2
+
+REPO = Path(__file__).resolve().parent.parent
+PEER_CHECK_INTERVAL_S = 0.25
+
+
+@dataclasses.dataclass
+class Hmcd:
+    """A running hmcd process."""
+
+    name: str
+    socket: str
+    port: int
+    token: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def unix_address(self) -> str:
+        return f"unix:{self.socket}"
+
+    @property
+    def tcp_address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def config(self, **changes: object) -> Config:
+        base = Config(node=self.name, socket=self.socket, token=self.token, timeout_s=5.0)
+        return base.replace(**changes) if changes else base
+
+    def client(self, tcp: bool = False, **kwargs: object) -> Client:
+        return Client(self.tcp_address if tcp else None, config=self.config(), **kwargs)  # type: ignore[arg-type]
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+
+def short_tempdir() -> str:
+    """A directory with a short path (unix socket paths are limited to 107 bytes)."""
+    return tempfile.mkdtemp(prefix="hmc-", dir="/tmp")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("HMC_")}
+    env["HMC_PEER_CHECK_INTERVAL_S"] = str(PEER_CHECK_INTERVAL_S)
+    env.update(extra)
+    return env
+
+
+def start_hmcd(directory: str, name: str, *, token: str = "", static_peers: tuple[str, ...] = (), extra_args: tuple[str, ...] = ()) -> Hmcd:
+    """Start `python -m hmc.control._hmcd_main` and wait (bounded) until it serves."""
+    socket = os.path.join(directory, f"{name}.sock")
+    port_file = Path(directory, f"{name}.port")
+    log = Path(directory, f"{name}.log")
+    args = [sys.executable, "-m", "hmc.control._hmcd_main", "--socket", socket, "--listen", "127.0.0.1:0", "--port-file", str(port_file), "--node", name]
+    args += ["--log-level", "debug", *extra_args]
+    if token:
+        args += ["--token", token]
+    for peer in static_peers:
+        args += ["--static-peer", peer]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=clean_env(), cwd=REPO)
+    deadline = time.monotonic() + 20
+    while not port_file.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"hmcd {name} did not start:\n{log.read_text(errors='replace')}")
+        time.sleep(0.05)
+    return Hmcd(name=name, socket=socket, port=int(port_file.read_text()), token=token, process=process, log=log)
+
+
+@dataclasses.dataclass
+class DaemonSet:
+    """Daemons started by one test or module; all stopped at the end."""
+
+    directory: str = dataclasses.field(default_factory=short_tempdir)
+    daemons: list[Hmcd] = dataclasses.field(default_factory=list)
+
+    def start(self, name: str, **kwargs: object) -> Hmcd:
+        daemon = start_hmcd(self.directory, name, **kwargs)  # type: ignore[arg-type]
+        self.daemons.append(daemon)
+        return daemon
+
+    def close(self) -> None:
+        for daemon in self.daemons:
+            daemon.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def daemon_set() -> Iterator[DaemonSet]:
+    daemons = DaemonSet()
+    try:
+        yield daemons
+    finally:
+        daemons.close()
+
+
+# -- fake agents ------------------------------------------------------------------------
+
+
+def agent_info(agent_id: str | None = None, node: str = "") -> common_pb2.AgentInfo:
+    caps = [cap.to_proto() for cap in transports(frozenset({DeviceKind.HOST}))]
+    return common_pb2.AgentInfo(
+        id=agent_id or f"agent-{uuid.uuid4().hex[:8]}", node=node, host_id=host_id(), pid=os.getpid(), transports=caps, protocol_version=1
+    )
+
+
+def descriptor(name: str = "", size: int = 1 << 20, buffer_id: str | None = None) -> common_pb2.BufferDescriptor:
+    return common_pb2.BufferDescriptor(
+        version=1,
+        id=buffer_id or uuid.uuid4().hex,
+        name=name,
+        size=size,
+        access_key=os.urandom(16),
+        device=common_pb2.DeviceInfo(name="host", kind=common_pb2.DEVICE_KIND_HOST, vendor=common_pb2.VENDOR_HOST),
+    )
+
+
+class FakeAgent:
+    """A DaemonLink plus the instructions and events it received; `auto_report` answers instructions."""
+
+    def __init__(self, config: Config, agent_id: str | None = None, *, auto_report: int | None = None) -> None:
+        self.instructions: list[daemon_pb2.TransferInstruction] = []
+        self.events: list[daemon_pb2.Event] = []
+        self.cancels: list[str] = []
+        self.info = agent_info(agent_id, config.node)
+        self._auto_report = auto_report
+        self.link = DaemonLink(config, self.info, self._on_instruction, self.events.append, on_cancel=self.cancels.append)
+
+    def _on_instruction(self, instruction: daemon_pb2.TransferInstruction) -> None:
+        self.instructions.append(instruction)
+        if self._auto_report is not None:
+            report = daemon_pb2.TransferReport(transfer_id=instruction.transfer_id, state=self._auto_report, path="ipc")
+            self.link.report(report)
+
+    def register(self, name: str = "", size: int = 1 << 20) -> common_pb2.BufferDescriptor:
+        desc = descriptor(name, size)
+        self.link.register(desc)
+        return desc
+
+    def close(self) -> None:
+        self.link.close()
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+AGENT_CHILD = """
+import sys, time
+from hmc.config import Config
+from hmc.control import DaemonLink
+sys.path.insert(0, {tests!r})
+from control_fixtures import agent_info, descriptor
+link = DaemonLink(Config(node={node!r}, socket={socket!r}, timeout_s=5.0), agent_info({agent!r}), lambda instruction: None)
+link.register(descriptor({name!r}, buffer_id={buffer_id!r}))
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def spawn_agent_child(hmcd: Hmcd, agent_id: str, name: str, buffer_id: str) -> subprocess.Popen[str]:
+    """A child process holding a DaemonLink with one registered buffer; returns once it is registered."""
+    code = AGENT_CHILD.format(tests=str(Path(__file__).parent), node=hmcd.name, socket=hmcd.socket, agent=agent_id, name=name, buffer_id=buffer_id)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(), cwd=REPO)
+    assert child.stdout is not None
+    line = child.stdout.readline()  # bounded: the child exits (EOF) if it cannot attach within its 5 s timeout
+    if line.strip() != "ready":
+        child.kill()
+        raise RuntimeError(f"agent child failed: {line}{child.stdout.read()}")
+    return child

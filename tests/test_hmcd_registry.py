@@ -1,0 +1,180 @@
+"""The registry: agents' Attach streams, registration, lookups, and withdrawal when an agent ends or dies."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import uuid
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from control_fixtures import DaemonSet, FakeAgent, Hmcd, agent_info, daemon_set, descriptor, spawn_agent_child, wait_until
+
+from hmc.config import Config
+from hmc.control import DaemonLink
+from hmc.errors import ArgumentError, BrokenResourceError, BufferWithdrawnError, BusyResourceError, ClosedResourceError, UnavailableError, UnknownBufferError
+from hmc.v1 import daemon_pb2, daemon_pb2_grpc
+
+
+@pytest.fixture(scope="module")
+def daemons() -> Iterator[DaemonSet]:
+    yield from daemon_set()
+
+
+@pytest.fixture(scope="module")
+def hmcd(daemons: DaemonSet) -> Hmcd:
+    return daemons.start("reg")
+
+
+@pytest.fixture
+def agent(hmcd: Hmcd) -> Iterator[FakeAgent]:
+    fake = FakeAgent(hmcd.config())
+    yield fake
+    fake.close()
+
+
+def test_register_lookup_list_unregister(hmcd: Hmcd, agent: FakeAgent) -> None:
+    desc = agent.register("kv-0", size=4096)
+    assert agent.link.lookup(desc.id).name == "kv-0"
+    assert agent.link.lookup("kv-0").id == desc.id
+    with hmcd.client() as client:
+        found = client.lookup("kv-0")
+        assert found.id == desc.id and found.size == 4096 and found.access_key == desc.access_key
+        assert found.owner.id == agent.info.id and found.owner.node == "reg"
+        assert client.lookup(f"id:{desc.id}").name == "kv-0"
+        assert desc.id in {b.id for b in client.buffers(local_only=True)}
+        assert client.node_info().buffers >= 1
+        agent.link.unregister(desc.id)
+        with pytest.raises(BufferWithdrawnError, match="kv-0"):
+            client.lookup("kv-0")
+        with pytest.raises(BufferWithdrawnError):
+            agent.link.lookup(desc.id)
+    with pytest.raises(UnknownBufferError):
+        agent.link.unregister(desc.id)
+
+
+def test_registration_refusals_are_typed(agent: FakeAgent, hmcd: Hmcd) -> None:
+    taken = agent.register("taken")
+    with pytest.raises(ArgumentError, match="already registered"):
+        agent.register("taken")
+    with pytest.raises(ArgumentError, match="already registered"):
+        agent.link.register(taken)
+    with pytest.raises(ArgumentError, match="size"):
+        agent.link.register(descriptor("empty", size=0))
+    with pytest.raises(ArgumentError, match="no id"):
+        agent.link.register(descriptor("noid").__class__(name="noid", size=8))
+    stolen = descriptor("stolen")
+    stolen.owner.id = "someone-else"
+    with pytest.raises(ArgumentError, match="someone-else"):
+        agent.link.register(stolen)
+    other = FakeAgent(hmcd.config())
+    try:
+        with pytest.raises(ArgumentError, match="belongs to agent"):
+            other.link.unregister(taken.id)
+    finally:
+        other.close()
+
+
+def test_same_agent_id_twice_is_busy(hmcd: Hmcd, agent: FakeAgent) -> None:
+    with pytest.raises(BusyResourceError, match="already attached"):
+        DaemonLink(hmcd.config(), agent.info, lambda instruction: None)
+
+
+def test_link_without_hmcd_is_unavailable(tmp_path: object) -> None:
+    config = Config(socket=f"/tmp/hmc-missing-{uuid.uuid4().hex[:8]}.sock", timeout_s=2.0)
+    with pytest.raises(UnavailableError, match="hmc-missing"):
+        DaemonLink(config, agent_info(), lambda instruction: None)
+
+
+def test_closed_link_refuses(hmcd: Hmcd) -> None:
+    fake = FakeAgent(hmcd.config())
+    fake.close()
+    fake.close()  # idempotent
+    with pytest.raises(ClosedResourceError):
+        fake.register("late")
+
+
+def _attach_raw(hmcd: Hmcd, first: daemon_pb2.AgentMessage) -> grpc.RpcError:
+    with grpc.insecure_channel(hmcd.unix_address) as channel:
+        call = daemon_pb2_grpc.RegistryServiceStub(channel).Attach(iter([first]), timeout=5)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(call)
+    return caught.value
+
+
+def test_attach_must_start_with_a_version_1_hello(hmcd: Hmcd) -> None:
+    not_hello = _attach_raw(hmcd, daemon_pb2.AgentMessage(unregister=daemon_pb2.UnregisterBuffer(buffer_id="x")))
+    assert not_hello.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "hello" in not_hello.details()
+    old = _attach_raw(hmcd, daemon_pb2.AgentMessage(hello=daemon_pb2.AgentHello(protocol_version=7, agent=agent_info())))
+    assert old.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "version 7" in old.details()
+    assert dict(old.trailing_metadata())["hmc-error-code"] == "9"  # VERSION_MISMATCH
+    with hmcd.client() as client:
+        assert client.health().serving
+
+
+def test_clean_close_withdraws_and_tells_everyone(hmcd: Hmcd) -> None:
+    watcher = FakeAgent(hmcd.config())
+    leaving = FakeAgent(hmcd.config())
+    try:
+        desc = leaving.register("leaving-buffer")
+        with hmcd.client() as client, client.events(timeout=5.0) as events:
+            leaving.close()
+            kinds = []
+            for event in events:
+                kinds.append((event.kind, event.buffer.id or event.agent_id))
+                if event.kind == daemon_pb2.EVENT_KIND_AGENT_DOWN:
+                    break
+        assert kinds == [(daemon_pb2.EVENT_KIND_BUFFER_WITHDRAWN, desc.id), (daemon_pb2.EVENT_KIND_AGENT_DOWN, leaving.info.id)]
+        wait_until(lambda: any(e.buffer.id == desc.id for e in watcher.events), what="withdrawal pushed down the other agent's stream")
+        assert watcher.events[-1].kind == daemon_pb2.EVENT_KIND_BUFFER_WITHDRAWN
+    finally:
+        watcher.close()
+
+
+def test_sigkilled_agent_is_withdrawn_and_hmcd_stays_up(hmcd: Hmcd) -> None:
+    buffer_id = uuid.uuid4().hex
+    watcher = FakeAgent(hmcd.config())
+    child = spawn_agent_child(hmcd, "doomed-agent", "doomed-buffer", buffer_id)
+    try:
+        with hmcd.client() as client:
+            assert client.lookup("doomed-buffer").owner.pid == child.pid
+            seen: queue.Queue[daemon_pb2.Event] = queue.Queue()
+            with client.events(timeout=8.0) as events:
+                os.kill(child.pid, signal.SIGKILL)
+                for event in events:
+                    seen.put(event)
+                    if event.kind == daemon_pb2.EVENT_KIND_AGENT_DOWN:
+                        break
+            got = [seen.get_nowait() for _ in range(seen.qsize())]
+            assert [(e.kind, e.buffer.id or e.agent_id) for e in got] == [
+                (daemon_pb2.EVENT_KIND_BUFFER_WITHDRAWN, buffer_id),
+                (daemon_pb2.EVENT_KIND_AGENT_DOWN, "doomed-agent"),
+            ]
+            assert got[0].sequence < got[1].sequence
+            assert client.health().serving
+            with pytest.raises(BufferWithdrawnError):
+                client.lookup("doomed-buffer")
+            wait_until(lambda: any(e.buffer.id == buffer_id for e in watcher.events), what="withdrawal reached the other agent")
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+        child.stdout.close()  # type: ignore[union-attr]
+        watcher.close()
+
+
+def test_link_breaks_when_hmcd_stops(daemons: DaemonSet) -> None:
+    short_lived = daemons.start("short-lived")
+    lost: list[Exception] = []
+    link = DaemonLink(short_lived.config(), agent_info(), lambda instruction: None, on_lost=lost.append)
+    try:
+        short_lived.stop()
+        wait_until(lambda: link.broken is not None, what="link to notice hmcd stopped")
+        assert lost
+        with pytest.raises(BrokenResourceError):
+            link.register(descriptor("after"))
+    finally:
+        link.close()

@@ -1,0 +1,172 @@
+"""Third-party transfers through hmcd, with fake agents that report what a real agent would."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from control_fixtures import DaemonSet, FakeAgent, Hmcd, daemon_set, wait_until
+
+from hmc.config import Config
+from hmc.control import Client
+from hmc.errors import AccessDeniedError, ArgumentError, BrokenResourceError, CancelledError, NoPathError, OutOfRangeError, TimeoutError
+from hmc.transport._ranges import RangeList
+from hmc.v1 import common_pb2, daemon_pb2
+
+
+@pytest.fixture(scope="module")
+def daemons() -> Iterator[DaemonSet]:
+    yield from daemon_set()
+
+
+@pytest.fixture(scope="module")
+def hmcd(daemons: DaemonSet) -> Hmcd:
+    return daemons.start("xfer")
+
+
+@pytest.fixture
+def client(hmcd: Hmcd) -> Iterator[Client]:
+    with hmcd.client() as c:
+        yield c
+
+
+@pytest.fixture
+def pair(hmcd: Hmcd) -> Iterator[tuple[FakeAgent, FakeAgent]]:
+    src, dst = FakeAgent(hmcd.config()), FakeAgent(hmcd.config())
+    yield src, dst
+    src.close()
+    dst.close()
+
+
+def test_src_owner_is_instructed_to_write(client: Client, pair: tuple[FakeAgent, FakeAgent]) -> None:
+    src_agent, dst_agent = pair
+    src = src_agent.register("t-src", size=1 << 16)
+    dst = dst_agent.register("t-dst", size=1 << 16)
+    rng = np.random.default_rng(7)
+    offsets = rng.choice(np.arange(0, 1 << 16, 1024), size=32, replace=False)
+    status = client.submit("t-src", "t-dst", offsets, offsets[::-1], 1024, notify=b"kv-ready", timeout=3.0)
+    assert status.state == common_pb2.TRANSFER_STATE_PENDING
+    assert status.bytes_total == 32 * 1024 and status.executor_agent == src_agent.info.id and status.path == "ipc"
+    wait_until(lambda: src_agent.instructions, what="instruction")
+    instruction = src_agent.instructions[0]
+    assert instruction.transfer_id == status.transfer_id
+    assert instruction.op == common_pb2.TRANSFER_OP_WRITE
+    assert instruction.local_buffer_id == src.id
+    assert instruction.remote.id == dst.id and instruction.remote.access_key == dst.access_key
+    assert instruction.notification == b"kv-ready" and instruction.timeout_s == 3.0
+    ranges = RangeList.from_proto(instruction.ranges)
+    assert ranges.src.tolist() == offsets.tolist() and ranges.dst.tolist() == offsets[::-1].tolist()
+    assert not dst_agent.instructions
+    assert client.status(status.transfer_id).state == common_pb2.TRANSFER_STATE_PENDING
+    src_agent.link.report(daemon_pb2.TransferReport(transfer_id=status.transfer_id, state=common_pb2.TRANSFER_STATE_RUNNING))
+    wait_until(lambda: client.status(status.transfer_id).state == common_pb2.TRANSFER_STATE_RUNNING, what="running")
+    src_agent.link.report(daemon_pb2.TransferReport(transfer_id=status.transfer_id, state=common_pb2.TRANSFER_STATE_DONE, bytes_done=32 * 1024, path="ipc"))
+    done = client.wait(status.transfer_id, timeout=3.0)
+    assert done.state == common_pb2.TRANSFER_STATE_DONE and done.bytes_done == 32 * 1024
+    assert 'hmc_transfers_total{state="done"}' in client.metrics()
+
+
+def test_migrate_waits_for_done(hmcd: Hmcd, client: Client) -> None:
+    src_agent = FakeAgent(hmcd.config(), auto_report=common_pb2.TRANSFER_STATE_DONE)
+    dst_agent = FakeAgent(hmcd.config())
+    try:
+        src_agent.register("m-src", size=4096)
+        dst_agent.register("m-dst", size=4096)
+        status = client.migrate("m-src", "m-dst", ([0, 2048], [2048, 0], [1024, 1024]), timeout=3.0)
+        assert status.state == common_pb2.TRANSFER_STATE_DONE and status.bytes_done == 2048
+    finally:
+        src_agent.close()
+        dst_agent.close()
+
+
+def test_reported_failure_is_the_typed_error(client: Client, pair: tuple[FakeAgent, FakeAgent]) -> None:
+    src_agent, dst_agent = pair
+    src_agent.register("f-src", size=4096)
+    dst_agent.register("f-dst", size=4096)
+    status = client.submit("f-src", "f-dst", 0, 0, 4096, timeout=3.0)
+    wait_until(lambda: src_agent.instructions, what="instruction")
+    error = common_pb2.Error(code=common_pb2.ERROR_CODE_ACCESS_DENIED, message="wrong access key for buffer f-dst")
+    src_agent.link.report(daemon_pb2.TransferReport(transfer_id=status.transfer_id, state=common_pb2.TRANSFER_STATE_FAILED, error=error))
+    with pytest.raises(AccessDeniedError, match="wrong access key"):
+        client.wait(status.transfer_id, timeout=3.0)
+
+
+def test_executor_leaving_fails_its_transfers_with_peer_lost(client: Client, hmcd: Hmcd) -> None:
+    src_agent, dst_agent = FakeAgent(hmcd.config()), FakeAgent(hmcd.config())
+    try:
+        src_agent.register("l-src", size=4096)
+        dst_agent.register("l-dst", size=4096)
+        status = client.submit("l-src", "l-dst", 0, 0, 4096, timeout=10.0)
+        wait_until(lambda: src_agent.instructions, what="instruction")
+        src_agent.close()
+        with pytest.raises(BrokenResourceError, match="disconnected"):
+            client.wait(status.transfer_id, timeout=3.0)
+    finally:
+        dst_agent.close()
+
+
+def test_cancel(client: Client, pair: tuple[FakeAgent, FakeAgent]) -> None:
+    src_agent, dst_agent = pair
+    src_agent.register("c-src", size=4096)
+    dst_agent.register("c-dst", size=4096)
+    status = client.submit("c-src", "c-dst", 0, 0, 4096, timeout=10.0)
+    cancelled = client.cancel(status.transfer_id)
+    assert cancelled.state == common_pb2.TRANSFER_STATE_CANCELLED
+    wait_until(lambda: status.transfer_id in src_agent.cancels, what="cancel pushed to the executor")
+    with pytest.raises(CancelledError):
+        client.wait(status.transfer_id, timeout=1.0)
+    src_agent.link.report(daemon_pb2.TransferReport(transfer_id=status.transfer_id, state=common_pb2.TRANSFER_STATE_DONE))  # late: ignored
+    assert client.status(status.transfer_id).state == common_pb2.TRANSFER_STATE_CANCELLED
+
+
+def test_deadlines(client: Client, pair: tuple[FakeAgent, FakeAgent]) -> None:
+    src_agent, dst_agent = pair
+    src_agent.register("d-src", size=4096)
+    dst_agent.register("d-dst", size=4096)
+    status = client.submit("d-src", "d-dst", 0, 0, 4096, timeout=0.2)
+    with pytest.raises(TimeoutError, match="still"):
+        client.wait(status.transfer_id, timeout=0.2)
+    with pytest.raises(TimeoutError, match="did not finish within"):  # hmcd's own deadline: timeout_s + grace
+        client.wait(status.transfer_id, timeout=5.0)
+
+
+def test_bad_submissions_are_refused_up_front(client: Client, pair: tuple[FakeAgent, FakeAgent]) -> None:
+    src_agent, dst_agent = pair
+    src_agent.register("b-src", size=4096)
+    dst_agent.register("b-dst", size=1024)
+    with pytest.raises(OutOfRangeError, match="destination"):
+        client.submit("b-src", "b-dst", 0, 0, 2048)
+    with pytest.raises(OutOfRangeError):
+        client.submit("b-src", "b-dst", -8, 0, 8)
+    with pytest.raises(ArgumentError, match="no ranges"):
+        client.submit("b-src", "b-dst", [], [], [])
+    with pytest.raises(ArgumentError, match="no transfer"):
+        client.wait("not-a-transfer", timeout=1.0)
+    assert not src_agent.instructions
+
+
+def test_no_path_is_refused(hmcd: Hmcd, client: Client) -> None:
+    strict = Config(node=hmcd.name, socket=hmcd.socket, timeout_s=5.0)
+    src_agent, dst_agent = FakeAgent(strict), FakeAgent(strict)
+    try:
+        src_agent.register("np-src", size=64)
+        desc = dst_agent.register("np-dst", size=64)
+        assert client.path("np-src", "np-dst").path.value == "ipc"
+        other = FakeAgent(strict)
+        try:
+            bare = desc.__class__()
+            bare.CopyFrom(desc)
+            bare.id, bare.name = "bare-id", "np-bare"
+            bare.owner.CopyFrom(other.info)
+            del bare.owner.transports[:]
+            other.link.register(bare)
+            with pytest.raises(NoPathError, match="no path"):
+                client.path("np-src", "np-bare")
+            with pytest.raises(NoPathError):
+                client.submit("np-src", "np-bare", 0, 0, 8)
+        finally:
+            other.close()
+    finally:
+        src_agent.close()
+        dst_agent.close()
