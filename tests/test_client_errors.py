@@ -1,0 +1,135 @@
+"""The gRPC <-> hmc.errors boundary, and the Client's arguments and life cycle."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from control_fixtures import DaemonSet, Hmcd, daemon_set
+
+from hmc.config import Config
+from hmc.control import Client
+from hmc.control._client import _ref
+from hmc.control._errors import ERROR_CODE_KEY, error_from_proto, error_to_proto, grpc_status, translate_rpc_error
+from hmc.errors import (
+    ArgumentError,
+    AuthenticationError,
+    BufferWithdrawnError,
+    ClosedResourceError,
+    ErrorCode,
+    HMCError,
+    TimeoutError,
+    UnavailableError,
+    error_from_code,
+)
+from hmc.v1 import common_pb2, daemon_pb2
+
+
+class _FakeRpcError(grpc.RpcError, grpc.Call):  # type: ignore[misc]
+    """What a failed sync call raises, without a server."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()) -> None:
+        self._code, self._details, self._trailing = code, details, trailing
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._trailing
+
+    def initial_metadata(self) -> tuple[()]:
+        return ()
+
+    def is_active(self) -> bool:
+        return False
+
+    def time_remaining(self) -> None:
+        return None
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_callback(self, callback: object) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("code", [c for c in ErrorCode if c is not ErrorCode.OK])
+def test_every_error_code_round_trips(code: ErrorCode) -> None:
+    original = error_from_code(code, f"boom {code.name}")
+    wire = _FakeRpcError(grpc_status(code), str(original), ((ERROR_CODE_KEY, str(int(code))),))
+    rebuilt = translate_rpc_error(wire, "unix:/x")
+    assert type(rebuilt) is type(original) and rebuilt.code == code and str(rebuilt) == f"boom {code.name}"
+    assert type(error_from_proto(error_to_proto(original))) is type(original)
+
+
+def test_statuses_without_our_metadata() -> None:
+    unavailable = translate_rpc_error(_FakeRpcError(grpc.StatusCode.UNAVAILABLE, "connect failed"), "unix:/run/x.sock")
+    assert isinstance(unavailable, UnavailableError) and "unix:/run/x.sock" in str(unavailable)
+    assert isinstance(translate_rpc_error(_FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, ""), "a"), TimeoutError)
+    assert isinstance(translate_rpc_error(_FakeRpcError(grpc.StatusCode.UNAUTHENTICATED, ""), "a"), AuthenticationError)
+    assert isinstance(translate_rpc_error(_FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, ""), "a"), ArgumentError)
+    odd = translate_rpc_error(_FakeRpcError(grpc.StatusCode.DATA_LOSS, "?"), "a")
+    assert type(odd) is HMCError and "DATA_LOSS" in str(odd)
+    garbage = translate_rpc_error(_FakeRpcError(grpc.StatusCode.NOT_FOUND, "x", ((ERROR_CODE_KEY, "not-a-number"),)), "a")
+    assert garbage.code == ErrorCode.UNKNOWN_BUFFER
+    assert error_from_proto(common_pb2.Error()) is None
+    assert error_to_proto(ValueError("plain")).code == ErrorCode.INTERNAL
+    assert isinstance(error_from_proto(common_pb2.Error(code=6, message="gone")), BufferWithdrawnError)
+
+
+def test_buffer_references() -> None:
+    assert _ref("kv").name == "kv"
+    assert _ref("id:abc").id == "abc"
+    assert _ref(common_pb2.BufferDescriptor(id="d1")).id == "d1"
+    given = daemon_pb2.BufferRef(name="n")
+    assert _ref(given) is given
+    for bad in ("", None, 3):
+        with pytest.raises(ArgumentError):
+            _ref(bad)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def daemons() -> Iterator[DaemonSet]:
+    yield from daemon_set()
+
+
+@pytest.fixture(scope="module")
+def hmcd(daemons: DaemonSet) -> Hmcd:
+    return daemons.start("client")
+
+
+def test_client_life_cycle(hmcd: Hmcd) -> None:
+    client = Client(config=hmcd.config())
+    assert "unix:" in repr(client)
+    with client:
+        assert client.health().serving
+    client.close()  # idempotent
+    with pytest.raises(ClosedResourceError):
+        client.health()
+    with pytest.raises(ClosedResourceError):
+        client.events(timeout=1.0)
+
+
+def test_events_end_quietly_at_their_timeout(hmcd: Hmcd) -> None:
+    with hmcd.client() as client:
+        assert list(client.events(timeout=0.3)) == []
+
+
+def test_migrate_checks_its_ranges(hmcd: Hmcd) -> None:
+    with hmcd.client() as client:
+        with pytest.raises(ArgumentError, match="ranges"):
+            client.migrate("a", "b", [1, 2])
+        with pytest.raises(ArgumentError, match="differ in length"):
+            client.submit("a", "b", [0, 1], [0], [1, 1])
+
+
+def test_default_address_comes_from_config(tmp_path: object) -> None:
+    config = Config(socket="/tmp/hmc-client-default.sock", timeout_s=1.0)
+    with Client(config=config) as client:
+        assert client.address == "unix:/tmp/hmc-client-default.sock" and client.timeout == 1.0
+    with Client("127.0.0.1:1", config=config, timeout=0.5) as client, pytest.raises(UnavailableError, match="127.0.0.1:1"):
+        client.health()
