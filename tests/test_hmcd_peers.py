@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 
 import pytest
@@ -128,3 +129,15 @@ def test_wrong_cluster_token_marks_the_peer_down(daemons: DaemonSet, node_b: Hmc
         (peer,) = client.node_info().peers
         assert not peer.up and "token" in peer.error
     stranger.stop()
+
+
+def test_a_static_peer_list_that_names_this_node_is_fine(daemons: DaemonSet, node_b: Hmcd) -> None:
+    with socket.socket() as probe:  # a free port (tiny race, acceptable in a test)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    own = f"127.0.0.1:{port}"
+    shared = daemons.start("shared-list", token=TOKEN, static_peers=(own, node_b.tcp_address), extra_args=("--listen", own))
+    assert shared.port == port
+    with shared.client() as client:
+        wait_until(lambda: [p.address for p in client.node_info().peers] == [node_b.tcp_address], what="self to be dropped from the peers")
+    shared.stop()

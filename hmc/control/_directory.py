@@ -45,6 +45,9 @@ _RELAYED = frozenset(
     }
 )
 
+_PEER_CALL_S = 5.0
+"""Longest a lookup or listing waits for one peer (health checks mark a hung peer down meanwhile)."""
+
 CHANNEL_OPTIONS = (
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
@@ -165,6 +168,7 @@ class StaticDirectory:
     async def lookup(self, ref: daemon_pb2.BufferRef, timeout: float) -> tuple[common_pb2.BufferDescriptor, Peer] | None:
         """Ask the peers (local_only) for `ref`; the descriptor and the peer that has it, or None."""
         peers = self._askable()
+        timeout = min(timeout, _PEER_CALL_S)  # a peer that hangs must not hold every lookup for the full timeout
         request = daemon_pb2.LookupBufferRequest(ref=ref, local_only=True)
         replies = await asyncio.gather(*(self._lookup_one(peer, request, timeout) for peer in peers))
         for peer, reply in zip(peers, replies):
@@ -192,6 +196,7 @@ class StaticDirectory:
                 return []
             return list(reply.buffers)
 
+        timeout = min(timeout, _PEER_CALL_S)
         lists = await asyncio.gather(*(one(peer) for peer in self._askable()))
         return [descriptor for found in lists for descriptor in found]
 

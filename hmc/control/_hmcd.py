@@ -104,7 +104,9 @@ class Daemon:
         self._servers.append(unix)
         if self.config.listen:
             await self._start_tcp(boundary)
-        if metrics_port is not None:
+        if metrics_port is not None and not self.config.metrics:
+            log.warning("metrics are disabled (metrics = false); not serving them over HTTP")
+        elif metrics_port is not None:
             host = self.config.listen.rsplit(":", 1)[0] if self.config.listen else "127.0.0.1"
             self.metrics_port = self.metrics.serve_http(host.strip("[]") or "0.0.0.0", metrics_port)
         self.directory.start()

@@ -20,7 +20,7 @@ import grpc.aio
 
 from hmc.control._errors import abort
 from hmc.control._registry import AgentSession, describe_ref
-from hmc.errors import HMCError, ProtocolError, TimeoutError, VersionMismatchError
+from hmc.errors import HMCError, ProtocolError, TimeoutError, UnsupportedError, VersionMismatchError
 from hmc.transport._negotiate import Endpoint, negotiate
 from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
@@ -54,6 +54,8 @@ class NodeServicer(daemon_pb2_grpc.NodeServiceServicer):
         return daemon_pb2.HealthResponse(serving=self._daemon.serving, node=self._daemon.config.node)
 
     async def GetMetrics(self, request: daemon_pb2.MetricsRequest, context: grpc.aio.ServicerContext) -> daemon_pb2.MetricsResponse:
+        if not self._daemon.config.metrics:
+            raise UnsupportedError("metrics are disabled on this hmcd (config: metrics = false)")
         return daemon_pb2.MetricsResponse(text=self._daemon.metrics.text())
 
 
