@@ -1,0 +1,143 @@
+"""End to end with real agents: third-party transfers (KV migration) through hmcd, across two hmcd, agent death."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from control_fixtures import REPO, DaemonSet, Hmcd, clean_env, daemon_set, wait_until
+
+from hmc.config import PathPolicy
+from hmc.errors import BufferWithdrawnError
+from hmc.v1 import common_pb2, daemon_pb2
+
+try:
+    from hmc.agent import Agent
+except ImportError:  # the agent lands separately; these tests wait for it
+    pytest.skip("hmc.agent.Agent is not available yet", allow_module_level=True)
+
+SIZE = 4 << 20
+TOKEN = "e2e-secret"
+
+CHILD = """
+import sys, time
+import numpy as np
+from hmc.agent import Agent
+from hmc.config import PathPolicy
+config = Config(node={node!r}, socket={socket!r}, timeout_s=5.0, policy=PathPolicy(deny={deny!r}))
+agent = Agent(config, daemon=True)
+data = np.random.default_rng({seed}).integers(0, 256, {size}, dtype=np.uint8)
+agent.register(data, name={name!r})
+print("ready", agent.id, flush=True)
+time.sleep(60)
+"""
+
+
+def spawn_agent(hmcd: Hmcd, name: str, seed: int, deny: tuple[str, ...] = ()) -> tuple[subprocess.Popen[str], str]:
+    """A child process whose Agent registered `name`: SIZE random bytes from `seed`; returns it and its agent id."""
+    code = CHILD.format(node=hmcd.name, socket=hmcd.socket, deny=deny, seed=seed, size=SIZE, name=name)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(), cwd=REPO)
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    if not line.startswith("ready"):
+        child.kill()
+        raise RuntimeError(f"agent child failed: {line}{child.stdout.read()}")
+    return child, line.split()[1]
+
+
+def reap(child: subprocess.Popen[str]) -> None:
+    child.kill()
+    child.wait(timeout=10)
+    if child.stdout is not None:
+        child.stdout.close()
+
+
+def expected(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, SIZE, dtype=np.uint8)
+
+
+def kv_blocks(seed: int, block: int = 64 << 10, count: int = 24) -> tuple[np.ndarray, np.ndarray]:
+    """Random, distinct source and destination block offsets (a KV migration)."""
+    rng = np.random.default_rng(seed)
+    slots = SIZE // block
+    return rng.choice(slots, count, replace=False) * block, rng.choice(slots, count, replace=False) * block
+
+
+@pytest.fixture(scope="module")
+def daemons() -> Iterator[DaemonSet]:
+    yield from daemon_set()
+
+
+@pytest.fixture(scope="module")
+def node_b(daemons: DaemonSet) -> Hmcd:
+    return daemons.start("e2e-b", token=TOKEN)
+
+
+@pytest.fixture(scope="module")
+def node_a(daemons: DaemonSet, node_b: Hmcd) -> Hmcd:
+    node_a = daemons.start("e2e-a", token=TOKEN, static_peers=(node_b.tcp_address,))
+    with node_a.client() as client:
+        wait_until(lambda: [p.up for p in client.node_info().peers] == [True], what="node-a to see node-b")
+    return node_a
+
+
+def test_migrate_between_agent_processes_verifies_every_byte(node_a: Hmcd) -> None:
+    child, child_id = spawn_agent(node_a, "kv-prefill", seed=11)
+    destination = np.full(SIZE, 0xA5, dtype=np.uint8)  # poison, never zeros
+    try:
+        with Agent(node_a.config(), daemon=True) as agent, node_a.client() as client:
+            agent.register(destination, name="kv-decode")
+            src_offsets, dst_offsets = kv_blocks(1)
+            status = client.migrate("kv-prefill", "kv-decode", (src_offsets, dst_offsets, 64 << 10), timeout=10.0)
+            assert status.state == common_pb2.TRANSFER_STATE_DONE and status.executor_agent == child_id
+            assert status.bytes_done == len(src_offsets) * (64 << 10) and status.path in ("ipc", "staged")
+            source = expected(11)
+            untouched = np.ones(SIZE, dtype=bool)
+            for s, d in zip(src_offsets, dst_offsets):
+                assert np.array_equal(destination[d : d + (64 << 10)], source[s : s + (64 << 10)])
+                untouched[d : d + (64 << 10)] = False
+            assert (destination[untouched] == 0xA5).all()
+    finally:
+        reap(child)
+
+
+def test_two_hmcd_find_by_name_and_forward_over_staged(node_a: Hmcd, node_b: Hmcd) -> None:
+    child, child_id = spawn_agent(node_b, "kv-on-b", seed=22, deny=("ipc",))
+    destination = np.full(SIZE, 0x5A, dtype=np.uint8)
+    config = node_a.config(policy=PathPolicy(deny=("ipc",)))
+    try:
+        with Agent(config, daemon=True) as agent, node_a.client() as client:
+            agent.register(destination, name="kv-on-a")
+            assert client.lookup("kv-on-b").owner.node == "e2e-b"
+            assert agent.lookup("kv-on-b").owner.id == child_id
+            status = client.migrate("kv-on-b", "kv-on-a", (0, 0, SIZE), timeout=20.0)
+            assert status.executor_agent == child_id and status.path == "staged"
+            assert np.array_equal(destination, expected(22))
+    finally:
+        reap(child)
+
+
+def test_sigkilled_agent_process_is_withdrawn(node_a: Hmcd) -> None:
+    child, child_id = spawn_agent(node_a, "kv-doomed", seed=33)
+    try:
+        with node_a.client() as client:
+            assert client.lookup("kv-doomed").owner.pid == child.pid
+            with client.events(timeout=8.0) as events:
+                os.kill(child.pid, signal.SIGKILL)
+                seen = []
+                for event in events:
+                    seen.append((event.kind, event.agent_id))
+                    if event.kind == daemon_pb2.EVENT_KIND_AGENT_DOWN:
+                        break
+            assert seen == [(daemon_pb2.EVENT_KIND_BUFFER_WITHDRAWN, child_id), (daemon_pb2.EVENT_KIND_AGENT_DOWN, child_id)]
+            with pytest.raises(BufferWithdrawnError):
+                client.lookup("kv-doomed")
+            assert client.health().serving
+    finally:
+        reap(child)
+
