@@ -202,6 +202,9 @@ def spawn_agent_child(hmcd: Hmcd, agent_id: str, name: str, buffer_id: str) -> s
     assert child.stdout is not None
     line = child.stdout.readline()  # bounded: the child exits (EOF) if it cannot attach within its 5 s timeout
     if line.strip() != "ready":
+        rest = child.stdout.read()
         child.kill()
-        raise RuntimeError(f"agent child failed: {line}{child.stdout.read()}")
+        child.wait(timeout=10)
+        child.stdout.close()
+        raise RuntimeError(f"agent child failed: {line}{rest}")
     return child

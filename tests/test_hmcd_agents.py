@@ -28,7 +28,7 @@ CHILD = """
 import sys, time
 import numpy as np
 from hmc.agent import Agent
-from hmc.config import PathPolicy
+from hmc.config import Config, PathPolicy
 config = Config(node={node!r}, socket={socket!r}, timeout_s=5.0, policy=PathPolicy(deny={deny!r}))
 agent = Agent(config, daemon=True)
 data = np.random.default_rng({seed}).integers(0, 256, {size}, dtype=np.uint8)
@@ -45,8 +45,9 @@ def spawn_agent(hmcd: Hmcd, name: str, seed: int, deny: tuple[str, ...] = ()) ->
     assert child.stdout is not None
     line = child.stdout.readline()
     if not line.startswith("ready"):
-        child.kill()
-        raise RuntimeError(f"agent child failed: {line}{child.stdout.read()}")
+        rest = child.stdout.read()
+        reap(child)
+        raise RuntimeError(f"agent child failed: {line}{rest}")
     return child, line.split()[1]
 
 
