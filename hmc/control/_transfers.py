@@ -59,7 +59,6 @@ def _grace(timeout_s: float) -> float:
     """How long after its deadline hmcd waits for the executor's own (more precise) report."""
     return min(2.0, 0.5 + timeout_s / 4)
 
-_FORWARDER = object()  # "dst came resolved from the forwarding hmcd": not local, not one of our peers
 
 
 @dataclasses.dataclass(eq=False)
@@ -98,28 +97,27 @@ class TransferTable:
         timeout_s = request.timeout_s or self._config.timeout_s
         if timeout_s < 0:
             raise ArgumentError(f"timeout_s must not be negative, got {request.timeout_s}")
+        src, src_peer = await self._resolve(request.src, request.local_only, call_timeout)
+        if request.local_only and request.HasField("dst_descriptor"):
+            dst = request.dst_descriptor  # resolved by the forwarding hmcd
+        else:
+            dst, _ = await self._resolve(request.dst, False, call_timeout)
+        ranges.check(src.size, dst.size)
+        choice = negotiate(Endpoint.of(src), Endpoint.of(dst), self._config.policy)
         transfer_id = request.transfer_id or uuid.uuid4().hex
         if transfer_id in self._active or transfer_id in self._finished:
             raise ArgumentError(f"transfer id {transfer_id!r} is already in use")
-        src, src_peer = await self._resolve(request.src, request.local_only, call_timeout)
-        if request.local_only and request.HasField("dst_descriptor"):
-            dst, dst_peer = request.dst_descriptor, _FORWARDER
-        else:
-            dst, dst_peer = await self._resolve(request.dst, False, call_timeout)
-        ranges.check(src.size, dst.size)
-        choice = negotiate(Endpoint.of(src), Endpoint.of(dst), self._config.policy)
         status = daemon_pb2.TransferStatus(transfer_id=transfer_id, state=common_pb2.TRANSFER_STATE_PENDING, bytes_total=ranges.total, path=choice.path.value)
 
-        read_here = choice.preferred_op == "read" and dst_peer is None
-        if src_peer is None and not read_here:
-            op, local, remote = common_pb2.TRANSFER_OP_WRITE, src, dst
-        elif src_peer is not None and not request.local_only and not read_here:
-            forwarded = _forwarded(request, transfer_id, dst)
-            return await self._forward(forwarded, src_peer, status, call_timeout)
-        elif dst_peer is None:
+        src_local, dst_local = src_peer is None, self._registry.owner(dst.id) is not None
+        read_here = choice.preferred_op == "read" and dst_local
+        if read_here:
             op, local, remote = common_pb2.TRANSFER_OP_READ, dst, src
-        else:  # pragma: no cover - local_only resolves src here, so the first branch applies
-            raise ArgumentError("neither buffer of a forwarded transfer is on this node")
+        elif src_local:
+            op, local, remote = common_pb2.TRANSFER_OP_WRITE, src, dst
+        else:  # src lives under a peer (never with local_only, which resolved src here)
+            assert src_peer is not None
+            return await self._forward(_forwarded(request, transfer_id, dst), src_peer, status, call_timeout)
 
         session = self._registry.owner(local.id)
         if session is None:  # withdrawn while the other buffer was being resolved
