@@ -141,3 +141,18 @@ def test_second_hmcd_on_the_same_socket_refuses(hmcd: Hmcd) -> None:
     assert "already serving" in run.stderr
     with hmcd.client() as client:
         assert client.health().serving
+
+
+def test_a_taken_tcp_port_is_refused_cleanly(hmcd: Hmcd) -> None:
+    directory = short_tempdir()
+    socket = os.path.join(directory, "late.sock")
+    run = subprocess.run(
+        [sys.executable, "-m", "hmc.control._hmcd_main", "--socket", socket, "--listen", hmcd.tcp_address, "--node", "late"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=REPO,
+    )
+    assert run.returncode == 1
+    assert "cannot listen on" in run.stderr
+    assert not os.path.exists(socket)  # the unix socket it had bound is gone again

@@ -79,6 +79,7 @@ class Daemon:
         self._servers: list[grpc.aio.Server] = []
         self._started = time.monotonic()
         self._stopped: bool = False
+        self._owns_socket = False  # True once this daemon bound the socket file (only then may it remove it)
 
     @property
     def unix_address(self) -> str:
@@ -88,8 +89,15 @@ class Daemon:
 
     async def start(self, metrics_port: int | None = None) -> None:
         """Bind the unix socket (and TCP when configured) and start serving."""
-        if self._servers:
+        if self._servers or self._stopped:
             raise ClosedResourceError("hmcd already started")
+        try:
+            await self._start(metrics_port)
+        except BaseException:
+            await self.stop(grace=0)
+            raise
+
+    async def _start(self, metrics_port: int | None) -> None:
         boundary = ErrorBoundary(self.metrics.observe_rpc)
         prepare_socket_path(self.config.socket)
         unix = grpc.aio.server(interceptors=[boundary], options=SERVER_OPTIONS)
@@ -100,8 +108,9 @@ class Daemon:
             await unix.start()
         finally:
             os.umask(old_umask)
-        secure_socket_file(self.config.socket)
         self._servers.append(unix)
+        self._owns_socket = True
+        secure_socket_file(self.config.socket)
         if self.config.listen:
             await self._start_tcp(boundary)
         if metrics_port is not None and not self.config.metrics:
@@ -155,10 +164,11 @@ class Daemon:
             await server.stop(grace)
         await self.directory.close()
         self.metrics.close()
-        try:
-            os.unlink(self.config.socket)
-        except OSError:
-            pass
+        if self._owns_socket:
+            try:
+                os.unlink(self.config.socket)
+            except OSError:
+                pass
         log.info("hmcd stopped")
 
     async def wait_stopped(self) -> None:
