@@ -6,11 +6,13 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from control_fixtures import DaemonSet, FakeAgent, Hmcd, daemon_set, wait_until
 
 from hmc.config import Config
 from hmc.control import Client
-from hmc.errors import AccessDeniedError, ArgumentError, BrokenResourceError, CancelledError, NoPathError, OutOfRangeError, TimeoutError
+from hmc.errors import AccessDeniedError, ArgumentError, BrokenResourceError, CancelledError, NoPathError, OutOfRangeError, ProtocolError, TimeoutError, UnknownBufferError
 from hmc.transport._ranges import RangeList
 from hmc.v1 import common_pb2, daemon_pb2
 
@@ -170,3 +172,38 @@ def test_no_path_is_refused(hmcd: Hmcd, client: Client) -> None:
     finally:
         src_agent.close()
         dst_agent.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    src=st.binary(max_size=40),
+    dst=st.binary(max_size=40),
+    lengths=st.binary(max_size=40),
+    name=st.sampled_from(["fz-src", "fz-dst", "", "absent"]),
+    timeout=st.floats(min_value=-5, max_value=5, allow_nan=False),
+)
+def test_fuzzed_submissions_never_crash_hmcd(fuzz_pair: Client, src: bytes, dst: bytes, lengths: bytes, name: str, timeout: float) -> None:
+    request = daemon_pb2.SubmitTransferRequest(
+        src=daemon_pb2.BufferRef(name=name),
+        dst=daemon_pb2.BufferRef(name="fz-dst"),
+        ranges=common_pb2.RangeList(src_offsets=src, dst_offsets=dst, lengths=lengths),
+        timeout_s=timeout,
+    )
+    try:
+        status = fuzz_pair._call(fuzz_pair._transfers.Submit, request)  # noqa: SLF001 - raw requests on purpose
+    except (ArgumentError, ProtocolError, UnknownBufferError, NoPathError):
+        return
+    fuzz_pair.cancel(status.transfer_id)
+
+
+@pytest.fixture(scope="module")
+def fuzz_pair(hmcd: Hmcd) -> Iterator[Client]:
+    src_agent, dst_agent = FakeAgent(hmcd.config()), FakeAgent(hmcd.config())
+    src_agent.register("fz-src", size=4096)
+    dst_agent.register("fz-dst", size=4096)
+    with hmcd.client() as client:
+        yield client
+        assert client.health().serving
+        assert 'code="INTERNAL"' not in client.metrics()
+    src_agent.close()
+    dst_agent.close()
