@@ -1,0 +1,289 @@
+"""Framing of `hmc.v1.PeerFrame` on stream sockets, and the versioned handshake.
+
+A frame is a 4-byte little-endian length followed by one serialized PeerFrame.
+After a DataWrite (and after a reply announcing `payload_bytes`) the raw payload
+follows directly: it is sent from and received into registered memory, never
+copied through an intermediate buffer.
+
+This module is the transport layer's one boundary for socket errors: a socket
+timeout becomes `TimeoutError`, EOF and every other `OSError` become
+`BrokenResourceError`, an undecodable frame becomes `ProtocolError`, and a
+failed connect becomes `UnavailableError`.
+
+Concurrency: a FrameStream holds two socket objects over one connection (the
+second a dup), so one sending thread and one receiving thread can each apply
+their own deadline. Sends are serialized by a lock; receives belong to a
+single reader thread. A timeout in the middle of a frame breaks the stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+from google.protobuf.message import DecodeError
+
+from hmc.errors import (
+    BrokenResourceError,
+    HMCError,
+    ProtocolError,
+    TimeoutError,
+    UnavailableError,
+    VersionMismatchError,
+    error_from_code,
+)
+from hmc.v1 import common_pb2, peer_pb2
+
+__all__ = [
+    "IOV_MAX",
+    "PROTOCOL_VERSION",
+    "FrameStream",
+    "accept_handshake",
+    "connect",
+    "error_reply",
+    "handshake",
+    "raise_for_reply",
+]
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 64 << 20
+"""Largest frame accepted (a range list of ~2.8 million ranges)."""
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_NO_DEADLINE_S = 86400.0
+"""Stand-in for "no deadline": sockets always stay in timeout (non-blocking) mode."""
+_HEADER = struct.Struct("<I")
+
+
+@contextlib.contextmanager
+def _socket_errors(peer: str) -> Iterator[None]:
+    try:
+        yield
+    except HMCError:
+        raise
+    except socket.timeout as exc:
+        raise TimeoutError(f"deadline passed talking to {peer}") from exc
+    except OSError as exc:
+        raise BrokenResourceError(f"connection to {peer} broke: {exc}") from exc
+
+
+def _remaining(deadline: float | None) -> float:
+    if deadline is None:
+        return _NO_DEADLINE_S
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    return left
+
+
+class FrameStream:
+    """Length-prefixed PeerFrames plus raw payloads over one connected stream socket."""
+
+    def __init__(self, sock: socket.socket, peer: str = "peer") -> None:
+        self.peer = peer
+        self._tx = sock
+        self._rx = sock.dup()
+        self._send_lock = threading.Lock()  # serializes whole frames (+ payload) from several threads
+        self._broken: BrokenResourceError | None = None
+        self._closed = False
+
+    def send(self, frame: peer_pb2.PeerFrame, payload: Sequence[memoryview] = (), deadline: float | None = None) -> None:
+        """Send one frame and, directly after it, the payload views (zero copy)."""
+        body = frame.SerializeToString()
+        parts: list[memoryview | bytes] = [_HEADER.pack(len(body)) + body, *payload]
+        with self._send_lock:
+            self._check()
+            try:
+                with _socket_errors(self.peer):
+                    self._sendmsg_all(parts, deadline)
+            except HMCError as exc:
+                self._break(exc)
+                raise
+
+    def _sendmsg_all(self, parts: list[memoryview | bytes], deadline: float | None) -> None:
+        index = 0
+        while index < len(parts):
+            self._tx.settimeout(_remaining(deadline))
+            batch = parts[index : index + IOV_MAX]
+            sent = self._tx.sendmsg(batch)
+            for part in batch:
+                size = len(part) if isinstance(part, bytes) else part.nbytes
+                if sent < size:
+                    parts[index] = memoryview(part)[sent:]
+                    break
+                sent -= size
+                index += 1
+
+    def recv(self, deadline: float | None = None, *, idle_ok: bool = False) -> peer_pb2.PeerFrame:
+        """The next frame. With `idle_ok`, a timeout before its first byte leaves the stream usable."""
+        header = bytearray(4)
+        self._recv_exact(memoryview(header), deadline, idle_ok=idle_ok)
+        (length,) = _HEADER.unpack(header)
+        if length > MAX_FRAME:
+            error = ProtocolError(f"frame of {length} bytes from {self.peer} exceeds {MAX_FRAME}")
+            self._break(error)
+            raise error
+        body = bytearray(length)
+        self._recv_exact(memoryview(body), deadline)
+        frame = peer_pb2.PeerFrame()
+        try:
+            frame.ParseFromString(bytes(body))
+        except DecodeError as exc:
+            error = ProtocolError(f"undecodable frame from {self.peer}")
+            self._break(error)
+            raise error from exc
+        return frame
+
+    def recv_into(self, views: Sequence[memoryview], deadline: float | None = None) -> None:
+        """Fill `views` in order with the payload that follows (scatter receive, zero copy)."""
+        pending = [view for view in views if view.nbytes]
+        index = 0
+        while index < len(pending):
+            with self._receiving(deadline) as sock:
+                got = sock.recvmsg_into(pending[index : index + IOV_MAX])[0]
+            if got == 0:
+                self._eof()
+            while got:
+                size = pending[index].nbytes
+                if got < size:
+                    pending[index] = pending[index][got:]
+                    break
+                got -= size
+                index += 1
+
+    def discard(self, nbytes: int, deadline: float | None = None) -> None:
+        """Read and drop `nbytes` of payload (a refused DataWrite's)."""
+        scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
+        while nbytes > 0:
+            self.recv_into([scratch[: min(nbytes, scratch.nbytes)]], deadline)
+            nbytes -= min(nbytes, scratch.nbytes)
+
+    def _recv_exact(self, view: memoryview, deadline: float | None, *, idle_ok: bool = False) -> None:
+        done = 0
+        while done < view.nbytes:
+            with self._receiving(deadline, keep_on_timeout=idle_ok and done == 0) as sock:
+                got = sock.recv_into(view[done:])
+            if got == 0:
+                self._eof()
+            done += got
+
+    @contextlib.contextmanager
+    def _receiving(self, deadline: float | None, *, keep_on_timeout: bool = False) -> Iterator[socket.socket]:
+        self._check()
+        try:
+            with _socket_errors(self.peer):
+                self._rx.settimeout(_remaining(deadline))
+                yield self._rx
+        except TimeoutError:
+            if not keep_on_timeout:
+                self._break(BrokenResourceError(f"stream to {self.peer} timed out mid-frame"))
+            raise
+        except HMCError as exc:
+            self._break(exc)
+            raise
+
+    def _eof(self) -> None:
+        error = BrokenResourceError(f"{self.peer} closed the connection")
+        self._break(error)
+        raise error
+
+    def _check(self) -> None:
+        if self._broken is not None:
+            raise BrokenResourceError(str(self._broken))
+
+    def _break(self, error: BaseException) -> None:
+        if self._broken is None:
+            self._broken = BrokenResourceError(f"stream to {self.peer} is broken: {error}")
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
+
+    def shutdown(self) -> None:
+        """Wake any thread blocked on this stream; it sees BrokenResourceError."""
+        self._break(BrokenResourceError("closed locally"))
+        with contextlib.suppress(OSError):
+            self._tx.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        """Shut down and release both socket objects; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.shutdown()
+        self._tx.close()
+        self._rx.close()
+
+
+def connect(endpoint: common_pb2.TcpEndpoint, deadline: float, *, buffer_bytes: int = 0) -> socket.socket:
+    """A TCP connection to a peer agent's listener (UnavailableError when it cannot be reached)."""
+    address = (endpoint.host, endpoint.port)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        if buffer_bytes:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(_remaining(deadline))
+        sock.connect(address)
+    except HMCError:
+        sock.close()
+        raise
+    except OSError as exc:
+        sock.close()
+        raise UnavailableError(f"cannot reach agent at {address[0]}:{address[1]}: {exc}") from exc
+    return sock
+
+
+def _hello(local: common_pb2.AgentInfo, channel: int) -> peer_pb2.PeerFrame:
+    return peer_pb2.PeerFrame(hello=peer_pb2.PeerHello(protocol_version=PROTOCOL_VERSION, agent=local, channel=channel))
+
+
+def _check_version(hello: peer_pb2.PeerHello, peer: str) -> None:
+    if hello.protocol_version != PROTOCOL_VERSION:
+        raise VersionMismatchError(
+            f"{peer} speaks peer protocol version {hello.protocol_version}, this agent speaks {PROTOCOL_VERSION}"
+        )
+
+
+def handshake(stream: FrameStream, local: common_pb2.AgentInfo, channel: int, deadline: float) -> peer_pb2.PeerHello:
+    """Initiator side: send our hello, return the listener's (typed error if it refused us)."""
+    stream.send(_hello(local, channel), deadline=deadline)
+    frame = stream.recv(deadline)
+    kind = frame.WhichOneof("kind")
+    if kind == "reply":
+        raise_for_reply(frame.reply)
+    if kind != "hello":
+        raise ProtocolError(f"{stream.peer} answered the hello with {kind or 'an empty frame'}")
+    _check_version(frame.hello, stream.peer)
+    return frame.hello
+
+
+def accept_handshake(stream: FrameStream, local: common_pb2.AgentInfo, deadline: float) -> peer_pb2.PeerHello:
+    """Listener side: read the initiator's hello, check its version, answer with ours.
+
+    Raises ProtocolError (VersionMismatchError for other versions); the caller
+    sends it back as an error reply before hanging up.
+    """
+    frame = stream.recv(deadline)
+    if frame.WhichOneof("kind") != "hello":
+        raise ProtocolError(f"{stream.peer} did not start with a hello")
+    _check_version(frame.hello, stream.peer)
+    stream.send(_hello(local, frame.hello.channel), deadline=deadline)
+    return frame.hello
+
+
+def error_reply(exc: BaseException) -> peer_pb2.PeerReply:
+    """A PeerReply carrying `exc` as an hmc.v1.Error (non-HMC errors travel as INTERNAL)."""
+    code = exc.code if isinstance(exc, HMCError) else common_pb2.ERROR_CODE_INTERNAL
+    return peer_pb2.PeerReply(error=common_pb2.Error(code=int(code), message=str(exc) or type(exc).__name__))
+
+
+def raise_for_reply(reply: peer_pb2.PeerReply) -> None:
+    """Raise the typed error a reply carries, if any."""
+    if reply.HasField("error") and reply.error.code != common_pb2.ERROR_CODE_OK:
+        raise error_from_code(reply.error.code, reply.error.message)
