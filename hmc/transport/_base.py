@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from hmc.memory._base import DeviceKind
@@ -22,7 +23,7 @@ from hmc.v1 import common_pb2
 if TYPE_CHECKING:
     from hmc.transport._ranges import RangeList
 
-__all__ = ["Capabilities", "Completion", "PathName", "Transport", "TransferOp", "TransferRequest"]
+__all__ = ["Capabilities", "Completion", "InlineCopy", "PathName", "Transport", "TransferOp", "TransferRequest"]
 
 
 class PathName(str, enum.Enum):
@@ -118,6 +119,21 @@ class TransferRequest:
     completion: Completion
 
 
+@dataclasses.dataclass(frozen=True)
+class InlineCopy:
+    """A transport's synchronous one-range fast path between two known buffers.
+
+    Both callables take `(local_offset, remote_offset, length)`, already
+    bounds-checked by the caller against `local_size` and `remote_size`, copy on
+    the caller's thread and raise a typed error on failure.
+    """
+
+    write: Callable[[int, int, int], None]
+    read: Callable[[int, int, int], None]
+    local_size: int
+    remote_size: int
+
+
 class Transport(abc.ABC):
     """A path's implementation inside one agent."""
 
@@ -133,6 +149,14 @@ class Transport(abc.ABC):
 
     def withdraw(self, buffer_id: str) -> None:
         """Forget a ConnBuffer that was unregistered (local) or withdrawn (remote)."""
+        return None
+
+    def forget_peer(self, agent: common_pb2.AgentInfo) -> None:
+        """A peer agent went away: drop connections and grants that lead to it."""
+        return None
+
+    def inline(self, local: Any, remote: common_pb2.BufferDescriptor) -> InlineCopy | None:
+        """A fast path for tiny single-range transfers once the pair is set up (None: not offered)."""
         return None
 
     @abc.abstractmethod

@@ -1,0 +1,305 @@
+"""The `ipc` path for host memory: cross-memory attach (`process_vm_writev`/`readv`).
+
+One-sided and single-copy: the initiator copies straight between its own memory
+and the owner's, the kernel doing the work; no staging, no owner thread involved.
+
+Access model. The owner grants access once per (peer, buffer): the initiator
+sends OpenBuffer with the buffer's access key over the control connection and the
+owner answers with a BufferGrant (pid, address, size). The initiator bounds-checks
+every range against the *granted* size before any copy, so it never writes past
+the buffer's end. The owner revokes a grant with a Withdrawn frame when the buffer
+is unregistered; the initiator acknowledges only after its in-flight copies into
+that buffer have finished, so unregister() returns before the memory can be
+reused. The kernel's ptrace access check (same uid; Yama scope, relaxed by each
+agent with PR_SET_PTRACER_ANY) is the process-level guard.
+
+Speed. iovec arrays are built with numpy (at most IOV_MAX per call, partial
+transfers resumed). Transfers up to `inline_bytes` run on the caller's thread;
+larger ones are split across `threads` named workers. A single range over an
+established grant has a precomputed fast path (`inline()`): two struct packs and
+one syscall.
+
+Concurrency: grants are guarded by `_lock`; each grant's `inflight` list is
+appended/popped around every copy (atomic under the GIL) so withdrawal can wait
+for copies to drain. The worker pool is owned by the transport.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import errno
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from hmc.errors import BrokenResourceError, BufferWithdrawnError, DeviceError, HMCError, TimeoutError, UnsupportedError
+from hmc.memory import DeviceKind, MemoryKind
+from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport
+from hmc.transport._ranges import RangeList
+from hmc.transport._wire import IOV_MAX
+from hmc.v1 import common_pb2, peer_pb2
+
+__all__ = ["IpcTransport", "allow_ptrace_peers"]
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_SYSCALL_ARGS = (ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong)
+_writev = _libc.process_vm_writev
+_readv = _libc.process_vm_readv
+for _fn in (_writev, _readv):
+    _fn.argtypes = _SYSCALL_ARGS
+    _fn.restype = ctypes.c_ssize_t
+_PACK_IOVEC = struct.Struct("=QQ").pack
+_PR_SET_PTRACER = 0x59616D61
+_PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+
+OpenGrant = Callable[[common_pb2.BufferDescriptor, float], peer_pb2.BufferGrant]
+
+
+def allow_ptrace_peers() -> None:
+    """Let any same-uid process attach to this one's memory under Yama ptrace scope 1 (best effort)."""
+    _libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(_PR_SET_PTRACER_ANY), 0, 0, 0)
+
+
+def _syscall_error(err: int, pid: int) -> HMCError:
+    if err == errno.ESRCH:
+        return BrokenResourceError(f"peer process {pid} is gone")
+    if err in (errno.EPERM, errno.ENOSYS):
+        return UnsupportedError(f"cross-memory attach to pid {pid} refused: {os.strerror(err)}")
+    if err == errno.EFAULT:
+        return DeviceError(f"cross-memory attach to pid {pid}: address not mapped (buffer freed by its owner?)")
+    return DeviceError(f"cross-memory attach to pid {pid} failed: {os.strerror(err)}")
+
+
+class _Grant:
+    """The right to copy into/out of one remote buffer, as granted by its owner."""
+
+    __slots__ = ("address", "inflight", "key", "pid", "revoked", "size")
+
+    def __init__(self, message: peer_pb2.BufferGrant, key: bytes) -> None:
+        self.key = key
+        self.pid = message.handles.cma.pid
+        self.address = message.handles.cma.address
+        self.size = message.size
+        self.inflight: list[None] = []
+        self.revoked = False
+
+    def enter(self) -> None:
+        self.inflight.append(None)
+        if self.revoked:
+            self.inflight.pop()
+            raise BufferWithdrawnError("the buffer's owner withdrew it")
+
+    def drain(self, deadline: float) -> None:
+        self.revoked = True
+        while self.inflight and time.monotonic() < deadline:
+            time.sleep(0.0002)
+
+
+def _copy_iovecs(call: Any, pid: int, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray, request: TransferRequest) -> bool:
+    """Copy all ranges (iovec rows of (address, length)), IOV_MAX per call, resuming partials.
+
+    Returns False when it stopped early because the request was cancelled or expired.
+    """
+    start, count = 0, len(lengths)
+    while start < count:
+        if request.completion.cancelled or time.monotonic() > request.deadline:
+            return False
+        batch = min(IOV_MAX, count - start)
+        want = int(lengths[start : start + batch].sum())
+        got = call(pid, local.ctypes.data + start * 16, batch, remote.ctypes.data + start * 16, batch, 0)
+        if got < 0:
+            raise _syscall_error(ctypes.get_errno(), pid)
+        if got == want:
+            start += batch
+            continue
+        if got == 0:
+            raise DeviceError(f"cross-memory attach to pid {pid} made no progress")
+        done = np.cumsum(lengths[start : start + batch])
+        whole = int(np.searchsorted(done, got, side="right"))
+        start += whole
+        cut = got - (int(done[whole - 1]) if whole else 0)
+        for iov in (local, remote):
+            iov[start, 0] += cut
+            iov[start, 1] -= cut
+        lengths[start] -= cut
+    return True
+
+
+class IpcTransport(Transport):
+    """Cross-memory attach between processes of one host (initiator side)."""
+
+    capabilities = Capabilities(
+        path=PathName.IPC,
+        memory_kinds=frozenset({DeviceKind.HOST}),
+        one_sided=True,
+        same_host_only=True,
+        detail="cma (process_vm_writev/readv)",
+    )
+
+    def __init__(self, open_grant: OpenGrant, *, threads: int = 2, inline_bytes: int = 1 << 20) -> None:
+        self._open_grant = open_grant
+        self._threads = max(1, threads)
+        self._inline_bytes = inline_bytes
+        self._lock = threading.Lock()  # guards _grants and _pool creation
+        self._grants: dict[str, _Grant] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def unavailable_reason(self) -> str | None:
+        """Probe the syscall on this process and the host's Yama policy."""
+        probe, target = ctypes.create_string_buffer(8), ctypes.create_string_buffer(8)
+        iov_a = _PACK_IOVEC(ctypes.addressof(probe), 8)
+        iov_b = _PACK_IOVEC(ctypes.addressof(target), 8)
+        if _writev(os.getpid(), iov_a, 1, iov_b, 1, 0) != 8:
+            return f"process_vm_writev unavailable: {os.strerror(ctypes.get_errno())}"
+        try:
+            with open("/proc/sys/kernel/yama/ptrace_scope") as fh:
+                scope = int(fh.read().strip() or 0)
+        except (OSError, ValueError):
+            return None
+        if scope >= 2:
+            return f"Yama ptrace_scope={scope} forbids cross-memory attach between unrelated processes"
+        return None
+
+    def export(self, buffer: Any) -> dict[str, Any]:
+        if buffer.region.kind is MemoryKind.DEVICE:
+            return {}
+        return {"cma": common_pb2.CmaHandle(pid=os.getpid(), address=buffer.region.address)}
+
+    def withdraw(self, buffer_id: str) -> None:
+        """Revoke the grant and wait (bounded) until copies into that buffer have finished."""
+        with self._lock:
+            grant = self._grants.pop(buffer_id, None)
+        if grant is not None:
+            grant.drain(time.monotonic() + 5.0)
+
+    def forget_peer(self, agent: common_pb2.AgentInfo) -> None:
+        """Drop every grant into the process of an agent that went away."""
+        with self._lock:
+            gone = [bid for bid, grant in self._grants.items() if grant.pid == agent.pid]
+            for bid in gone:
+                self._grants.pop(bid).revoked = True
+
+    def _grant(self, remote: common_pb2.BufferDescriptor, deadline: float) -> _Grant:
+        with self._lock:
+            grant = self._grants.get(remote.id)
+        if grant is None or grant.key != remote.access_key:
+            grant = _Grant(self._open_grant(remote, deadline), remote.access_key)
+            with self._lock:
+                grant = self._grants.setdefault(remote.id, grant)
+        return grant
+
+    def post(self, request: TransferRequest) -> None:
+        try:
+            grant = self._grant(request.remote, request.deadline)
+            local_size = request.local.size
+            if request.op is TransferOp.WRITE:
+                request.ranges.check(local_size, grant.size)
+            else:
+                request.ranges.check(grant.size, local_size)
+        except HMCError as exc:
+            request.completion.finish(exc)
+            return
+        request.completion.set_running()
+        if request.ranges.total <= self._inline_bytes or self._threads == 1:
+            self._run(request, grant, request.ranges)
+            return
+        parts = request.ranges.chunks(-(-request.ranges.total // self._threads))
+        remaining = [len(parts)]
+        lock = threading.Lock()  # guards `remaining` for this request's parts
+
+        def part_done(_: concurrent.futures.Future[None]) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                request.completion.finish()
+
+        pool = self._executor()
+        for part in parts:
+            pool.submit(self._run_part, request, grant, part).add_done_callback(part_done)
+
+    def _run_part(self, request: TransferRequest, grant: _Grant, ranges: RangeList) -> None:
+        try:
+            self._copy(request, grant, ranges)
+        except HMCError as exc:
+            request.completion.finish(exc)
+
+    def _run(self, request: TransferRequest, grant: _Grant, ranges: RangeList) -> None:
+        try:
+            self._copy(request, grant, ranges)
+        except HMCError as exc:
+            request.completion.finish(exc)
+            return
+        request.completion.finish()
+
+    def _copy(self, request: TransferRequest, grant: _Grant, ranges: RangeList) -> None:
+        local_base = request.local.region.address
+        if request.op is TransferOp.WRITE:
+            call, local_offsets, remote_offsets = _writev, ranges.src, ranges.dst
+        else:
+            call, local_offsets, remote_offsets = _readv, ranges.dst, ranges.src
+        lengths = ranges.lengths.astype(np.uint64)
+        local = np.empty((len(lengths), 2), np.uint64)
+        remote = np.empty((len(lengths), 2), np.uint64)
+        local[:, 0] = local_offsets.astype(np.uint64) + np.uint64(local_base)
+        remote[:, 0] = remote_offsets.astype(np.uint64) + np.uint64(grant.address)
+        local[:, 1] = remote[:, 1] = lengths
+        grant.enter()
+        try:
+            complete = _copy_iovecs(call, grant.pid, local, remote, lengths, request)
+        finally:
+            grant.inflight.pop()
+        if not complete and not request.completion.cancelled:
+            raise TimeoutError("ipc transfer missed its deadline")
+        request.completion.add_bytes(ranges.total)
+
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="hmc-ipc")
+            return self._pool
+
+    def inline(self, local: Any, remote: common_pb2.BufferDescriptor) -> InlineCopy | None:
+        with self._lock:
+            grant = self._grants.get(remote.id)
+        if grant is None or grant.key != remote.access_key or local.region.kind is MemoryKind.DEVICE:
+            return None
+        return InlineCopy(
+            write=_single(_writev, grant, local.region.address),
+            read=_single(_readv, grant, local.region.address),
+            local_size=local.size,
+            remote_size=grant.size,
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+            self._grants.clear()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _single(call: Any, grant: _Grant, local_base: int) -> Callable[[int, int, int], None]:
+    """One range, one syscall: the 4 KiB-write fast path (kept free of numpy and allocation)."""
+    pid, remote_base, inflight, pack = grant.pid, grant.address, grant.inflight, _PACK_IOVEC
+
+    def copy(local_offset: int, remote_offset: int, length: int) -> None:
+        inflight.append(None)
+        try:
+            if grant.revoked:
+                raise BufferWithdrawnError("the buffer's owner withdrew it")
+            got = call(pid, pack(local_base + local_offset, length), 1, pack(remote_base + remote_offset, length), 1, 0)
+        finally:
+            inflight.pop()
+        if got != length:
+            if got < 0:
+                raise _syscall_error(ctypes.get_errno(), pid)
+            raise DeviceError(f"cross-memory attach to pid {pid} copied {got} of {length} bytes")
+
+    return copy
