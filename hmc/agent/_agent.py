@@ -1,0 +1,469 @@
+"""The agent: this process's data-plane endpoint.
+
+It registers ConnBuffers, chooses a path per pair of buffers (negotiation over
+both ends' declared capabilities), validates and coalesces ranges, and hands
+transfers to the path's transport. It runs the owner side of every path in its
+peer listener, and, when an hmcd is running, registers its buffers there and
+executes the third-party transfers hmcd instructs.
+
+Hot path. A single-range transfer given as plain ints, between a pair that has
+already moved data over a path offering an inline copy (local, ipc), skips
+range arrays, negotiation and request objects: bounds check, one copy, one
+finished handle.
+
+Concurrency: every public method may be called from any thread. `_lock` guards
+the path cache and the set of remote buffers known to be withdrawn; the buffer
+table, transports, peers and server each guard their own state. hmcd
+instructions run on the "hmc-instr" executor, never on the link's thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hmc.agent._buffers import BufferTable, ConnBuffer
+from hmc.agent._peers import Peers
+from hmc.agent._server import PeerServer
+from hmc.agent._transfer import Notification, NotificationInbox, TransferHandle, TransferState
+from hmc.config import Config, PathPolicy
+from hmc.errors import (
+    ArgumentError,
+    BufferWithdrawnError,
+    ClosedResourceError,
+    HMCError,
+    NoPathError,
+    UnavailableError,
+    UnknownBufferError,
+)
+from hmc.memory import Device, MemoryRegion, Vendor
+from hmc.memory import register as register_memory
+from hmc.transport._base import InlineCopy, PathName, TransferOp, TransferRequest, Transport
+from hmc.transport._ipc import IpcTransport, allow_ptrace_peers
+from hmc.transport._local import LocalTransport
+from hmc.transport._negotiate import Endpoint, PathChoice, negotiate
+from hmc.transport._ranges import RangeList
+from hmc.transport._staged import StagedTransport
+from hmc.transport._wire import PROTOCOL_VERSION, raise_for_reply
+from hmc.v1 import common_pb2, daemon_pb2, peer_pb2
+
+__all__ = ["Agent"]
+
+_log = logging.getLogger(__name__)
+_INLINE_MAX = 1 << 20
+"""Largest single range the inline fast path copies on the caller's thread."""
+_KIND = {"host": common_pb2.DEVICE_KIND_HOST, "cuda": common_pb2.DEVICE_KIND_CUDA, "hip": common_pb2.DEVICE_KIND_HIP}
+_VENDOR = {Vendor.HOST: common_pb2.VENDOR_HOST, Vendor.NVIDIA: common_pb2.VENDOR_NVIDIA, Vendor.AMD: common_pb2.VENDOR_AMD}
+
+_DESCRIPTOR = common_pb2.BufferDescriptor
+
+LinkFactory = Callable[[Config, common_pb2.AgentInfo, Callable[[daemon_pb2.TransferInstruction], None]], Any]
+
+
+def _host_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return os.uname().nodename
+
+
+def _device_info(device: Device) -> common_pb2.DeviceInfo:
+    return common_pb2.DeviceInfo(
+        name=device.name,
+        kind=_KIND[device.kind.value],
+        index=device.index,
+        vendor=_VENDOR[device.vendor],
+        physical_vendor=_VENDOR[device.physical_vendor],
+        uuid=device.uuid,
+        pci_bus_id=device.pci_bus_id,
+        numa_node=device.numa_node,
+        total_memory=device.total_memory,
+        model=device.model,
+        peer_devices=list(device.peer_devices),
+    )
+
+
+def _default_link(config: Config, info: common_pb2.AgentInfo, on_instruction: Callable[[daemon_pb2.TransferInstruction], None]) -> Any:
+    try:
+        from hmc.control._agent_link import DaemonLink
+    except ImportError as exc:
+        raise UnavailableError("this build has no hmcd link") from exc
+    return DaemonLink(config, info, on_instruction)
+
+
+class _Route:
+    """A cached inline copy to one remote buffer (see the module's "Hot path")."""
+
+    __slots__ = ("copy", "key", "path")
+
+    def __init__(self, copy: InlineCopy, key: bytes, path: str) -> None:
+        self.copy, self.key, self.path = copy, key, path
+
+
+class _NotifyStep:
+    """A Completion that delivers the notification after the data landed, then finishes the handle."""
+
+    __slots__ = ("handle", "send")
+
+    def __init__(self, handle: TransferHandle, send: Callable[[TransferHandle], None]) -> None:
+        self.handle, self.send = handle, send
+
+    @property
+    def cancelled(self) -> bool:
+        return self.handle.cancelled
+
+    def set_running(self) -> None:
+        self.handle.set_running()
+
+    def add_bytes(self, nbytes: int) -> None:
+        self.handle.add_bytes(nbytes)
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if error is not None or self.handle.cancelled:
+            self.handle.finish(error)
+            return
+        try:
+            self.send(self.handle)
+        except HMCError as exc:
+            self.handle.finish(exc)
+
+
+class Agent:
+    """The in-process data plane: ConnBuffers, paths and transfers."""
+
+    def __init__(
+        self,
+        config: Config | None = None,
+        *,
+        daemon: bool | None = None,
+        transports: Sequence[Transport] | None = None,
+        link_factory: LinkFactory | None = None,
+    ) -> None:
+        self.config = config or Config.load()
+        self.id = secrets.token_hex(8)
+        self._lock = threading.Lock()  # guards _paths and _withdrawn_remote
+        self._paths: dict[tuple[str, str, str], PathChoice] = {}
+        self._withdrawn_remote: set[str] = set()
+        self._closed = False
+        self._buffers = BufferTable()
+        self._inbox = NotificationInbox()
+        self._instructions: concurrent.futures.ThreadPoolExecutor | None = None
+        allow_ptrace_peers()
+        self._peers = Peers(lambda: self.info, on_withdrawn=self._remote_withdrawn, on_lost=self._peer_lost, buffer_bytes=self.config.socket_buffer_bytes)
+        self._server = PeerServer(self.config.agent_host, info=lambda: self.info, buffers=self._buffers, inbox=self._inbox, buffer_bytes=self.config.socket_buffer_bytes)
+        self._transports = self._usable(transports if transports is not None else self._default_transports())
+        self.info = common_pb2.AgentInfo(
+            id=self.id,
+            node=self.config.node,
+            host_id=_host_id(),
+            pid=os.getpid(),
+            endpoint=common_pb2.TcpEndpoint(host=self.config.agent_host, port=self._server.port),
+            transports=[t.capabilities.to_proto() for t in self._transports.values()],
+            protocol_version=PROTOCOL_VERSION,
+        )
+        self._link = self._attach(daemon, link_factory or _default_link)
+
+    def _default_transports(self) -> list[Transport]:
+        cfg = self.config
+        return [
+            LocalTransport(self._buffers),
+            IpcTransport(self._peers.open_grant, threads=cfg.ipc_threads),
+            StagedTransport(self._peers.connect_data, streams=cfg.staged_streams, chunk_bytes=cfg.staged_chunk_bytes),
+        ]
+
+    @staticmethod
+    def _usable(transports: Sequence[Transport]) -> dict[PathName, Transport]:
+        usable: dict[PathName, Transport] = {}
+        for transport in transports:
+            reason = transport.unavailable_reason()
+            if reason is None:
+                usable.setdefault(transport.capabilities.path, transport)
+            else:
+                _log.info("path %s unavailable: %s", transport.capabilities.path.value, reason)
+                transport.close()
+        return usable
+
+    def _attach(self, daemon: bool | None, factory: LinkFactory) -> Any:
+        if daemon is False or (daemon is None and not os.path.exists(self.config.socket)):
+            return None
+        try:
+            return factory(self.config, self.info, self._on_instruction)
+        except UnavailableError:
+            if daemon:
+                self.close()
+                raise
+            _log.warning("hmcd socket %s exists but hmcd is unreachable; running embedded", self.config.socket)
+            return None
+
+    # -- buffers ----------------------------------------------------------------
+
+    def register(self, memory: Any, *, name: str | None = None) -> ConnBuffer:
+        """Make memory (a MemoryRegion or anything hmc.memory.register accepts) reachable by peers."""
+        self._check_open()
+        region = memory if isinstance(memory, MemoryRegion) else register_memory(memory)
+        region.check_alive()
+        if name and any(b.name == name for b in self._buffers.values()):
+            raise ArgumentError(f"a buffer named {name!r} is already registered on this agent")
+        device = region.device
+        override = self.config.vendor_override.get(device.name)
+        if override:
+            device = device.with_vendor(Vendor.parse(override))
+        descriptor = common_pb2.BufferDescriptor(
+            version=1,
+            id=secrets.token_hex(8),
+            name=name or "",
+            owner=self.info,
+            device=_device_info(device),
+            size=region.size,
+            access_key=secrets.token_bytes(16),
+        )
+        buffer = ConnBuffer(region, descriptor)
+        for transport in self._transports.values():
+            for key, handle in transport.export(buffer).items():
+                getattr(descriptor.handles, key).CopyFrom(handle)
+        self._buffers.add(buffer)
+        if self._link is not None:
+            self._link.register(descriptor)
+        return buffer
+
+    def unregister(self, buffer: ConnBuffer | str) -> None:
+        """Withdraw a buffer: peers that opened it are told, later transfers get BufferWithdrawnError."""
+        buffer_id = buffer if isinstance(buffer, str) else buffer.id
+        removed = self._buffers.remove(buffer_id, timeout=self.config.timeout_s)
+        if removed is None:
+            raise UnknownBufferError(f"no buffer {buffer_id!r} on this agent")
+        self._server.withdraw(buffer_id, time.monotonic() + min(self.config.timeout_s, 5.0))
+        self._drop_routes(buffer_id)
+        removed.inline_routes.clear()
+        for transport in self._transports.values():
+            transport.withdraw(buffer_id)
+        if self._link is not None:
+            self._link.unregister(buffer_id)
+
+    def buffers(self) -> list[ConnBuffer]:
+        """The buffers registered on this agent."""
+        return self._buffers.values()
+
+    def lookup(self, ref: str) -> common_pb2.BufferDescriptor:
+        """Find a buffer by id or name through hmcd (UnavailableError in embedded mode)."""
+        if self._link is None:
+            raise UnavailableError("this agent runs embedded (no hmcd): look buffers up by descriptor instead")
+        return self._link.lookup(ref)
+
+    # -- transfers ----------------------------------------------------------------
+
+    def write(
+        self, local: ConnBuffer, remote: Any, src_offsets: Any, dst_offsets: Any, lengths: Any,
+        *, notify: bytes | None = None, timeout: float | None = None, path: str | None = None,
+    ) -> TransferHandle:
+        """Push ranges of `local` into `remote` (a BufferDescriptor or a ConnBuffer)."""
+        if notify is None and path is None:
+            handle = self._inline(True, local, remote, src_offsets, dst_offsets, lengths)
+            if handle is not None:
+                return handle
+        return self._submit(TransferOp.WRITE, local, remote, RangeList.build(src_offsets, dst_offsets, lengths), notify, timeout, path)
+
+    def read(
+        self, local: ConnBuffer, remote: Any, remote_offsets: Any, local_offsets: Any, lengths: Any,
+        *, notify: bytes | None = None, timeout: float | None = None, path: str | None = None,
+    ) -> TransferHandle:
+        """Pull ranges of `remote` (a BufferDescriptor or a ConnBuffer) into `local`."""
+        if notify is None and path is None:
+            handle = self._inline(False, local, remote, local_offsets, remote_offsets, lengths)
+            if handle is not None:
+                return handle
+        return self._submit(TransferOp.READ, local, remote, RangeList.build(remote_offsets, local_offsets, lengths), notify, timeout, path)
+
+    def _inline(self, write: bool, local: ConnBuffer, remote: Any, local_offset: Any, remote_offset: Any, length: Any) -> TransferHandle | None:
+        """The hot path (see module doc); None when it does not apply."""
+        if type(length) is not int or type(local_offset) is not int or type(remote_offset) is not int:
+            return None
+        route = local.inline_routes.get(remote.id)
+        if route is None or route.key != (remote.access_key if type(remote) is _DESCRIPTOR else remote.descriptor.access_key):
+            return None
+        copy = route.copy
+        if not (0 < length <= _INLINE_MAX and 0 <= local_offset <= copy.local_size - length and 0 <= remote_offset <= copy.remote_size - length):
+            return None
+        if self._closed:
+            raise ClosedResourceError("agent is closed")
+        try:
+            (copy.write if write else copy.read)(local_offset, remote_offset, length)
+        except HMCError as exc:
+            local.inline_routes.clear()
+            handle = TransferHandle(route.path, length, time.monotonic())
+            handle.finish(exc)
+            return handle
+        return TransferHandle.finished(route.path, length)
+
+    def _submit(
+        self, op: TransferOp, local: ConnBuffer, remote: Any, ranges: RangeList,
+        notify: bytes | None, timeout: float | None, path: str | None, transfer_id: str | None = None,
+    ) -> TransferHandle:
+        self._check_open()
+        descriptor = remote.descriptor if isinstance(remote, ConnBuffer) else remote
+        self._check_buffers(local, descriptor)
+        if op is TransferOp.WRITE:
+            ranges.check(local.size, descriptor.size)
+        else:
+            ranges.check(descriptor.size, local.size)
+        ranges = ranges.coalesced()
+        choice = self._choose(local, descriptor, path)
+        transport = self._transports[choice.path]
+        deadline = time.monotonic() + (self.config.timeout_s if timeout is None else timeout)
+        handle = TransferHandle(choice.path.value, ranges.total, deadline, transfer_id)
+        completion: Any = handle
+        if notify is not None:
+            completion = _NotifyStep(handle, lambda h: self._send_notify(descriptor, h, bytes(notify)))
+        transport.post(TransferRequest(handle.id, op, local, descriptor, ranges, deadline, completion))
+        if notify is None and path is None and len(ranges) == 1 and handle.state is TransferState.DONE and descriptor.id not in local.inline_routes:
+            self._learn_route(transport, local, descriptor, choice.path.value)
+        return handle
+
+    def _check_buffers(self, local: ConnBuffer, descriptor: common_pb2.BufferDescriptor) -> None:
+        if not isinstance(local, ConnBuffer):
+            raise ArgumentError(f"local must be a ConnBuffer of this agent, got {type(local).__name__}")
+        if local.descriptor.owner.id != self.id:
+            raise ArgumentError(f"{local!r} belongs to another agent; pass it as the remote side")
+        self._buffers.get(local.id)
+        with self._lock:
+            known_gone = descriptor.id in self._withdrawn_remote
+        if known_gone or (descriptor.owner.id == self.id and self._buffers.withdrawn(descriptor.id)):
+            raise BufferWithdrawnError(f"buffer {descriptor.id} was withdrawn by its owner")
+
+    def _learn_route(self, transport: Transport, local: ConnBuffer, descriptor: common_pb2.BufferDescriptor, path: str) -> None:
+        try:
+            copy = transport.inline(local, descriptor)
+        except HMCError:
+            return
+        if copy is not None:
+            local.inline_routes[descriptor.id] = _Route(copy, descriptor.access_key, path)
+
+    def _drop_routes(self, remote_id: str) -> None:
+        for buffer in self._buffers.values():
+            buffer.inline_routes.pop(remote_id, None)
+
+    def _send_notify(self, descriptor: common_pb2.BufferDescriptor, handle: TransferHandle, payload: bytes) -> None:
+        if descriptor.owner.id == self.id:
+            self._buffers.get(descriptor.id, descriptor.access_key)
+            self._inbox.deliver(Notification(descriptor.id, handle.id, payload, self.id))
+            handle.finish()
+            return
+
+        def acked(reply: peer_pb2.PeerReply | None, error: BaseException | None) -> None:
+            if error is None and reply is not None:
+                try:
+                    raise_for_reply(reply)
+                except HMCError as exc:
+                    error = exc
+            handle.finish(error)
+
+        self._peers.notify(descriptor, handle.id, payload, handle.deadline, acked)
+
+    def notifications(self, timeout: float | None = 0) -> list[Notification]:
+        """Notifications peers attached to transfers into this agent's buffers (drained)."""
+        return self._inbox.drain(timeout)
+
+    # -- paths ----------------------------------------------------------------
+
+    def path_to(self, local: ConnBuffer, remote: Any) -> PathChoice:
+        """The path (and the reasons better ones were refused) between `local` and `remote`."""
+        descriptor = remote.descriptor if isinstance(remote, ConnBuffer) else remote
+        return self._choose(local, descriptor, None)
+
+    def _choose(self, local: ConnBuffer, descriptor: common_pb2.BufferDescriptor, path: str | None) -> PathChoice:
+        src, dst = Endpoint.of(local.descriptor), Endpoint.of(descriptor)
+        if path is not None:
+            if path not in {p.value for p in PathName}:
+                raise ArgumentError(f"unknown path {path!r}")
+            choice = negotiate(src, dst, PathPolicy(allow=(path,)))
+        else:
+            key = (local.descriptor.device.name, descriptor.owner.id, descriptor.device.name)
+            with self._lock:
+                choice = self._paths.get(key)  # type: ignore[assignment]
+            if choice is None:
+                choice = negotiate(src, dst, self.config.policy)
+                with self._lock:
+                    self._paths[key] = choice
+        if choice.path not in self._transports:
+            raise NoPathError(f"path {choice.path.value} was negotiated but this agent has no such transport")
+        return choice
+
+    # -- peers and hmcd ----------------------------------------------------------
+
+    def _remote_withdrawn(self, agent_id: str, buffer_id: str) -> None:
+        with self._lock:
+            self._withdrawn_remote.add(buffer_id)
+        self._drop_routes(buffer_id)
+        for transport in self._transports.values():
+            transport.withdraw(buffer_id)
+
+    def _peer_lost(self, agent: common_pb2.AgentInfo) -> None:
+        for buffer in self._buffers.values():
+            buffer.inline_routes.clear()
+        for transport in self._transports.values():
+            transport.forget_peer(agent)
+
+    def _on_instruction(self, instruction: daemon_pb2.TransferInstruction) -> None:
+        with self._lock:
+            if self._instructions is None:
+                self._instructions = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hmc-instr")
+            executor = self._instructions
+        executor.submit(self._run_instruction, instruction)
+
+    def _run_instruction(self, instruction: daemon_pb2.TransferInstruction) -> None:
+        report = daemon_pb2.TransferReport(transfer_id=instruction.transfer_id)
+        try:
+            local = self._buffers.get(instruction.local_buffer_id)
+            ranges = RangeList.from_proto(instruction.ranges)
+            op = TransferOp.READ if instruction.op == common_pb2.TRANSFER_OP_READ else TransferOp.WRITE
+            notify = instruction.notification or None
+            handle = self._submit(op, local, instruction.remote, ranges, notify, instruction.timeout_s or None, None, instruction.transfer_id)
+            report.path = handle.path
+            handle.wait()
+            report.bytes_done = handle.bytes_done
+            report.state = common_pb2.TRANSFER_STATE_DONE
+        except HMCError as exc:
+            report.state = common_pb2.TRANSFER_STATE_FAILED
+            report.error.code = int(exc.code)
+            report.error.message = str(exc)
+        if self._link is not None:
+            self._link.report(report)
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedResourceError("agent is closed")
+
+    def close(self) -> None:
+        """Stop serving peers, close every connection and thread; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        link = getattr(self, "_link", None)
+        if link is not None:
+            link.close()
+        self._server.close()
+        self._peers.close()
+        for transport in getattr(self, "_transports", {}).values():
+            transport.close()
+        if self._instructions is not None:
+            self._instructions.shutdown(wait=False, cancel_futures=True)
+        for buffer in self._buffers.values():
+            self._buffers.remove(buffer.id, timeout=0)
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Agent {self.id} on {self.config.node} port {self._server.port} paths {','.join(p.value for p in self._transports)}>"

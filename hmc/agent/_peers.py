@@ -1,0 +1,117 @@
+"""This agent's outgoing connections: one control channel per peer agent, data streams on demand.
+
+The control channel (initiator -> owner) carries OpenBuffer and Notify requests;
+the owner sends Withdrawn frames back over it when a buffer we opened goes away.
+Channels are opened lazily, cached per peer agent id, and dropped when they
+break, which also tells the agent that the peer is lost.
+
+Concurrency: any thread may ask for a channel; `_lock` guards the cache and a
+per-peer lock keeps two threads from connecting to one peer at once. Callbacks
+(`on_withdrawn`, `on_lost`) run on channel reader threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from hmc.errors import ClosedResourceError, ProtocolError
+from hmc.transport._channel import Channel, ReplyCallback
+from hmc.transport._wire import FrameStream, connect, handshake
+from hmc.v1 import common_pb2, peer_pb2
+
+__all__ = ["Peers"]
+
+_CONTROL = peer_pb2.PeerHello.CHANNEL_CONTROL
+_DATA = peer_pb2.PeerHello.CHANNEL_DATA
+
+
+class Peers:
+    """Connections from this agent to other agents."""
+
+    def __init__(
+        self,
+        local_info: Callable[[], common_pb2.AgentInfo],
+        *,
+        on_withdrawn: Callable[[str, str], None],
+        on_lost: Callable[[common_pb2.AgentInfo], None],
+        buffer_bytes: int,
+    ) -> None:
+        self._local_info = local_info
+        self._on_withdrawn = on_withdrawn
+        self._on_lost = on_lost
+        self._buffer_bytes = buffer_bytes
+        self._lock = threading.Lock()  # guards _channels, _connecting, _closed
+        self._channels: dict[str, Channel] = {}
+        self._connecting: dict[str, threading.Lock] = {}
+        self._closed = False
+
+    def _stream(self, agent: common_pb2.AgentInfo, channel: int, deadline: float, buffer_bytes: int = 0) -> FrameStream:
+        sock = connect(agent.endpoint, deadline, buffer_bytes=buffer_bytes)
+        stream = FrameStream(sock, peer=f"agent {agent.id} at {agent.endpoint.host}:{agent.endpoint.port}")
+        try:
+            handshake(stream, self._local_info(), channel, deadline)
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    def connect_data(self, agent: common_pb2.AgentInfo, deadline: float) -> FrameStream:
+        """A new data connection to `agent` (for the staged path), handshake done."""
+        return self._stream(agent, _DATA, deadline, self._buffer_bytes)
+
+    def control(self, agent: common_pb2.AgentInfo, deadline: float) -> Channel:
+        """The control channel to `agent`, connecting on first use."""
+        with self._lock:
+            if self._closed:
+                raise ClosedResourceError("agent is closed")
+            channel = self._channels.get(agent.id)
+            if channel is not None and not channel.closed:
+                return channel
+            gate = self._connecting.setdefault(agent.id, threading.Lock())
+        with gate:
+            with self._lock:
+                channel = self._channels.get(agent.id)
+            if channel is not None and not channel.closed:
+                return channel
+            stream = self._stream(agent, _CONTROL, deadline)
+            lost = agent
+
+            def handler(frame: peer_pb2.PeerFrame) -> peer_pb2.PeerReply:
+                if frame.WhichOneof("kind") != "withdrawn":
+                    raise ProtocolError(f"agent {lost.id} sent {frame.WhichOneof('kind')} on our control channel")
+                self._on_withdrawn(lost.id, frame.withdrawn.buffer_id)
+                return peer_pb2.PeerReply()
+
+            channel = Channel(stream, handler, name=f"hmc-peer-ctl-{agent.id[:8]}", on_close=lambda ch: self._closed_channel(lost, ch))
+            with self._lock:
+                self._channels[agent.id] = channel
+            return channel.start()
+
+    def _closed_channel(self, agent: common_pb2.AgentInfo, channel: Channel) -> None:
+        with self._lock:
+            if self._channels.get(agent.id) is channel:
+                del self._channels[agent.id]
+            closing = self._closed
+        if not closing:
+            self._on_lost(agent)
+
+    def open_grant(self, descriptor: common_pb2.BufferDescriptor, deadline: float) -> peer_pb2.BufferGrant:
+        """Ask the owner for one-sided (ipc) access to a buffer."""
+        frame = peer_pb2.PeerFrame(open=peer_pb2.OpenBuffer(buffer_id=descriptor.id, access_key=descriptor.access_key, path="ipc"))
+        return self.control(descriptor.owner, deadline).request(frame, deadline).grant
+
+    def notify(self, descriptor: common_pb2.BufferDescriptor, transfer_id: str, payload: bytes, deadline: float, callback: ReplyCallback) -> None:
+        """Send a Notify to the owner; `callback` runs when it acknowledged (or failed)."""
+        frame = peer_pb2.PeerFrame(
+            notify=peer_pb2.Notify(buffer_id=descriptor.id, access_key=descriptor.access_key, transfer_id=transfer_id, payload=payload)
+        )
+        self.control(descriptor.owner, deadline).request_async(frame, deadline, callback)
+
+    def close(self) -> None:
+        """Close every control channel (joining their readers); idempotent."""
+        with self._lock:
+            self._closed = True
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()

@@ -1,0 +1,224 @@
+"""The agent's peer listener: the owner side of every path that crosses processes.
+
+Peers connect over TCP and say in their hello which channel they open:
+
+- control: OpenBuffer (grants one-sided ipc access after the access-key check),
+  Notify (deduplicated, queued for `Agent.notifications()`), and the replies to
+  the Withdrawn frames this agent sends when a granted buffer is unregistered;
+- data: DataWrite and DataRead of the staged path. Every range is bounds-checked
+  against the registered size, and the access key verified, before one byte is
+  received into the buffer; a refused DataWrite's payload is drained and
+  discarded and a typed error sent back. Malformed frames get a ProtocolError
+  reply and that connection (only) is closed.
+
+Concurrency: one accept thread ("hmc-peer-accept") and one thread per
+connection ("hmc-peer-<addr>"), all daemon threads joined (bounded) on close.
+`_lock` guards the connection set and the record of who opened which buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from hmc.agent._buffers import BufferTable
+from hmc.agent._transfer import Notification, NotificationInbox
+from hmc.errors import AccessDeniedError, HMCError, ProtocolError, UnsupportedError
+from hmc.memory import MemoryKind
+from hmc.transport._channel import Channel
+from hmc.transport._ranges import RangeList
+from hmc.transport._wire import FrameStream, accept_handshake, error_reply
+from hmc.v1 import common_pb2, peer_pb2
+
+__all__ = ["PeerServer"]
+
+_log = logging.getLogger(__name__)
+_HANDSHAKE_S = 10.0
+_JOIN_S = 2.0
+
+
+class PeerServer:
+    """Listens for peer agents and serves their control and data connections."""
+
+    def __init__(
+        self,
+        host: str,
+        *,
+        info: Callable[[], common_pb2.AgentInfo],
+        buffers: BufferTable,
+        inbox: NotificationInbox,
+        buffer_bytes: int,
+    ) -> None:
+        self._info = info
+        self._buffers = buffers
+        self._inbox = inbox
+        self._lock = threading.Lock()  # guards _streams, _threads, _opened
+        self._streams: set[FrameStream] = set()
+        self._threads: list[threading.Thread] = []
+        self._opened: dict[str, set[Channel]] = {}
+        self._listener = socket.create_server((host, 0), backlog=128)
+        if buffer_bytes:  # accepted sockets inherit these (and the window scale they imply)
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+        self.port: int = self._listener.getsockname()[1]
+        self._accepter = threading.Thread(target=self._accept_loop, name="hmc-peer-accept", daemon=True)
+        self._accepter.start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, address = self._listener.accept()
+            except OSError:
+                return  # listener closed
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            stream = FrameStream(sock, peer=f"{address[0]}:{address[1]}")
+            thread = threading.Thread(target=self._serve, args=(stream,), name=f"hmc-peer-{address[1]}", daemon=True)
+            with self._lock:
+                self._streams.add(stream)
+                self._threads = [t for t in self._threads if t.is_alive()]
+                self._threads.append(thread)
+            thread.start()
+
+    def _serve(self, stream: FrameStream) -> None:
+        try:
+            hello = accept_handshake(stream, self._info(), time.monotonic() + _HANDSHAKE_S)
+            if hello.channel == peer_pb2.PeerHello.CHANNEL_CONTROL:
+                self._serve_control(stream, hello.agent)
+            elif hello.channel == peer_pb2.PeerHello.CHANNEL_DATA:
+                self._serve_data(stream)
+            else:
+                raise ProtocolError(f"unknown channel {hello.channel} in hello")
+        except ProtocolError as exc:
+            with contextlib.suppress(HMCError):
+                stream.send(peer_pb2.PeerFrame(reply=error_reply(exc)), deadline=time.monotonic() + 1.0)
+        except HMCError as exc:
+            _log.debug("peer connection %s ended: %s", stream.peer, exc)
+        finally:
+            stream.close()
+            with self._lock:
+                self._streams.discard(stream)
+
+    # -- control ----------------------------------------------------------------
+
+    def _serve_control(self, stream: FrameStream, peer: common_pb2.AgentInfo) -> None:
+        channel: Channel | None = None
+
+        def handler(frame: peer_pb2.PeerFrame) -> peer_pb2.PeerReply:
+            kind = frame.WhichOneof("kind")
+            if kind == "open":
+                assert channel is not None
+                return self._open(frame.open, channel)
+            if kind == "notify":
+                return self._notify(frame.notify, peer.id)
+            raise ProtocolError(f"{kind or 'empty frame'} is not a control request")
+
+        channel = Channel(stream, handler, name=threading.current_thread().name, on_close=self._forget_channel)
+        channel.run()
+
+    def _open(self, request: peer_pb2.OpenBuffer, channel: Channel) -> peer_pb2.PeerReply:
+        buffer = self._buffers.get(request.buffer_id, request.access_key)
+        if request.path != "ipc" or buffer.region.kind is MemoryKind.DEVICE:
+            raise UnsupportedError(f"buffer {buffer.id} cannot be opened for path {request.path!r}")
+        with self._lock:
+            self._opened.setdefault(buffer.id, set()).add(channel)
+        handles = common_pb2.TransportHandles(cma=common_pb2.CmaHandle(pid=os.getpid(), address=buffer.region.address))
+        return peer_pb2.PeerReply(grant=peer_pb2.BufferGrant(buffer_id=buffer.id, size=buffer.size, handles=handles))
+
+    def _notify(self, request: peer_pb2.Notify, sender: str) -> peer_pb2.PeerReply:
+        self._buffers.get(request.buffer_id, request.access_key)
+        self._inbox.deliver(Notification(request.buffer_id, request.transfer_id, request.payload, sender))
+        return peer_pb2.PeerReply()
+
+    def _forget_channel(self, channel: Channel) -> None:
+        with self._lock:
+            for holders in self._opened.values():
+                holders.discard(channel)
+
+    def withdraw(self, buffer_id: str, deadline: float) -> None:
+        """Tell every peer that opened `buffer_id` it is gone; wait for their acknowledgements."""
+        with self._lock:
+            holders = self._opened.pop(buffer_id, set())
+        frame = peer_pb2.PeerFrame(withdrawn=peer_pb2.Withdrawn(buffer_id=buffer_id))
+        for channel in holders:
+            try:
+                channel.request(frame, deadline)
+            except HMCError as exc:  # a dead or slow peer cannot use the buffer any more either way
+                _log.debug("withdrawn %s not acknowledged by %s: %s", buffer_id, channel.name, exc)
+
+    # -- data -------------------------------------------------------------------
+
+    def _serve_data(self, stream: FrameStream) -> None:
+        while True:
+            frame = stream.recv()
+            kind = frame.WhichOneof("kind")
+            if kind == "write":
+                reply = self._receive_write(stream, frame.write)
+            elif kind == "read":
+                reply = self._send_read(stream, frame)
+                if reply is None:
+                    continue
+            else:
+                raise ProtocolError(f"{kind or 'empty frame'} is not a data request")
+            stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=reply))
+
+    def _receive_write(self, stream: FrameStream, request: peer_pb2.DataWrite) -> peer_pb2.PeerReply:
+        ranges = _wire_ranges(request.ranges)
+        with contextlib.ExitStack() as held:
+            try:
+                buffer = held.enter_context(self._buffers.use(request.buffer_id, request.access_key))
+                if buffer.region.readonly:
+                    raise AccessDeniedError(f"buffer {buffer.id} is read-only")
+                if buffer.region.kind is MemoryKind.DEVICE:
+                    raise UnsupportedError("staged writes into device memory are not supported yet")
+                ranges.check_dst(buffer.size)
+            except HMCError as exc:
+                stream.discard(ranges.total)
+                return error_reply(exc)
+            view = buffer.view
+            stream.recv_into([view[d : d + n] for d, n in zip(ranges.dst.tolist(), ranges.lengths.tolist())])
+        return peer_pb2.PeerReply()
+
+    def _send_read(self, stream: FrameStream, frame: peer_pb2.PeerFrame) -> peer_pb2.PeerReply | None:
+        ranges = _wire_ranges(frame.read.ranges).swapped()
+        with contextlib.ExitStack() as held:
+            try:
+                buffer = held.enter_context(self._buffers.use(frame.read.buffer_id, frame.read.access_key))
+                if buffer.region.kind is MemoryKind.DEVICE:
+                    raise UnsupportedError("staged reads from device memory are not supported yet")
+                ranges.check_dst(buffer.size)
+            except HMCError as exc:
+                return error_reply(exc)
+            view = buffer.view
+            payload = [view[s : s + n] for s, n in zip(ranges.dst.tolist(), ranges.lengths.tolist())]
+            reply = peer_pb2.PeerReply(payload_bytes=ranges.total)
+            stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=reply), payload)
+        return None
+
+    def close(self) -> None:
+        """Stop accepting, break every connection, join the threads (bounded); idempotent."""
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._lock:
+            streams, threads = list(self._streams), list(self._threads)
+        for stream in streams:
+            stream.shutdown()
+        for thread in (self._accepter, *threads):
+            thread.join(_JOIN_S)
+
+
+_MAX_RANGE = 1 << 40
+"""Longest single range accepted on the wire (keeps the payload size computable without overflow)."""
+
+
+def _wire_ranges(message: common_pb2.RangeList) -> RangeList:
+    """Decode a request's ranges; lengths must be sane to know how much payload follows."""
+    ranges = RangeList.from_proto(message)
+    if len(ranges) and not 0 <= int(ranges.lengths.min()) <= int(ranges.lengths.max()) <= _MAX_RANGE:
+        raise ProtocolError("range lengths in a data request are negative or absurd")
+    return ranges

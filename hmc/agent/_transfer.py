@@ -1,0 +1,214 @@
+"""Transfer handles, their states, and the notifications an owner receives.
+
+A `TransferHandle` is what `Agent.write()`/`read()` return and what transports
+complete (it implements `hmc.transport._base.Completion`). It is deliberately
+cheap: slots, and a pre-acquired `_thread` lock as its completion latch
+(released once, on finish) instead of a `threading.Event`; handles of transfers
+that finished inline carry no latch at all.
+
+Deadlines: `wait()` with no timeout waits until the transfer's deadline; when it
+passes, the transfer is failed with TimeoutError and its `on_cancel` hook runs
+so the transport drops it. `wait(timeout)` shorter than the deadline raises
+TimeoutError and leaves the transfer running.
+
+Concurrency: any thread may finish, cancel, poll or wait; every state change
+happens under the module's `_TRANSITION` lock, so a handle finishes exactly once.
+"""
+
+from __future__ import annotations
+
+import _thread
+import collections
+import dataclasses
+import enum
+import functools
+import itertools
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+
+from hmc.errors import CancelledError, TimeoutError
+from hmc.v1 import common_pb2
+
+__all__ = ["Notification", "NotificationInbox", "TransferHandle", "TransferState"]
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    def to_proto(self) -> int:
+        return _STATE_TO_PROTO[self]
+
+
+_STATE_TO_PROTO = {
+    TransferState.PENDING: common_pb2.TRANSFER_STATE_PENDING,
+    TransferState.RUNNING: common_pb2.TRANSFER_STATE_RUNNING,
+    TransferState.DONE: common_pb2.TRANSFER_STATE_DONE,
+    TransferState.FAILED: common_pb2.TRANSFER_STATE_FAILED,
+    TransferState.CANCELLED: common_pb2.TRANSFER_STATE_CANCELLED,
+}
+_FINAL = frozenset({TransferState.DONE, TransferState.FAILED, TransferState.CANCELLED})
+_DONE = TransferState.DONE
+_TRANSITION = threading.Lock()  # guards every handle's state, error and bytes_done (tiny critical sections)
+_SEQUENCE = itertools.count(1)
+_new = object.__new__
+
+
+@functools.cache
+def _process_token() -> str:
+    """Random per-process prefix making transfer ids unique across agents."""
+    return secrets.token_hex(6)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Notification:
+    """Bytes a peer attached to a transfer, delivered to the owner after the data, exactly once."""
+
+    buffer_id: str
+    transfer_id: str
+    payload: bytes
+    sender_agent: str
+
+
+class NotificationInbox:
+    """The owner's queue of notifications, deduplicated by transfer id (exactly once)."""
+
+    def __init__(self, remember: int = 1 << 16) -> None:
+        self._queue: queue.SimpleQueue[Notification] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _seen
+        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._remember = remember
+
+    def deliver(self, notification: Notification) -> bool:
+        """Queue it unless this transfer id was delivered before; True when queued."""
+        with self._lock:
+            if notification.transfer_id in self._seen:
+                return False
+            self._seen[notification.transfer_id] = None
+            if len(self._seen) > self._remember:
+                self._seen.popitem(last=False)
+        self._queue.put(notification)
+        return True
+
+    def drain(self, timeout: float | None = 0) -> list[Notification]:
+        """Everything queued; waits up to `timeout` (None: forever) for the first one."""
+        out: list[Notification] = []
+        try:
+            out.append(self._queue.get(timeout=timeout) if timeout != 0 else self._queue.get_nowait())
+            while True:
+                out.append(self._queue.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+
+class TransferHandle:
+    """One transfer's progress: wait on it, poll it, or cancel it."""
+
+    __slots__ = ("_id", "state", "path", "bytes_total", "bytes_done", "error", "deadline", "_latch", "on_cancel")
+
+    def __init__(self, path: str, bytes_total: int, deadline: float, transfer_id: str | None = None) -> None:
+        self._id: str | int = transfer_id if transfer_id is not None else next(_SEQUENCE)
+        self.state = TransferState.PENDING
+        self.path = path
+        self.bytes_total = bytes_total
+        self.bytes_done = 0
+        self.deadline = deadline
+        self.error: BaseException | None = None
+        self.on_cancel: Callable[[], None] | None = None
+        """Run (once) when the transfer is cancelled or expires, so the transport drops it."""
+        self._latch: _thread.LockType | None = _thread.allocate_lock()
+        self._latch.acquire()
+
+    @classmethod
+    def finished(cls, path: str, nbytes: int) -> TransferHandle:
+        """A handle for a transfer that already completed inline (no latch: the hot path's handle)."""
+        handle = _new(cls)
+        handle._id = next(_SEQUENCE)
+        handle.state = _DONE
+        handle.path = path
+        handle.bytes_total = handle.bytes_done = nbytes
+        handle.deadline = 0.0
+        handle.error = handle._latch = handle.on_cancel = None
+        return handle
+
+    @property
+    def id(self) -> str:
+        if isinstance(self._id, int):
+            self._id = f"{_process_token()}-{self._id}"
+        return self._id
+
+    def done(self) -> bool:
+        """True once the transfer finished, failed or was cancelled (never blocks)."""
+        return self.state in _FINAL
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until finished; raise the transfer's typed error, or TimeoutError (see module doc)."""
+        latch = self._latch
+        if latch is not None:
+            until_deadline = self.deadline - time.monotonic()
+            limit = until_deadline if timeout is None else min(timeout, until_deadline)
+            if latch.acquire(timeout=max(limit, 0.0)):
+                latch.release()
+            elif timeout is not None and timeout < until_deadline:
+                raise TimeoutError(f"transfer {self.id} still running after {timeout:.3f}s")
+            else:
+                self._stop(TimeoutError(f"transfer {self.id} missed its deadline"), TransferState.FAILED)
+        if self.error is not None:
+            raise self.error
+
+    def cancel(self) -> None:
+        """Stop the transfer if it is still running (no effect once finished)."""
+        self._stop(CancelledError(f"transfer {self.id} was cancelled"), TransferState.CANCELLED)
+
+    def _stop(self, error: BaseException, state: TransferState) -> None:
+        if self._settle(error, state):
+            hook, self.on_cancel = self.on_cancel, None
+            if hook is not None:
+                hook()
+
+    # -- Completion protocol (called by transports) --------------------------------
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the transfer reached a final state; transports stop working on it."""
+        return self.state in _FINAL
+
+    def set_running(self) -> None:
+        with _TRANSITION:
+            if self.state is TransferState.PENDING:
+                self.state = TransferState.RUNNING
+
+    def add_bytes(self, nbytes: int) -> None:
+        with _TRANSITION:
+            self.bytes_done += nbytes
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """Complete the transfer (first call wins; later calls are ignored)."""
+        if error is None:
+            with _TRANSITION:
+                if self.state not in _FINAL:
+                    self.bytes_done = self.bytes_total
+            self._settle(None, _DONE)
+        else:
+            self._settle(error, TransferState.FAILED)
+        self.on_cancel = None
+
+    def _settle(self, error: BaseException | None, state: TransferState) -> bool:
+        with _TRANSITION:
+            if self.state in _FINAL:
+                return False
+            self.state = state
+            self.error = error
+        if self._latch is not None:
+            self._latch.release()
+        return True
+
+    def __repr__(self) -> str:
+        return f"<TransferHandle {self.id} {self.path} {self.state.value} {self.bytes_done}/{self.bytes_total}>"
