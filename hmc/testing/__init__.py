@@ -1,0 +1,8 @@
+"""Test support shipped with HMC: a loopback transport, a peer agent in another process,
+and `check_transport()`, the conformance suite every path passes."""
+
+from hmc.testing._check_transport import AgentOwner, BufferOwner, TransportPair, check_transport
+from hmc.testing._loopback import LoopbackTransport
+from hmc.testing._peer import PeerProcess
+
+__all__ = ["AgentOwner", "BufferOwner", "LoopbackTransport", "PeerProcess", "TransportPair", "check_transport"]

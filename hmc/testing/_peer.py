@@ -1,0 +1,196 @@
+"""A real peer agent in another process, driven from tests over a pipe.
+
+`PeerProcess` starts a fresh interpreter (multiprocessing "spawn"), builds an
+`Agent` there from the given Config, and answers commands: register, fill and
+read back buffers, unregister, drain notifications, and run transfers that the
+peer itself initiates. Descriptors cross the pipe serialized, exactly as users
+pass them between processes. It also exposes the process for fault injection:
+`kill()` (SIGKILL) and `stalled()` (SIGSTOP ... SIGCONT).
+
+It implements the `BufferOwner` protocol of `check_transport`, and hmcd tests
+use it to put agents under a running hmcd (`daemon=True`).
+
+Concurrency: one test thread drives a PeerProcess; commands are serialized by
+`_lock`. The child runs its command loop on its main thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from hmc.agent._transfer import Notification
+from hmc.config import Config
+from hmc.errors import BrokenResourceError, HMCError, TimeoutError, error_from_code
+from hmc.v1 import common_pb2
+
+__all__ = ["PeerProcess"]
+
+_START_S = 60.0
+
+
+def _serve(conn: Connection, config: Config, daemon: bool | None) -> None:
+    """The child's command loop."""
+    from hmc.agent import Agent
+
+    with Agent(config, daemon=daemon) as agent:
+        buffers: dict[str, Any] = {}
+        conn.send(("ok", agent.info.SerializeToString()))
+        while True:
+            try:
+                command, args = conn.recv()
+            except EOFError:
+                return
+            if command == "close":
+                conn.send(("ok", None))
+                return
+            try:
+                conn.send(("ok", _COMMANDS[command](agent, buffers, *args)))
+            except HMCError as exc:
+                conn.send(("error", (int(exc.code), str(exc))))
+
+
+def _register(agent: Any, buffers: dict[str, Any], size: int, name: str | None, fill: int) -> bytes:
+    buffer = agent.register(np.full(size, fill, dtype=np.uint8), name=name)
+    buffers[buffer.id] = buffer
+    return buffer.descriptor.SerializeToString()
+
+
+def _fill(agent: Any, buffers: dict[str, Any], buffer_id: str, offset: int, data: bytes) -> None:
+    buffers[buffer_id].numpy()[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
+
+
+def _contents(agent: Any, buffers: dict[str, Any], buffer_id: str) -> bytes:
+    return buffers[buffer_id].numpy().tobytes()
+
+
+def _unregister(agent: Any, buffers: dict[str, Any], buffer_id: str) -> None:
+    agent.unregister(buffer_id)
+
+
+def _notifications(agent: Any, buffers: dict[str, Any], timeout: float) -> list[tuple[tuple[str, str, bytes, str], bytes]]:
+    """Each notification with the bytes of its buffer as they were when it was drained."""
+    out = []
+    for n in agent.notifications(timeout):
+        snapshot = buffers[n.buffer_id].numpy().tobytes() if n.buffer_id in buffers else b""
+        out.append(((n.buffer_id, n.transfer_id, n.payload, n.sender_agent), snapshot))
+    return out
+
+
+def _transfer(agent: Any, buffers: dict[str, Any], op: str, local_id: str, remote: bytes, a: Any, b: Any, lengths: Any, notify: bytes | None, timeout: float | None) -> str:
+    descriptor = common_pb2.BufferDescriptor.FromString(remote)
+    run = agent.write if op == "write" else agent.read
+    handle = run(buffers[local_id], descriptor, a, b, lengths, notify=notify, timeout=timeout)
+    handle.wait()
+    return handle.path
+
+
+_COMMANDS = {
+    "register": _register,
+    "fill": _fill,
+    "contents": _contents,
+    "unregister": _unregister,
+    "notifications": _notifications,
+    "transfer": _transfer,
+}
+
+
+class PeerProcess:
+    """A peer agent running in its own process."""
+
+    def __init__(self, config: Config | None = None, *, daemon: bool | None = False, timeout: float = 30.0) -> None:
+        self._timeout = timeout
+        self._lock = threading.Lock()  # one command at a time on the pipe
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_serve, args=(child, config or Config(), daemon), name="hmc-test-peer", daemon=True)
+        self._process.start()
+        child.close()
+        self.info = common_pb2.AgentInfo.FromString(self._reply(_START_S))
+
+    @property
+    def pid(self) -> int:
+        assert self._process.pid is not None
+        return self._process.pid
+
+    def _reply(self, timeout: float) -> Any:
+        try:
+            if not self._conn.poll(timeout):
+                raise TimeoutError(f"peer process {self._process.pid} did not answer within {timeout}s")
+            status, value = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            raise BrokenResourceError(f"peer process {self._process.pid} is gone") from exc
+        if status == "error":
+            raise error_from_code(*value)
+        return value
+
+    def _call(self, command: str, *args: Any) -> Any:
+        with self._lock:
+            try:
+                self._conn.send((command, args))
+            except OSError as exc:
+                raise BrokenResourceError(f"peer process {self._process.pid} is gone") from exc
+            return self._reply(self._timeout)
+
+    def register(self, size: int, *, name: str | None = None, fill: int = 0) -> common_pb2.BufferDescriptor:
+        """A new ConnBuffer in the peer, every byte set to `fill`."""
+        return common_pb2.BufferDescriptor.FromString(self._call("register", size, name, fill))
+
+    def fill(self, buffer_id: str, data: bytes, offset: int = 0) -> None:
+        self._call("fill", buffer_id, offset, bytes(data))
+
+    def contents(self, buffer_id: str) -> bytes:
+        return bytes(self._call("contents", buffer_id))
+
+    def unregister(self, buffer_id: str) -> None:
+        self._call("unregister", buffer_id)
+
+    def notifications(self, timeout: float = 0.0) -> list[tuple[Notification, bytes]]:
+        """Drained notifications, each with its buffer's bytes at the moment it was seen."""
+        return [(Notification(*fields), snapshot) for fields, snapshot in self._call("notifications", timeout)]
+
+    def transfer(self, op: str, local_id: str, remote: common_pb2.BufferDescriptor, a: Any, b: Any, lengths: Any, *, notify: bytes | None = None, timeout: float | None = None) -> str:
+        """Make the peer run write/read (it is the initiator) and wait; returns the path taken."""
+        return str(self._call("transfer", op, local_id, remote.SerializeToString(), a, b, lengths, notify, timeout))
+
+    @contextlib.contextmanager
+    def stalled(self) -> Iterator[None]:
+        """Freeze the process (SIGSTOP) for the duration of the block."""
+        os.kill(self.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL the peer and reap it."""
+        if self._process.is_alive():
+            os.kill(self.pid, signal.SIGKILL)
+        self._process.join(10.0)
+
+    def close(self) -> None:
+        """Ask the peer to exit; kill it if it does not within a few seconds. Idempotent."""
+        if self._process.is_alive():
+            with contextlib.suppress(HMCError, OSError):
+                with self._lock:
+                    self._conn.send(("close", ()))
+                    self._reply(5.0)
+            self._process.join(5.0)
+            if self._process.is_alive():
+                self.kill()
+        self._conn.close()
+        self._process.join(1.0)
+
+    def __enter__(self) -> PeerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
