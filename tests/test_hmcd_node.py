@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -59,8 +60,15 @@ def test_unix_socket_is_private(hmcd: Hmcd) -> None:
     assert stat.S_IMODE(os.stat(hmcd.socket).st_mode) == 0o600
 
 
-def test_unreachable_hmcd_is_unavailable_and_names_the_address() -> None:
-    missing = os.path.join(short_tempdir(), "nobody.sock")
+@pytest.fixture
+def scratch() -> Iterator[str]:
+    directory = short_tempdir()
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_unreachable_hmcd_is_unavailable_and_names_the_address(scratch: str) -> None:
+    missing = os.path.join(scratch, "nobody.sock")
     with Client(config=Config(socket=missing, timeout_s=2.0)) as client, pytest.raises(UnavailableError, match="nobody.sock"):
         client.health()
 
@@ -143,9 +151,8 @@ def test_second_hmcd_on_the_same_socket_refuses(hmcd: Hmcd) -> None:
         assert client.health().serving
 
 
-def test_a_taken_tcp_port_is_refused_cleanly(hmcd: Hmcd) -> None:
-    directory = short_tempdir()
-    socket = os.path.join(directory, "late.sock")
+def test_a_taken_tcp_port_is_refused_cleanly(hmcd: Hmcd, scratch: str) -> None:
+    socket = os.path.join(scratch, "late.sock")
     run = subprocess.run(
         [sys.executable, "-m", "hmc.control._hmcd_main", "--socket", socket, "--listen", hmcd.tcp_address, "--node", "late"],
         capture_output=True,
