@@ -17,6 +17,7 @@ Concurrency: one test thread drives a PeerProcess; commands are serialized by
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import multiprocessing
 import os
 import signal
@@ -32,9 +33,20 @@ from hmc.config import Config
 from hmc.errors import BrokenResourceError, HMCError, TimeoutError, error_from_code
 from hmc.v1 import common_pb2
 
-__all__ = ["PeerProcess"]
+__all__ = ["PeerProcess", "ranges_digest"]
 
 _START_S = 60.0
+
+
+def ranges_digest(data: np.ndarray, offsets: Any = None, lengths: Any = None) -> bytes:
+    """BLAKE2b of the bytes at `offsets`/`lengths` of `data`, in range order (all of `data` by default)."""
+    digest = hashlib.blake2b(digest_size=32)
+    if offsets is None:
+        digest.update(data)
+    else:
+        for offset, length in zip(np.asarray(offsets).tolist(), np.broadcast_to(np.asarray(lengths), np.shape(offsets)).tolist()):
+            digest.update(data[offset : offset + length])
+    return digest.digest()
 
 
 def _serve(conn: Connection, config: Config, daemon: bool | None) -> None:
@@ -72,6 +84,14 @@ def _contents(agent: Any, buffers: dict[str, Any], buffer_id: str) -> bytes:
     return buffers[buffer_id].numpy().tobytes()
 
 
+def _poison(agent: Any, buffers: dict[str, Any], buffer_id: str, value: int) -> None:
+    buffers[buffer_id].numpy().fill(value)
+
+
+def _digest(agent: Any, buffers: dict[str, Any], buffer_id: str, offsets: Any, lengths: Any) -> bytes:
+    return ranges_digest(buffers[buffer_id].numpy(), offsets, lengths)
+
+
 def _unregister(agent: Any, buffers: dict[str, Any], buffer_id: str) -> None:
     agent.unregister(buffer_id)
 
@@ -97,6 +117,8 @@ _COMMANDS = {
     "register": _register,
     "fill": _fill,
     "contents": _contents,
+    "poison": _poison,
+    "digest": _digest,
     "unregister": _unregister,
     "notifications": _notifications,
     "transfer": _transfer,
@@ -149,6 +171,14 @@ class PeerProcess:
 
     def contents(self, buffer_id: str) -> bytes:
         return bytes(self._call("contents", buffer_id))
+
+    def poison(self, buffer_id: str, value: int) -> None:
+        """Set every byte of the peer's buffer to `value`."""
+        self._call("poison", buffer_id, value)
+
+    def digest(self, buffer_id: str, offsets: Any = None, lengths: Any = None) -> bytes:
+        """`ranges_digest` of the peer's buffer (the whole buffer when no ranges are given)."""
+        return bytes(self._call("digest", buffer_id, offsets, lengths))
 
     def unregister(self, buffer_id: str) -> None:
         self._call("unregister", buffer_id)
