@@ -1,0 +1,198 @@
+"""`hmc demo`: the main job on the embedded single-node default.
+
+Starts an hmcd if none is running, an agent here and one in a child process,
+then moves `--size` bytes (1 GiB by default) over every path and reports, per
+path, whether it is available (and why not), the path negotiation would pick for
+the pair, GB/s, and whether every byte arrived (BLAKE2b of the destination,
+computed where the destination lives, against the source's).
+
+Concurrency: the CLI's main thread drives everything; the child agent answers
+over a pipe (hmc.testing.PeerProcess).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from hmc import memory
+from hmc.agent._buffers import ConnBuffer
+from hmc.cli._output import Progress, print_json, print_table
+from hmc.config import Config, PathPolicy
+from hmc.errors import ArgumentError, NoPathError, UnavailableError
+from hmc.transport._base import PathName
+from hmc.transport._negotiate import Endpoint, negotiate
+
+__all__ = ["parse_size", "register"]
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+_FILL_CHUNK = 64 << 20
+
+
+def parse_size(text: str) -> int:
+    """'1GiB', '256M', '64kb', '4096' -> bytes (binary units)."""
+    match = _SIZE.match(text)
+    if match is None or float(match.group(1)) <= 0:
+        raise ArgumentError(f"cannot read size {text!r}; use e.g. 4096, 64KiB, 256MiB, 1GiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@contextlib.contextmanager
+def _hmcd(config: Config, progress_out: Any) -> Iterator[str]:
+    """Yield 'running' when an hmcd answers on the config's socket, else start one for the demo."""
+    from hmc.control import Client
+
+    with Client(config=config, timeout=2.0) as client:
+        try:
+            client.health()
+        except UnavailableError:
+            pass
+        else:
+            yield "running"
+            return
+    print(f"starting hmcd on {config.socket} ...", file=progress_out)
+    command = [sys.executable, "-m", "hmc.control._hmcd_main", "--socket", config.socket, "--node", config.node, "--log-level", "warning"]
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_healthy(config, process)
+        yield "started"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def _wait_healthy(config: Config, process: subprocess.Popen[bytes]) -> None:
+    from hmc.control import Client
+
+    deadline = time.monotonic() + max(config.timeout_s, 20.0)
+    with Client(config=config, timeout=1.0) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                stderr = process.stderr.read().decode(errors="replace") if process.stderr else ""
+                raise UnavailableError(f"hmcd exited with status {process.returncode}: {stderr.strip()[-500:]}")
+            try:
+                client.health()
+                return
+            except UnavailableError:
+                time.sleep(0.1)
+    raise UnavailableError(f"hmcd did not answer on {config.socket} within {deadline:.0f}s")
+
+
+def _fill_random(array: np.ndarray, progress: Progress) -> None:
+    rng = np.random.default_rng()
+    for start in range(0, array.size, _FILL_CHUNK):
+        chunk = array[start : start + _FILL_CHUNK]
+        chunk[:] = np.frombuffer(rng.bytes(chunk.size), dtype=np.uint8)
+        progress.advance(chunk.size)
+
+
+def _forced(source: Any, target: Any, path: PathName) -> tuple[bool, str]:
+    """Whether `path` can serve this pair, and why (or why not)."""
+    try:
+        choice = negotiate(Endpoint.of(source.descriptor), Endpoint.of(target), PathPolicy(prefer=(path.value,)))
+    except NoPathError as exc:
+        return False, str(exc)
+    if choice.path is path:
+        return True, choice.reason
+    return False, dict(choice.rejected)[path]
+
+
+def _run_path(agent: Any, peer: Any, source: Any, target: Any, path: PathName, size: int, expected: bytes, timeout: float, quiet: bool) -> dict[str, Any]:
+    from hmc.testing import ranges_digest
+
+    chosen = agent.path_to(source, target)
+    row: dict[str, Any] = {
+        "path": path.value,
+        "pair": "same agent" if path is PathName.LOCAL else "two processes, same node",
+        "negotiated": chosen.path.value,
+        "reason": chosen.reason,
+        "rejected": [{"path": p.value, "reason": r} for p, r in chosen.rejected],
+    }
+    available, why = _forced(source, getattr(target, "descriptor", target), path)
+    row.update(available=available, why=why)
+    if not available:
+        return row
+    local_target = isinstance(target, ConnBuffer)
+    if local_target:
+        memory.fill(target.region, 0xA5)
+    else:
+        peer.poison(target.id, 0xA5)
+    progress = Progress(size, f"{path.value:>6}: writing", enabled=not quiet)
+    started = time.perf_counter()
+    handle = agent.write(source, target, 0, 0, size, path=path.value, timeout=timeout)
+    while not handle.done():
+        progress.update(handle.bytes_done)
+        time.sleep(0.02)
+    handle.wait()
+    seconds = time.perf_counter() - started
+    progress.update(size, f"{size / seconds / 1e9:.2f} GB/s")
+    digest = ranges_digest(target.numpy()) if local_target else peer.digest(target.id)
+    row.update(bytes=size, seconds=round(seconds, 4), gbps=round(size / seconds / 1e9, 3), verified=digest == expected)
+    return row
+
+
+def _demo(args: argparse.Namespace, config: Config) -> int:
+    from hmc.agent import Agent
+    from hmc.testing import PeerProcess, ranges_digest
+
+    size = parse_size(args.size)
+    quiet = args.json and not sys.stderr.isatty()
+    name = f"hmc-demo-{os.getpid()}"
+    rows: list[dict[str, Any]] = []
+    with _hmcd(config, sys.stderr) as hmcd_state:
+        with Agent(config, daemon=True) as agent, PeerProcess(config, daemon=True) as peer:
+            peer.register(size, name=name)
+            remote = agent.lookup(name)
+            with memory.allocate(size) as src_memory, memory.allocate(size) as dst_memory:
+                source = agent.register(src_memory, name=f"{name}-source")
+                local_target = agent.register(dst_memory)
+                _fill_random(source.numpy(), Progress(size, "filling source with random bytes", enabled=not quiet))
+                expected = ranges_digest(source.numpy())
+                for path in PathName:
+                    target = local_target if path is PathName.LOCAL else remote
+                    rows.append(_run_path(agent, peer, source, target, path, size, expected, config.timeout_s, quiet))
+                agent.unregister(source)
+                agent.unregister(local_target)
+    ok = all(row["verified"] for row in rows if row["available"])
+    report = {"node": config.node, "hmcd": hmcd_state, "size_bytes": size, "paths": rows, "ok": ok}
+    if args.json:
+        print_json(report)
+    else:
+        print(f"\nhmc demo: {size / 2**30:.2f} GiB per path, node {config.node}, hmcd {hmcd_state}")
+        table = [
+            {
+                "path": r["path"],
+                "result": (("verified" if r["verified"] else "CORRUPT") if r["available"] else "unavailable"),
+                "GB/s": r.get("gbps", "-"),
+                "negotiated for pair": r["negotiated"],
+                "why": r["why"],
+            }
+            for r in rows
+        ]
+        print_table(table)
+    return 0 if ok else 1
+
+
+def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    demo = commands.add_parser(
+        "demo",
+        help="move and verify bytes over every path available on this machine",
+        description="Start hmcd if needed and two agents in two processes, move --size bytes over every path "
+        "(local, ipc, rdma, ucx, staged), verify every byte, and report per path the choice, the reasons and GB/s.",
+    )
+    demo.add_argument("--size", default="1GiB", help="bytes to move per path (default: 1GiB; e.g. 256MiB)")
+    demo.set_defaults(run=_demo)
