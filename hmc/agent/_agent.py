@@ -175,7 +175,7 @@ class Agent:
         return [
             LocalTransport(self._buffers),
             IpcTransport(self._peers.open_grant, threads=cfg.ipc_threads),
-            StagedTransport(self._peers.connect_data, streams=cfg.staged_streams, chunk_bytes=cfg.staged_chunk_bytes),
+            StagedTransport(self._peers.connect_data, streams=cfg.staged_streams, chunk_bytes=cfg.staged_chunk_bytes, stall_s=cfg.timeout_s),
         ]
 
     @staticmethod

@@ -3,7 +3,9 @@
 The control channel (initiator -> owner) carries OpenBuffer and Notify requests;
 the owner sends Withdrawn frames back over it when a buffer we opened goes away.
 Channels are opened lazily, cached per peer agent id, and dropped when they
-break, which also tells the agent that the peer is lost.
+break, which also tells the agent that the peer is lost. Reconnecting to a lost
+peer that no longer answers is BrokenResourceError (it died), not
+UnavailableError (it was never reachable).
 
 Concurrency: any thread may ask for a channel; `_lock` guards the cache and a
 per-peer lock keeps two threads from connecting to one peer at once. Callbacks
@@ -15,7 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from hmc.errors import ClosedResourceError, ProtocolError
+from hmc.errors import BrokenResourceError, ClosedResourceError, ProtocolError, UnavailableError
 from hmc.transport._channel import Channel, ReplyCallback
 from hmc.transport._wire import FrameStream, connect, handshake
 from hmc.v1 import common_pb2, peer_pb2
@@ -41,8 +43,9 @@ class Peers:
         self._on_withdrawn = on_withdrawn
         self._on_lost = on_lost
         self._buffer_bytes = buffer_bytes
-        self._lock = threading.Lock()  # guards _channels, _connecting, _closed
+        self._lock = threading.Lock()  # guards _channels, _connecting, _lost, _closed
         self._channels: dict[str, Channel] = {}
+        self._lost: set[str] = set()
         self._connecting: dict[str, threading.Lock] = {}
         self._closed = False
 
@@ -74,7 +77,14 @@ class Peers:
                 channel = self._channels.get(agent.id)
             if channel is not None and not channel.closed:
                 return channel
-            stream = self._stream(agent, _CONTROL, deadline)
+            try:
+                stream = self._stream(agent, _CONTROL, deadline)
+            except UnavailableError as exc:
+                with self._lock:
+                    gone = agent.id in self._lost
+                if gone:
+                    raise BrokenResourceError(f"lost the connection to agent {agent.id}, and it does not answer any more") from exc
+                raise
             lost = agent
 
             def handler(frame: peer_pb2.PeerFrame) -> peer_pb2.PeerReply:
@@ -92,6 +102,7 @@ class Peers:
         with self._lock:
             if self._channels.get(agent.id) is channel:
                 del self._channels[agent.id]
+            self._lost.add(agent.id)
             closing = self._closed
         if not closing:
             self._on_lost(agent)

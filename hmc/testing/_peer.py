@@ -193,12 +193,13 @@ class PeerProcess:
 
     @contextlib.contextmanager
     def stalled(self) -> Iterator[None]:
-        """Freeze the process (SIGSTOP) for the duration of the block."""
+        """Freeze the process (SIGSTOP) for the duration of the block (a peer killed inside stays dead)."""
         os.kill(self.pid, signal.SIGSTOP)
         try:
             yield
         finally:
-            os.kill(self.pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
 
     def kill(self) -> None:
         """SIGKILL the peer and reap it."""

@@ -13,9 +13,13 @@ key before receiving into its buffer. READ sends `DataRead`; the owner answers
 with a reply announcing `payload_bytes` and the bytes follow, received straight
 into the destination (`recvmsg_into`). No intermediate copy on either side.
 
-Failures: a broken or timed-out stream fails every chunk queued or in flight on
-it and is replaced on the next transfer. A chunk that arrives for a transfer
-already cancelled or failed is discarded, never written into user memory.
+Deadlines and failures: a transfer's deadline is enforced by its handle; a
+stream is torn down only when the connection breaks or makes no progress for
+`stall_s`, because one transfer expiring must not fail the others queued
+behind it. A torn-down stream fails every chunk queued or in flight on it and
+is replaced on the next transfer. Chunks of a transfer that already expired or
+was cancelled are skipped, and read payloads for it are discarded, never
+written into user memory.
 
 Concurrency: `post()` runs on the caller's thread (it may open connections
 within the request's deadline) and only enqueues; each stream's queue and
@@ -67,11 +71,12 @@ class _Transfer:
 
 
 class _Chunk:
-    __slots__ = ("ranges", "transfer")
+    __slots__ = ("ranges", "sent_at", "transfer")
 
     def __init__(self, transfer: _Transfer, ranges: RangeList) -> None:
         self.transfer = transfer
         self.ranges = ranges
+        self.sent_at = 0.0
 
     def local_views(self, local_offsets: Any) -> list[memoryview]:
         view = self.transfer.request.local.view
@@ -91,11 +96,13 @@ class _Chunk:
 class _Stream:
     """One data connection with its sender and receiver threads."""
 
-    def __init__(self, stream: FrameStream, name: str, on_broken: Callable[[_Stream], None]) -> None:
+    def __init__(self, stream: FrameStream, name: str, on_broken: Callable[[_Stream], None], stall_s: float) -> None:
         self._stream = stream
+        self._stall_s = stall_s
         self._on_broken = on_broken
-        self._lock = threading.Lock()  # guards _alive, and _queue/_sent against failure draining
+        self._lock = threading.Lock()  # guards _alive, _running, and _queue/_sent against failure draining
         self._alive = True
+        self._running = 2  # threads still using the socket; the last one out closes it
         self._queue: queue.SimpleQueue[_Chunk | None] = queue.SimpleQueue()
         self._sent: collections.deque[_Chunk] = collections.deque()
         self._threads = [
@@ -116,7 +123,20 @@ class _Stream:
                 return
         chunk.transfer.request.completion.finish(BrokenResourceError("data stream to the peer broke"))
 
+    def _exit(self) -> None:
+        with self._lock:
+            self._running -= 1
+            last = self._running == 0
+        if last:
+            self._stream.close()
+
     def _send_loop(self) -> None:
+        try:
+            self._send_chunks()
+        finally:
+            self._exit()
+
+    def _send_chunks(self) -> None:
         while True:
             chunk = self._queue.get()
             if chunk is None:
@@ -125,10 +145,11 @@ class _Stream:
             if request.completion.cancelled:
                 continue
             frame, payload = chunk.frame()
+            chunk.sent_at = time.monotonic()
             with self._lock:
                 self._sent.append(chunk)
             try:
-                self._stream.send(frame, payload, deadline=request.deadline)
+                self._stream.send(frame, payload, deadline=chunk.sent_at + self._stall_s)
             except HMCError as exc:
                 self._fail(exc)
                 return
@@ -144,12 +165,14 @@ class _Stream:
                 self._on_reply(frame)
         except HMCError as exc:
             self._fail(exc)
+        finally:
+            self._exit()
 
     def _check_overdue(self) -> None:
         with self._lock:
             oldest = self._sent[0] if self._sent else None
-        if oldest is not None and time.monotonic() > oldest.transfer.request.deadline + _TICK_S:
-            raise TimeoutError("the peer did not acknowledge a chunk before the transfer's deadline")
+        if oldest is not None and time.monotonic() > oldest.sent_at + self._stall_s:
+            raise TimeoutError(f"the peer acknowledged nothing for {self._stall_s:g}s")
 
     def _on_reply(self, frame: peer_pb2.PeerFrame) -> None:
         if frame.WhichOneof("kind") != "reply":
@@ -168,9 +191,9 @@ class _Stream:
             if frame.reply.payload_bytes != chunk.ranges.total:
                 raise ProtocolError(f"peer announced {frame.reply.payload_bytes} bytes for a {chunk.ranges.total}-byte read")
             if request.completion.cancelled:
-                self._stream.discard(chunk.ranges.total, request.deadline + _TICK_S)
+                self._stream.discard(chunk.ranges.total, time.monotonic() + self._stall_s)
                 return
-            self._stream.recv_into(chunk.local_views(chunk.ranges.dst), request.deadline + _TICK_S)
+            self._stream.recv_into(chunk.local_views(chunk.ranges.dst), time.monotonic() + self._stall_s)
         chunk.transfer.chunk_done(chunk.ranges.total)
 
     def _fail(self, exc: HMCError) -> None:
@@ -186,6 +209,7 @@ class _Stream:
                     break
                 if chunk is not None:
                     doomed.append(chunk)
+            self._queue.put(None)  # wake the sender so it exits
         error = exc if isinstance(exc, (TimeoutError, BrokenResourceError)) else BrokenResourceError(f"data stream failed: {exc}")
         for chunk in doomed:
             chunk.transfer.request.completion.finish(error)
@@ -201,7 +225,6 @@ class _Stream:
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(_JOIN_S)
-        self._stream.close()
 
 
 class _Pipe:
@@ -216,8 +239,9 @@ class _Pipe:
 class StagedTransport(Transport):
     """TCP streams between any two agents (initiator side; the owner side is the agent's server)."""
 
-    def __init__(self, connect: Connect, *, streams: int = 4, chunk_bytes: int = 4 << 20) -> None:
+    def __init__(self, connect: Connect, *, streams: int = 4, chunk_bytes: int = 4 << 20, stall_s: float = 30.0) -> None:
         self._connect = connect
+        self._stall_s = stall_s
         self._streams = max(1, streams)
         self._chunk_bytes = chunk_bytes
         self._lock = threading.Lock()  # guards _pipes and each pipe's stream list
@@ -266,7 +290,7 @@ class StagedTransport(Transport):
                 if dead in pipe.streams:
                     pipe.streams.remove(dead)
 
-        return _Stream(stream, name, broken)
+        return _Stream(stream, name, broken, self._stall_s)
 
     def forget_peer(self, agent: common_pb2.AgentInfo) -> None:
         """Close the streams to an agent that went away."""
