@@ -1,0 +1,176 @@
+"""The Agent's public API: registration, descriptors, paths, argument checks, hmcd link hooks, lifecycle."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hmc.memory as memory
+from hmc.agent import Agent, ConnBuffer
+from hmc.config import Config
+from hmc.errors import ArgumentError, ClosedResourceError, OutOfRangeError, UnavailableError, UnknownBufferError
+from hmc.transport._ranges import RangeList
+from hmc.v1 import common_pb2, daemon_pb2
+
+
+def test_descriptor_carries_owner_device_size_key_and_handles(agent: Agent) -> None:
+    buffer = agent.register(bytearray(12345), name="kv-cache")
+    d = buffer.descriptor
+    assert isinstance(buffer, ConnBuffer) and buffer.size == d.size == 12345 and buffer.name == d.name == "kv-cache"
+    assert d.owner.id == agent.id and d.owner.endpoint.port > 0 and d.owner.pid > 0 and d.owner.host_id
+    assert d.owner.protocol_version == 1 and {t.path for t in d.owner.transports} >= {"local", "ipc", "staged"}
+    assert d.device.name == "host" and d.device.kind == common_pb2.DEVICE_KIND_HOST
+    assert len(d.access_key) == 16 and d.handles.cma.pid == d.owner.pid and d.handles.cma.address == buffer.region.address
+    again = common_pb2.BufferDescriptor.FromString(bytes(d.SerializeToString()))
+    assert again == d
+    assert buffer.numpy().size == 12345
+
+
+def test_register_accepts_regions_arrays_and_bytes_like(agent: Agent) -> None:
+    region = memory.allocate(4096)
+    for thing in (region, np.zeros((4, 8), np.float32), bytearray(7), memoryview(bytearray(9))):
+        assert agent.register(thing).size == memory.register(thing).size
+    region.free()
+
+
+def test_names_are_unique_per_agent_and_ids_are_not_reused(agent: Agent) -> None:
+    first = agent.register(bytearray(8), name="x")
+    with pytest.raises(ArgumentError):
+        agent.register(bytearray(8), name="x")
+    agent.unregister(first)
+    second = agent.register(bytearray(8), name="x")
+    assert second.id != first.id
+    with pytest.raises(UnknownBufferError):
+        agent.unregister("no-such-buffer")
+
+
+def test_vendor_override_is_published(config: Config) -> None:
+    with Agent(config.replace(vendor_override={"host": "amd"}), daemon=False) as a:
+        assert a.register(bytearray(8)).descriptor.device.vendor == common_pb2.VENDOR_AMD
+
+
+def test_bad_arguments_raise_before_anything_moves(agent: Agent, make_agent: Callable[..., Agent]) -> None:
+    src = agent.register(np.ones(4096, np.uint8))
+    dst = agent.register(np.zeros(4096, np.uint8))
+    with pytest.raises(ArgumentError):
+        agent.write(src, dst, [0, 1], [0, 1, 2], 1)
+    with pytest.raises(ArgumentError):
+        agent.write(src, dst, np.array([0.5]), 0, 1)
+    with pytest.raises(OutOfRangeError):
+        agent.write(src, dst, 0, 1, 4096)
+    with pytest.raises(ArgumentError):
+        agent.write(src, dst, 0, 0, 1, path="carrier-pigeon")
+    other = make_agent()
+    with pytest.raises(ArgumentError):
+        agent.write(other.register(bytearray(8)), dst, 0, 0, 1)
+    assert not dst.numpy().any()
+
+
+def test_path_to_explains_and_forced_paths_are_honoured(agent: Agent, make_agent: Callable[..., Agent], rng: np.random.Generator) -> None:
+    other = make_agent()
+    mine = agent.register(rng.integers(0, 256, 8192, dtype=np.uint8))
+    theirs = other.register(np.zeros(8192, np.uint8))
+    assert agent.path_to(mine, mine).path.value == "local"
+    choice = agent.path_to(mine, theirs.descriptor)
+    assert choice.path.value == "ipc" and choice.rejected[0][0].value == "local"
+    handle = agent.write(mine, theirs, 0, 0, 8192, path="staged")
+    handle.wait()
+    assert handle.path == "staged" and np.array_equal(theirs.numpy(), mine.numpy())
+
+
+def test_read_only_memory_can_be_read_but_not_written(agent: Agent, make_agent: Callable[..., Agent]) -> None:
+    from hmc.errors import AccessDeniedError
+
+    frozen = agent.register(bytes(range(256)) * 16)
+    peer = make_agent(("staged",))
+    sink = peer.register(np.zeros(4096, np.uint8))
+    peer.read(sink, frozen.descriptor, 0, 0, 4096).wait()
+    assert sink.numpy().tobytes() == bytes(range(256)) * 16
+    with pytest.raises(AccessDeniedError):
+        peer.write(sink, frozen.descriptor, 0, 0, 16).wait()
+
+
+def test_embedded_mode_and_daemon_requirements(config: Config) -> None:
+    with Agent(config) as a:  # no hmcd socket: embedded
+        with pytest.raises(UnavailableError):
+            a.lookup("kv-cache")
+    with pytest.raises(UnavailableError):
+        Agent(config, daemon=True)
+
+
+class FakeLink:
+    """Stands in for hmcd's DaemonLink: records calls, lets the test play hmcd's instructions."""
+
+    def __init__(self, config: Config, info: common_pb2.AgentInfo, on_instruction: Callable[[daemon_pb2.TransferInstruction], None]) -> None:
+        self.info, self.instruct = info, on_instruction
+        self.registered: list[str] = []
+        self.unregistered: list[str] = []
+        self.reports: list[daemon_pb2.TransferReport] = []
+        self.reported = threading.Event()
+        self.closed = False
+
+    def register(self, descriptor: common_pb2.BufferDescriptor) -> None:
+        self.registered.append(descriptor.id)
+
+    def unregister(self, buffer_id: str) -> None:
+        self.unregistered.append(buffer_id)
+
+    def report(self, report: daemon_pb2.TransferReport) -> None:
+        self.reports.append(report)
+        self.reported.set()
+
+    def lookup(self, ref: str) -> common_pb2.BufferDescriptor:
+        return common_pb2.BufferDescriptor(id=ref)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_hmcd_link_sees_registrations_and_instructions_run_off_its_thread(config: Config, make_agent: Callable[..., Agent], rng: np.random.Generator) -> None:
+    links: list[FakeLink] = []
+
+    def factory(*args: Any) -> FakeLink:
+        links.append(FakeLink(*args))
+        return links[-1]
+
+    a = Agent(config, daemon=True, link_factory=factory)
+    link = links[0]
+    assert link.info.id == a.id and a.lookup("abc").id == "abc"
+    src = a.register(rng.integers(0, 256, 1 << 16, dtype=np.uint8), name="src")
+    other = make_agent()
+    dst = other.register(np.zeros(1 << 16, np.uint8))
+    ranges = RangeList.build([0, 8192], [100, 30000], 5000).to_proto()
+    link.instruct(
+        daemon_pb2.TransferInstruction(
+            transfer_id="hmcd-1", op=common_pb2.TRANSFER_OP_WRITE, local_buffer_id=src.id, remote=dst.descriptor, ranges=ranges, notification=b"moved", timeout_s=5
+        )
+    )
+    assert link.reported.wait(10)
+    [report] = link.reports
+    assert report.transfer_id == "hmcd-1" and report.state == common_pb2.TRANSFER_STATE_DONE and report.bytes_done == 10000 and report.path == "ipc"
+    assert np.array_equal(dst.numpy()[100:5100], src.numpy()[:5000]) and np.array_equal(dst.numpy()[30000:35000], src.numpy()[8192:13192])
+    assert [(n.transfer_id, n.payload) for n in other.notifications(5)] == [("hmcd-1", b"moved")]
+    link.reported.clear()
+    link.instruct(daemon_pb2.TransferInstruction(transfer_id="hmcd-2", local_buffer_id="missing", remote=dst.descriptor, ranges=ranges))
+    assert link.reported.wait(10)
+    assert link.reports[-1].state == common_pb2.TRANSFER_STATE_FAILED and link.reports[-1].error.code == common_pb2.ERROR_CODE_UNKNOWN_BUFFER
+    a.unregister(src)
+    assert link.registered == [src.id] and link.unregistered == [src.id]
+    a.close()
+    assert link.closed
+
+
+def test_close_is_idempotent_and_final(config: Config) -> None:
+    a = Agent(config, daemon=False)
+    buffer = a.register(bytearray(64))
+    a.close()
+    a.close()
+    with pytest.raises(ClosedResourceError):
+        a.register(bytearray(8))
+    with pytest.raises(ClosedResourceError):
+        a.write(buffer, buffer, 0, 0, 8)
+    assert not [t for t in threading.enumerate() if t.name.startswith("hmc-peer")]

@@ -1,0 +1,70 @@
+"""A peer agent killed (SIGKILL) or frozen mid-transfer: every pending operation fails within its deadline."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from hmc.agent import Agent, TransferState
+from hmc.errors import BrokenResourceError, HMCError, TimeoutError, UnavailableError
+from hmc.testing import PeerProcess
+
+BIG = 128 << 20
+PROMPT_S = 3.0
+"""A dead peer must be noticed this fast (the transfers' deadline is 10 s)."""
+
+
+@pytest.mark.parametrize("path", ["staged", "ipc"])
+def test_owner_killed_mid_transfer_fails_the_handle_promptly(make_agent: Callable[..., Agent], make_peer: Callable[..., PeerProcess], path: str) -> None:
+    peer = make_peer()
+    a = make_agent((path,))
+    remote = peer.register(BIG)
+    src = a.register(np.ones(BIG, np.uint8))
+    a.write(src, remote, 0, 0, 4096).wait()  # connections and grants up
+    with peer.stalled():  # frozen first, so the kill surely lands mid-transfer
+        handle = a.write(src, remote, 0, 0, BIG, notify=b"never")
+        started = time.monotonic()
+        peer.kill()
+    with pytest.raises(BrokenResourceError):
+        handle.wait()
+    assert time.monotonic() - started < PROMPT_S
+    assert handle.state is TransferState.FAILED and isinstance(handle.error, BrokenResourceError)
+
+
+def test_transfers_to_a_dead_peer_fail_fast(make_agent: Callable[..., Agent], make_peer: Callable[..., PeerProcess]) -> None:
+    peer = make_peer()
+    staged, ipc = make_agent(("staged",)), make_agent(("ipc",))
+    remote = peer.register(1 << 20)
+    sources = [(x, x.register(np.ones(1 << 20, np.uint8))) for x in (staged, ipc)]
+    for x, src in sources:
+        x.write(src, remote, 0, 0, 4096).wait()
+    peer.kill()
+    for x, src in sources:
+        started = time.monotonic()
+        for length in (4096, 1 << 20):  # the inline fast path and the posted one
+            with pytest.raises((BrokenResourceError, UnavailableError)):
+                x.write(src, remote, 0, 0, length).wait()
+        assert time.monotonic() - started < PROMPT_S
+
+
+def test_frozen_owner_times_out_and_the_pair_recovers(make_agent: Callable[..., Agent], make_peer: Callable[..., PeerProcess]) -> None:
+    peer = make_peer()
+    a = make_agent(("staged",))
+    remote = peer.register(64 << 20)
+    src = a.register(np.full(64 << 20, 7, np.uint8))
+    a.write(src, remote, 0, 0, 4096).wait()
+    with peer.stalled():
+        started = time.monotonic()
+        handle = a.write(src, remote, 0, 0, 64 << 20, timeout=0.5)
+        with pytest.raises(TimeoutError):
+            handle.wait()
+        assert time.monotonic() - started < 0.5 + PROMPT_S
+    handle = a.write(src, remote, 0, 0, 64 << 20)
+    try:
+        handle.wait()
+    except HMCError as exc:  # pragma: no cover - the message says what went wrong
+        pytest.fail(f"pair did not recover: {exc}")
+    assert peer.contents(remote.id) == src.numpy().tobytes()

@@ -1,0 +1,95 @@
+"""Transfer handles: states, deadlines, cancellation, exactly-once completion; the notification inbox."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from hmc.agent import Notification, TransferHandle, TransferState
+from hmc.agent._transfer import NotificationInbox
+from hmc.errors import BrokenResourceError, CancelledError, TimeoutError
+from hmc.v1 import common_pb2
+
+
+def test_states_progress_and_finish_once() -> None:
+    handle = TransferHandle("staged", 100, time.monotonic() + 5)
+    assert handle.state is TransferState.PENDING and not handle.done()
+    handle.set_running()
+    handle.add_bytes(40)
+    assert handle.state is TransferState.RUNNING and handle.bytes_done == 40
+    handle.finish()
+    handle.finish(BrokenResourceError("late"))  # ignored: first completion wins
+    assert handle.state is TransferState.DONE and handle.bytes_done == 100 and handle.error is None
+    handle.wait()
+    assert handle.state.to_proto() == common_pb2.TRANSFER_STATE_DONE
+
+
+def test_failure_is_raised_to_every_waiter() -> None:
+    handle = TransferHandle("ipc", 1, time.monotonic() + 5)
+    errors: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            handle.wait()
+        except BrokenResourceError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=waiter) for _ in range(3)]
+    for t in threads:
+        t.start()
+    handle.finish(BrokenResourceError("peer died"))
+    for t in threads:
+        t.join(5)
+    assert len(errors) == 3 and handle.state is TransferState.FAILED
+
+
+def test_short_wait_timeout_leaves_the_transfer_running() -> None:
+    handle = TransferHandle("staged", 1, time.monotonic() + 5)
+    with pytest.raises(TimeoutError):
+        handle.wait(0.01)
+    assert handle.state is TransferState.PENDING
+    handle.finish()
+    handle.wait(0.01)
+
+
+def test_deadline_fails_the_transfer_and_runs_the_release_hook() -> None:
+    released = []
+    handle = TransferHandle("staged", 1, time.monotonic() + 0.05)
+    handle.on_cancel = lambda: released.append(True)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        handle.wait()
+    assert time.monotonic() - started < 1.0
+    assert handle.state is TransferState.FAILED and released == [True]
+    handle.finish()  # a transport finishing late changes nothing
+    assert handle.state is TransferState.FAILED
+
+
+def test_cancel() -> None:
+    handle = TransferHandle("staged", 1, time.monotonic() + 5)
+    handle.cancel()
+    assert handle.state is TransferState.CANCELLED and handle.cancelled
+    with pytest.raises(CancelledError):
+        handle.wait()
+    done = TransferHandle.finished("ipc", 4096)
+    done.cancel()
+    assert done.state is TransferState.DONE and done.done()
+    done.wait()
+
+
+def test_transfer_ids_are_unique_and_stable() -> None:
+    ids = {TransferHandle.finished("local", 1).id for _ in range(1000)}
+    assert len(ids) == 1000
+    handle = TransferHandle("local", 1, 0.0, "given-id")
+    assert handle.id == handle.id == "given-id"
+
+
+def test_inbox_delivers_each_transfer_once_and_drains() -> None:
+    inbox = NotificationInbox(remember=4)
+    note = Notification("b", "t1", b"p", "a")
+    assert inbox.deliver(note) and not inbox.deliver(note)
+    assert inbox.drain(0) == [note] and inbox.drain(0) == []
+    threading.Timer(0.05, inbox.deliver, args=(Notification("b", "t2", b"", "a"),)).start()
+    assert [n.transfer_id for n in inbox.drain(5.0)] == ["t2"]

@@ -1,0 +1,140 @@
+"""The agent's peer listener under hostile or broken input: typed replies, that connection only."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from hmc.agent import Agent, ConnBuffer
+from hmc.errors import (
+    AccessDeniedError,
+    BrokenResourceError,
+    OutOfRangeError,
+    ProtocolError,
+    UnknownBufferError,
+    VersionMismatchError,
+    error_from_code,
+)
+from hmc.transport._ranges import RangeList
+from hmc.transport._wire import FrameStream, connect, handshake
+from hmc.v1 import common_pb2, peer_pb2
+
+POISON = 0xA5
+CONTROL, DATA = peer_pb2.PeerHello.CHANNEL_CONTROL, peer_pb2.PeerHello.CHANNEL_DATA
+
+
+def _deadline() -> float:
+    return time.monotonic() + 5
+
+
+@pytest.fixture
+def target(agent: Agent) -> ConnBuffer:
+    return agent.register(np.full(1 << 16, POISON, np.uint8))
+
+
+def _open(agent: Agent, channel: int) -> FrameStream:
+    stream = FrameStream(connect(agent.info.endpoint, _deadline()), "agent")
+    handshake(stream, common_pb2.AgentInfo(id="raw-test-peer"), channel, _deadline())
+    return stream
+
+
+@pytest.fixture
+def data_stream(agent: Agent) -> Iterator[FrameStream]:
+    stream = _open(agent, DATA)
+    yield stream
+    stream.close()
+
+
+def _reply_error(stream: FrameStream) -> BaseException | None:
+    reply = stream.recv(_deadline()).reply
+    return error_from_code(reply.error.code, reply.error.message) if reply.HasField("error") else None
+
+
+def _write_frame(buffer: common_pb2.BufferDescriptor, dst: list[int], lengths: list[int], key: bytes | None = None) -> peer_pb2.PeerFrame:
+    ranges = RangeList.build(np.zeros(len(dst), np.int64), dst, lengths).to_proto()
+    return peer_pb2.PeerFrame(request_id=1, write=peer_pb2.DataWrite(buffer_id=buffer.id, access_key=buffer.access_key if key is None else key, ranges=ranges))
+
+
+def _agent_still_serves(agent: Agent, target: ConnBuffer, make_agent: object) -> None:
+    other = make_agent(("staged",))  # type: ignore[operator]
+    src = other.register(np.arange(4096, dtype=np.uint8) % 251)
+    other.write(src, target.descriptor, 0, 100, 4096).wait()
+    assert np.array_equal(target.numpy()[100:4196], src.numpy())
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"\x00\x00\x00\x00", b"\xff\xff\xff\xff" + b"x" * 64, struct.pack("<I", 5) + b"\x12\x34\x56\x78\x9a", b"GET / HTTP/1.1\r\n\r\n"],
+    ids=["empty-frame", "huge-length", "undecodable", "http"],
+)
+def test_garbage_before_hello_gets_protocol_error_or_close(agent: Agent, target: ConnBuffer, make_agent: object, garbage: bytes) -> None:
+    with socket.create_connection(("127.0.0.1", agent.info.endpoint.port), timeout=5) as raw:
+        raw.sendall(garbage)
+        stream = FrameStream(raw.dup(), "agent")
+        try:
+            error = _reply_error(stream)
+            assert isinstance(error, ProtocolError)
+        except BrokenResourceError:
+            pass  # closing this one connection is an acceptable answer too
+        finally:
+            stream.close()
+    _agent_still_serves(agent, target, make_agent)
+
+
+def test_other_protocol_version_is_refused(agent: Agent) -> None:
+    with socket.create_connection(("127.0.0.1", agent.info.endpoint.port), timeout=5) as raw:
+        stream = FrameStream(raw.dup(), "agent")
+        stream.send(peer_pb2.PeerFrame(hello=peer_pb2.PeerHello(protocol_version=99, channel=CONTROL)))
+        assert isinstance(_reply_error(stream), VersionMismatchError)
+        stream.close()
+
+
+def test_refused_data_writes_drain_their_payload_and_write_nothing(data_stream: FrameStream, target: ConnBuffer) -> None:
+    d = target.descriptor
+    payload = [memoryview(b"\x01" * 4096)]
+    cases = [
+        (_write_frame(d, [(1 << 16) - 4095], [4096]), OutOfRangeError),
+        (_write_frame(d, [0], [4096], key=b"\x00" * 16), AccessDeniedError),
+        (_write_frame(common_pb2.BufferDescriptor(id="nope", access_key=d.access_key), [0], [4096]), UnknownBufferError),
+    ]
+    for frame, error in cases:
+        data_stream.send(frame, payload)
+        assert isinstance(_reply_error(data_stream), error)
+    assert (target.numpy() == POISON).all()
+    data_stream.send(_write_frame(d, [10], [4096]), payload)  # the same connection still works
+    assert _reply_error(data_stream) is None
+    assert (target.numpy()[10:4106] == 1).all() and (target.numpy()[4106:] == POISON).all()
+
+
+def test_negative_lengths_close_the_data_connection(data_stream: FrameStream, target: ConnBuffer) -> None:
+    data_stream.send(_write_frame(target.descriptor, [0], [-5]))
+    assert isinstance(_reply_error(data_stream), ProtocolError)
+    with pytest.raises(BrokenResourceError):
+        data_stream.recv(_deadline())
+    assert (target.numpy() == POISON).all()
+
+
+def test_wrong_requests_on_each_channel_get_protocol_errors(agent: Agent, target: ConnBuffer) -> None:
+    control = _open(agent, CONTROL)
+    control.send(_write_frame(target.descriptor, [0], [16]))
+    assert isinstance(_reply_error(control), ProtocolError)
+    control.send(peer_pb2.PeerFrame(request_id=2, notify=peer_pb2.Notify(buffer_id=target.id, access_key=b"bad", transfer_id="t")))
+    assert isinstance(_reply_error(control), AccessDeniedError)
+    control.close()
+    data = _open(agent, DATA)
+    data.send(peer_pb2.PeerFrame(request_id=3, open=peer_pb2.OpenBuffer(buffer_id=target.id)))
+    assert isinstance(_reply_error(data), ProtocolError)
+    data.close()
+    assert agent.notifications(0) == []
+
+
+def test_peer_dying_mid_payload_leaves_the_agent_serving(agent: Agent, target: ConnBuffer, make_agent: object) -> None:
+    stream = _open(agent, DATA)
+    stream.send(_write_frame(target.descriptor, [0], [60000]), [memoryview(b"\x02" * 100)])
+    stream.close()
+    _agent_still_serves(agent, target, make_agent)

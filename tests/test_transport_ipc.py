@@ -1,0 +1,129 @@
+"""The ipc path (cross-memory attach) between real processes."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from hmc.agent import Agent
+from hmc.config import Config
+from hmc.testing import PeerProcess, TransportPair, check_transport
+from hmc.transport._base import TransferOp, TransferRequest
+from hmc.transport._ipc import IpcTransport, _copy_iovecs
+from hmc.transport._ranges import RangeList
+from hmc.transport._wire import IOV_MAX
+
+POISON = 0xA5
+
+
+def test_ipc_conforms(config: Config, make_peer: Callable[..., PeerProcess]) -> None:
+    @contextlib.contextmanager
+    def pair() -> Iterator[TransportPair]:
+        peer = make_peer(("ipc",))
+        with Agent(config, daemon=False) as a:
+            yield TransportPair(a, peer, "ipc", stalled=peer.stalled)
+
+    check_transport(pair)
+
+
+def test_peer_process_writes_and_reads_our_buffer(agent: Agent, peer: PeerProcess, rng: np.random.Generator) -> None:
+    mine = agent.register(np.full((1 << 20) + 3, POISON, np.uint8))
+    theirs = peer.register(1 << 20)
+    data = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    peer.fill(theirs.id, data.tobytes())
+    assert peer.transfer("write", theirs.id, mine.descriptor, [0, 5000], [3, 9000], 4000, notify=b"from-peer") == "ipc"
+    expected = np.full(mine.size, POISON, np.uint8)
+    expected[3:4003], expected[9000:13000] = data[:4000], data[5000:9000]
+    assert np.array_equal(mine.numpy(), expected)
+    [note] = agent.notifications(5.0)
+    assert note.payload == b"from-peer" and note.sender_agent == peer.info.id and note.buffer_id == mine.id
+    mine.numpy()[:] = rng.integers(0, 256, mine.size, dtype=np.uint8)
+    assert peer.transfer("read", theirs.id, mine.descriptor, 0, 0, 1 << 20) == "ipc"
+    assert peer.contents(theirs.id) == mine.numpy()[: 1 << 20].tobytes()
+
+
+def test_more_ranges_than_iov_max_and_threaded_large_copies(agent: Agent, peer: PeerProcess, rng: np.random.Generator) -> None:
+    size = 32 << 20
+    remote = peer.register(size, fill=POISON)
+    src = agent.register(rng.integers(0, 256, size, dtype=np.uint8))
+    count = 3 * IOV_MAX + 17
+    dst = np.sort(rng.choice(size // 4096, count, replace=False)) * 4096
+    lengths = rng.integers(1, 4097, count)
+    offsets = rng.integers(0, size - 4096, count)
+    handle = agent.write(src, remote, offsets, dst, lengths)
+    handle.wait()
+    expected = np.full(size, POISON, np.uint8)
+    for s, d, n in zip(offsets.tolist(), dst.tolist(), lengths.tolist()):
+        expected[d : d + n] = src.numpy()[s : s + n]
+    assert np.array_equal(np.frombuffer(peer.contents(remote.id), np.uint8), expected)
+    handle = agent.write(src, remote, 0, 0, size)
+    handle.wait()
+    assert any(t.name.startswith("hmc-ipc") for t in threading.enumerate())
+    assert peer.contents(remote.id) == src.numpy().tobytes()
+
+
+class _Done:
+    cancelled = False
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    def set_running(self) -> None: ...
+
+    def add_bytes(self, nbytes: int) -> None: ...
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self.error = error
+
+
+def test_partial_transfers_resume_mid_iovec(rng: np.random.Generator) -> None:
+    """The kernel may stop after any byte count; the copy loop must resume exactly there."""
+    src = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    dst = np.zeros(1 << 16, np.uint8)
+    ranges = RangeList.build([0, 10000, 30000], [5, 20000, 40000], [7000, 9000, 12000])
+
+    def stingy(pid: int, local: int, count: int, remote: int, _: int, flags: int) -> int:
+        rows_l = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(local)).reshape(count, 2)
+        rows_r = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(remote)).reshape(count, 2)
+        budget = 2999  # never a whole iovec's worth at once
+        moved = 0
+        for (la, n), (ra, _) in zip(rows_l.tolist(), rows_r.tolist()):
+            step = min(n, budget - moved)
+            ctypes.memmove(ra, la, step)
+            moved += step
+            if moved == budget:
+                break
+        return moved
+
+    local = np.empty((3, 2), np.uint64)
+    remote = np.empty((3, 2), np.uint64)
+    local[:, 0] = ranges.src.astype(np.uint64) + np.uint64(src.ctypes.data)
+    remote[:, 0] = ranges.dst.astype(np.uint64) + np.uint64(dst.ctypes.data)
+    local[:, 1] = remote[:, 1] = ranges.lengths
+    request = TransferRequest("t", TransferOp.WRITE, None, None, ranges, float("inf"), _Done())  # type: ignore[arg-type]
+    assert _copy_iovecs(stingy, 0, local, remote, ranges.lengths.astype(np.uint64), request)
+    expected = np.zeros_like(dst)
+    for s, d, n in zip(ranges.src.tolist(), ranges.dst.tolist(), ranges.lengths.tolist()):
+        expected[d : d + n] = src[s : s + n]
+    assert np.array_equal(dst, expected)
+
+
+def test_unavailable_cma_is_left_out_and_negotiation_falls_back_to_staged(
+    config: Config, peer: PeerProcess, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(IpcTransport, "unavailable_reason", lambda self: "process_vm_writev unavailable: EPERM")
+    with Agent(config, daemon=False) as a:
+        assert "ipc" not in [t.path for t in a.info.transports]
+        remote = peer.register(1 << 16, fill=POISON)
+        src = a.register(rng.integers(0, 256, 1 << 16, dtype=np.uint8))
+        choice = a.path_to(src, remote)
+        assert choice.path.value == "staged"
+        assert dict((p.value, r) for p, r in choice.rejected)["ipc"].endswith("has no ipc transport")
+        handle = a.write(src, remote, 0, 0, 1 << 16)
+        handle.wait()
+        assert handle.path == "staged" and peer.contents(remote.id) == src.numpy().tobytes()

@@ -1,0 +1,131 @@
+"""Framing, handshake and the control channel over real socket pairs."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from hmc.errors import AccessDeniedError, BrokenResourceError, ProtocolError, TimeoutError, UnavailableError, VersionMismatchError
+from hmc.transport._channel import Channel
+from hmc.transport._wire import MAX_FRAME, FrameStream, accept_handshake, connect, error_reply, handshake
+from hmc.v1 import common_pb2, peer_pb2
+
+
+@pytest.fixture
+def streams() -> Iterator[tuple[FrameStream, FrameStream]]:
+    a, b = socket.socketpair()
+    left, right = FrameStream(a, "left"), FrameStream(b, "right")
+    yield left, right
+    left.close()
+    right.close()
+
+
+def test_frames_and_payload_travel_zero_copy(streams: tuple[FrameStream, FrameStream], rng: np.random.Generator) -> None:
+    left, right = streams
+    data = rng.integers(0, 256, 300_000, dtype=np.uint8)
+    view = memoryview(data)
+    parts = [view[i : i + 97] for i in range(0, 200_000, 100)] + [view[200_000:]]
+    frame = peer_pb2.PeerFrame(request_id=7, write=peer_pb2.DataWrite(buffer_id="b"))
+    sender = threading.Thread(target=left.send, args=(frame, parts))
+    sender.start()
+    got = right.recv(time.monotonic() + 5)
+    assert got == frame
+    out = np.zeros(sum(p.nbytes for p in parts), np.uint8)
+    cut = memoryview(out)
+    right.recv_into([cut[:5], cut[5:150_000], cut[150_000:]], time.monotonic() + 5)
+    sender.join()
+    assert np.array_equal(out, np.concatenate([np.asarray(p) for p in parts]))
+
+
+def test_eof_is_broken_resource(streams: tuple[FrameStream, FrameStream]) -> None:
+    left, right = streams
+    left.close()
+    with pytest.raises(BrokenResourceError):
+        right.recv(time.monotonic() + 5)
+    with pytest.raises(BrokenResourceError):
+        right.recv(time.monotonic() + 5)
+
+
+def test_idle_timeout_keeps_the_stream_but_a_torn_frame_breaks_it(streams: tuple[FrameStream, FrameStream]) -> None:
+    left, right = streams
+    with pytest.raises(TimeoutError):
+        right.recv(time.monotonic() + 0.05, idle_ok=True)
+    left.send(peer_pb2.PeerFrame(request_id=1))
+    assert right.recv(time.monotonic() + 5).request_id == 1
+    left._tx.sendall(struct.pack("<I", 100) + b"x")  # a frame that never completes
+    with pytest.raises(TimeoutError):
+        right.recv(time.monotonic() + 0.05, idle_ok=True)
+    assert right.broken
+    with pytest.raises(BrokenResourceError):
+        right.recv(time.monotonic() + 5)
+
+
+@pytest.mark.parametrize("raw", [struct.pack("<I", MAX_FRAME + 1), struct.pack("<I", 3) + b"\xff\xff\xff"])
+def test_oversized_or_undecodable_frames_are_protocol_errors(streams: tuple[FrameStream, FrameStream], raw: bytes) -> None:
+    left, right = streams
+    left._tx.sendall(raw)
+    with pytest.raises(ProtocolError):
+        right.recv(time.monotonic() + 5)
+
+
+def test_handshake_refuses_other_protocol_versions(streams: tuple[FrameStream, FrameStream]) -> None:
+    left, right = streams
+    me = common_pb2.AgentInfo(id="me")
+    left.send(peer_pb2.PeerFrame(hello=peer_pb2.PeerHello(protocol_version=2, agent=me)))
+    with pytest.raises(VersionMismatchError):
+        accept_handshake(right, common_pb2.AgentInfo(id="them"), time.monotonic() + 5)
+    right.send(peer_pb2.PeerFrame(reply=error_reply(VersionMismatchError("speaks 1"))))
+    with pytest.raises(VersionMismatchError):
+        handshake(left, me, peer_pb2.PeerHello.CHANNEL_CONTROL, time.monotonic() + 5)
+
+
+def test_handshake_exchanges_agent_info(streams: tuple[FrameStream, FrameStream]) -> None:
+    left, right = streams
+    result: list[peer_pb2.PeerHello] = []
+    server = threading.Thread(target=lambda: result.append(accept_handshake(right, common_pb2.AgentInfo(id="owner"), time.monotonic() + 5)))
+    server.start()
+    hello = handshake(left, common_pb2.AgentInfo(id="initiator"), peer_pb2.PeerHello.CHANNEL_DATA, time.monotonic() + 5)
+    server.join()
+    assert hello.agent.id == "owner" and result[0].agent.id == "initiator" and result[0].channel == peer_pb2.PeerHello.CHANNEL_DATA
+
+
+def test_connect_to_a_closed_port_is_unavailable() -> None:
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    with pytest.raises(UnavailableError):
+        connect(common_pb2.TcpEndpoint(host="127.0.0.1", port=port), time.monotonic() + 5).close()
+
+
+def test_channel_requests_replies_errors_and_breakage(streams: tuple[FrameStream, FrameStream]) -> None:
+    left, right = streams
+
+    def owner(frame: peer_pb2.PeerFrame) -> peer_pb2.PeerReply:
+        if frame.notify.access_key != b"k":
+            raise AccessDeniedError("wrong key")
+        return peer_pb2.PeerReply(payload_bytes=len(frame.notify.payload))
+
+    server = Channel(right, owner, name="hmc-test-owner").start()
+    client = Channel(left, lambda frame: peer_pb2.PeerReply(), name="hmc-test-initiator").start()
+    reply = client.request(peer_pb2.PeerFrame(notify=peer_pb2.Notify(access_key=b"k", payload=b"abc")), time.monotonic() + 5)
+    assert reply.payload_bytes == 3
+    with pytest.raises(AccessDeniedError):
+        client.request(peer_pb2.PeerFrame(notify=peer_pb2.Notify(access_key=b"x")), time.monotonic() + 5)
+    outcome: list[BaseException | None] = []
+    done = threading.Event()
+
+    def stalled(frame: peer_pb2.PeerFrame) -> peer_pb2.PeerReply:
+        server.close(timeout=0)  # the owner goes away while a request is pending
+        raise BrokenResourceError("gone")
+
+    server._handler = stalled
+    client.request_async(peer_pb2.PeerFrame(notify=peer_pb2.Notify()), time.monotonic() + 5, lambda r, e: (outcome.append(e), done.set()))
+    assert done.wait(5)
+    assert isinstance(outcome[0], BrokenResourceError)
+    client.close()
