@@ -128,14 +128,11 @@ class TransferHandle:
 
     @classmethod
     def finished(cls, path: str, nbytes: int) -> TransferHandle:
-        """A handle for a transfer that already completed inline (no latch: the hot path's handle)."""
-        handle = _new(cls)
+        """A handle for a transfer that already completed inline (the hot path's handle: three stores)."""
+        handle = _new(_FinishedHandle)
         handle._id = next(_SEQUENCE)
-        handle.state = _DONE
         handle.path = path
-        handle.bytes_total = handle.bytes_done = nbytes
-        handle.deadline = 0.0
-        handle.error = handle._latch = handle.on_cancel = None
+        handle.bytes_total = nbytes
         return handle
 
     @property
@@ -195,10 +192,11 @@ class TransferHandle:
             with _TRANSITION:
                 if self.state not in _FINAL:
                     self.bytes_done = self.bytes_total
-            self._settle(None, _DONE)
+            settled = self._settle(None, _DONE)
         else:
-            self._settle(error, TransferState.FAILED)
-        self.on_cancel = None
+            settled = self._settle(error, TransferState.FAILED)
+        if settled:
+            self.on_cancel = None
 
     def _settle(self, error: BaseException | None, state: TransferState) -> bool:
         with _TRANSITION:
@@ -212,3 +210,18 @@ class TransferHandle:
 
     def __repr__(self) -> str:
         return f"<TransferHandle {self.id} {self.path} {self.state.value} {self.bytes_done}/{self.bytes_total}>"
+
+
+class _FinishedHandle(TransferHandle):
+    """A handle born finished: the fields that never change are class attributes, not per-handle stores."""
+
+    __slots__ = ()
+    state = _DONE  # type: ignore[assignment]
+    error = None  # type: ignore[assignment]
+    deadline = 0.0  # type: ignore[assignment]
+    on_cancel = None  # type: ignore[assignment]
+    _latch = None  # type: ignore[assignment]
+
+    @property  # type: ignore[override]
+    def bytes_done(self) -> int:
+        return self.bytes_total
