@@ -1,0 +1,50 @@
+"""`hmc bench --quick`: real agents in two processes, real baselines, the JSON report's shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hmc.bench import COLUMNS, quick_workloads
+from hmc.cli._main import main
+
+
+def test_bench_quick_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    code = main([
+        "bench", "--quick", "--json", "--quiet", "--baselines", "memcpy,socket", "--workloads", "bulk",
+        "--iterations-time", "0.01", "--out", str(out),
+    ])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert json.loads(out.read_text()) == report
+
+    bulk = [w.name for w in quick_workloads() if w.kind == "bulk"]
+    assert report["columns"] == list(COLUMNS)
+    for row in report["rows"]:
+        assert list(row) == list(COLUMNS)
+        assert row["verified"] is True
+        assert row["gbps"] > 0 and row["iterations"] >= 5
+        assert row["p50_lat_us"] <= row["p99_lat_us"]
+    hmc = {(r["path"], r["op"], r["workload"]) for r in report["rows"] if r["system"] == "hmc"}
+    assert hmc == {(p, op, w) for p in ("local", "ipc", "staged") for op in ("WRITE", "READ") for w in bulk}
+    for system in ("memcpy", "socket"):
+        assert {r["workload"] for r in report["rows"] if r["system"] == system} == set(bulk)
+
+    ratios = {r["check"]: r for r in report["ratios"]}
+    assert ratios[f"staged {bulk[-1]} WRITE vs socket"]["ratio"] > 0
+    assert ratios[f"ipc {bulk[-1]} WRITE vs memcpy"]["ratio"] > 0
+    assert ratios[f"ipc {bulk[-1]} WRITE vs NIXL"]["ok"] is None  # NIXL not asked for: reported, not guessed
+    assert all(r["target"].startswith((">=", "<=")) for r in ratios.values())
+
+    assert report["failed"] == [] and report["skipped"] == []
+    machine = report["machine"]
+    assert machine["cores"] >= 1 and machine["cpu_model"] and machine["kernel"] and len(machine["loadavg"]) == 3
+    assert report["date"] and report["versions"]["numpy"] and report["versions"]["python"]
+
+
+def test_bench_rejects_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--paths", "ipc,rdma-ish"]) == 1
+    assert "unknown path rdma-ish" in capsys.readouterr().err
