@@ -19,7 +19,6 @@ instructions run on the "hmc-instr" executor, never on the link's thread.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import secrets
@@ -29,10 +28,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hmc.agent._buffers import BufferTable, ConnBuffer
+from hmc.agent._instructions import Instructions
 from hmc.agent._peers import Peers
 from hmc.agent._server import PeerServer
-from hmc.agent._transfer import Notification, NotificationInbox, TransferHandle, TransferState
+from hmc.agent._transfer import Notification, NotificationInbox, NotifyStep, TransferHandle, TransferState
 from hmc.config import Config, PathPolicy
+from hmc.control._inventory import apply_vendor_override, device_to_proto, host_id
 from hmc.errors import (
     ArgumentError,
     BufferWithdrawnError,
@@ -42,7 +43,7 @@ from hmc.errors import (
     UnavailableError,
     UnknownBufferError,
 )
-from hmc.memory import Device, MemoryRegion, Vendor
+from hmc.memory import MemoryRegion
 from hmc.memory import register as register_memory
 from hmc.transport._base import InlineCopy, PathName, TransferOp, TransferRequest, Transport
 from hmc.transport._ipc import IpcTransport, allow_ptrace_peers
@@ -58,36 +59,10 @@ __all__ = ["Agent"]
 _log = logging.getLogger(__name__)
 _INLINE_MAX = 1 << 20
 """Largest single range the inline fast path copies on the caller's thread."""
-_KIND = {"host": common_pb2.DEVICE_KIND_HOST, "cuda": common_pb2.DEVICE_KIND_CUDA, "hip": common_pb2.DEVICE_KIND_HIP}
-_VENDOR = {Vendor.HOST: common_pb2.VENDOR_HOST, Vendor.NVIDIA: common_pb2.VENDOR_NVIDIA, Vendor.AMD: common_pb2.VENDOR_AMD}
 
 _DESCRIPTOR = common_pb2.BufferDescriptor
 
 LinkFactory = Callable[[Config, common_pb2.AgentInfo, Callable[[daemon_pb2.TransferInstruction], None]], Any]
-
-
-def _host_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            return fh.read().strip()
-    except OSError:
-        return os.uname().nodename
-
-
-def _device_info(device: Device) -> common_pb2.DeviceInfo:
-    return common_pb2.DeviceInfo(
-        name=device.name,
-        kind=_KIND[device.kind.value],
-        index=device.index,
-        vendor=_VENDOR[device.vendor],
-        physical_vendor=_VENDOR[device.physical_vendor],
-        uuid=device.uuid,
-        pci_bus_id=device.pci_bus_id,
-        numa_node=device.numa_node,
-        total_memory=device.total_memory,
-        model=device.model,
-        peer_devices=list(device.peer_devices),
-    )
 
 
 def _default_link(config: Config, info: common_pb2.AgentInfo, on_instruction: Callable[[daemon_pb2.TransferInstruction], None]) -> Any:
@@ -110,34 +85,6 @@ class _Route:
         self.key, self.path = key, path
 
 
-class _NotifyStep:
-    """A Completion that delivers the notification after the data landed, then finishes the handle."""
-
-    __slots__ = ("handle", "send")
-
-    def __init__(self, handle: TransferHandle, send: Callable[[TransferHandle], None]) -> None:
-        self.handle, self.send = handle, send
-
-    @property
-    def cancelled(self) -> bool:
-        return self.handle.cancelled
-
-    def set_running(self) -> None:
-        self.handle.set_running()
-
-    def add_bytes(self, nbytes: int) -> None:
-        self.handle.add_bytes(nbytes)
-
-    def finish(self, error: BaseException | None = None) -> None:
-        if error is not None or self.handle.cancelled:
-            self.handle.finish(error)
-            return
-        try:
-            self.send(self.handle)
-        except HMCError as exc:
-            self.handle.finish(exc)
-
-
 class Agent:
     """The in-process data plane: ConnBuffers, paths and transfers."""
 
@@ -157,7 +104,11 @@ class Agent:
         self._closed = False
         self._buffers = BufferTable()
         self._inbox = NotificationInbox()
-        self._instructions: concurrent.futures.ThreadPoolExecutor | None = None
+        self._instructions = Instructions(
+            lambda op, local, remote, ranges, notify, timeout, tid: self._submit(op, local, remote, ranges, notify, timeout, None, tid),
+            self._buffers,
+            self._report,
+        )
         allow_ptrace_peers()
         self._peers = Peers(lambda: self.info, on_withdrawn=self._remote_withdrawn, on_lost=self._peer_lost, buffer_bytes=self.config.socket_buffer_bytes)
         self._server = PeerServer(self.config.agent_host, info=lambda: self.info, buffers=self._buffers, inbox=self._inbox, buffer_bytes=self.config.socket_buffer_bytes)
@@ -165,7 +116,7 @@ class Agent:
         self.info = common_pb2.AgentInfo(
             id=self.id,
             node=self.config.node,
-            host_id=_host_id(),
+            host_id=host_id(),
             pid=os.getpid(),
             endpoint=common_pb2.TcpEndpoint(host=self.config.agent_host, port=self._server.port),
             transports=[t.capabilities.to_proto() for t in self._transports.values()],
@@ -197,7 +148,7 @@ class Agent:
         if daemon is False or (daemon is None and not os.path.exists(self.config.socket)):
             return None
         try:
-            return factory(self.config, self.info, self._on_instruction)
+            return factory(self.config, self.info, self._instructions.on_instruction)
         except UnavailableError:
             if daemon:
                 self.close()
@@ -214,16 +165,13 @@ class Agent:
         region.check_alive()
         if name and any(b.name == name for b in self._buffers.values()):
             raise ArgumentError(f"a buffer named {name!r} is already registered on this agent")
-        device = region.device
-        override = self.config.vendor_override.get(device.name)
-        if override:
-            device = device.with_vendor(Vendor.parse(override))
+        [device] = apply_vendor_override([region.device], self.config.vendor_override)
         descriptor = common_pb2.BufferDescriptor(
             version=1,
             id=secrets.token_hex(8),
             name=name or "",
             owner=self.info,
-            device=_device_info(device),
+            device=device_to_proto(device),
             size=region.size,
             access_key=secrets.token_bytes(16),
         )
@@ -337,7 +285,7 @@ class Agent:
         handle = TransferHandle(choice.path.value, ranges.total, deadline, transfer_id)
         completion: Any = handle
         if notify is not None:
-            completion = _NotifyStep(handle, lambda h: self._send_notify(descriptor, h, bytes(notify)))
+            completion = NotifyStep(handle, lambda h: self._send_notify(descriptor, h, bytes(notify)))
         transport.post(TransferRequest(handle.id, op, local, descriptor, ranges, deadline, completion))
         if notify is None and path is None and len(ranges) == 1 and handle.state is TransferState.DONE and descriptor.id not in local.inline_routes:
             self._learn_route(transport, local, descriptor, choice.path.value)
@@ -427,29 +375,7 @@ class Agent:
         for transport in self._transports.values():
             transport.forget_peer(agent)
 
-    def _on_instruction(self, instruction: daemon_pb2.TransferInstruction) -> None:
-        with self._lock:
-            if self._instructions is None:
-                self._instructions = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hmc-instr")
-            executor = self._instructions
-        executor.submit(self._run_instruction, instruction)
-
-    def _run_instruction(self, instruction: daemon_pb2.TransferInstruction) -> None:
-        report = daemon_pb2.TransferReport(transfer_id=instruction.transfer_id)
-        try:
-            local = self._buffers.get(instruction.local_buffer_id)
-            ranges = RangeList.from_proto(instruction.ranges)
-            op = TransferOp.READ if instruction.op == common_pb2.TRANSFER_OP_READ else TransferOp.WRITE
-            notify = instruction.notification or None
-            handle = self._submit(op, local, instruction.remote, ranges, notify, instruction.timeout_s or None, None, instruction.transfer_id)
-            report.path = handle.path
-            handle.wait()
-            report.bytes_done = handle.bytes_done
-            report.state = common_pb2.TRANSFER_STATE_DONE
-        except HMCError as exc:
-            report.state = common_pb2.TRANSFER_STATE_FAILED
-            report.error.code = int(exc.code)
-            report.error.message = str(exc)
+    def _report(self, report: daemon_pb2.TransferReport) -> None:
         if self._link is not None:
             self._link.report(report)
 
@@ -471,8 +397,7 @@ class Agent:
         self._peers.close()
         for transport in getattr(self, "_transports", {}).values():
             transport.close()
-        if self._instructions is not None:
-            self._instructions.shutdown(wait=False, cancel_futures=True)
+        self._instructions.close()
         for buffer in self._buffers.values():
             self._buffers.remove(buffer.id, timeout=0)
 

@@ -29,10 +29,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from hmc.errors import CancelledError, TimeoutError
+from hmc.errors import CancelledError, HMCError, TimeoutError
 from hmc.v1 import common_pb2
 
-__all__ = ["Notification", "NotificationInbox", "TransferHandle", "TransferState"]
+__all__ = ["Notification", "NotificationInbox", "NotifyStep", "TransferHandle", "TransferState"]
 
 
 class TransferState(enum.Enum):
@@ -225,3 +225,31 @@ class _FinishedHandle(TransferHandle):
     @property  # type: ignore[override]
     def bytes_done(self) -> int:
         return self.bytes_total
+
+
+class NotifyStep:
+    """A Completion that delivers the notification after the data landed, then finishes the handle."""
+
+    __slots__ = ("handle", "send")
+
+    def __init__(self, handle: TransferHandle, send: Callable[[TransferHandle], None]) -> None:
+        self.handle, self.send = handle, send
+
+    @property
+    def cancelled(self) -> bool:
+        return self.handle.cancelled
+
+    def set_running(self) -> None:
+        self.handle.set_running()
+
+    def add_bytes(self, nbytes: int) -> None:
+        self.handle.add_bytes(nbytes)
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if error is not None or self.handle.cancelled:
+            self.handle.finish(error)
+            return
+        try:
+            self.send(self.handle)
+        except HMCError as exc:
+            self.handle.finish(exc)
