@@ -116,12 +116,12 @@ class _Stream:
     def alive(self) -> bool:
         return self._alive
 
-    def put(self, chunk: _Chunk) -> None:
+    def put(self, chunk: _Chunk) -> bool:
+        """Queue a chunk; False when the stream died meanwhile (the caller picks another)."""
         with self._lock:
             if self._alive:
                 self._queue.put(chunk)
-                return
-        chunk.transfer.request.completion.finish(BrokenResourceError("data stream to the peer broke"))
+            return self._alive
 
     def _exit(self) -> None:
         with self._lock:
@@ -265,12 +265,20 @@ class StagedTransport(Transport):
         request.completion.set_running()
         transfer = _Transfer(request, len(chunks))
         for index, ranges in enumerate(chunks):
-            streams[(first + index) % len(streams)].put(_Chunk(transfer, ranges))
+            chunk = _Chunk(transfer, ranges)
+            while not streams[(first + index) % len(streams)].put(chunk):
+                try:  # a stream died since we listed them: list again, opening replacements
+                    streams, first = self._streams_for(request.remote.owner, request.deadline)
+                except HMCError as exc:
+                    request.completion.finish(exc)
+                    return
 
     def _streams_for(self, owner: common_pb2.AgentInfo, deadline: float) -> tuple[list[_Stream], int]:
         with self._lock:
             pipe = self._pipes.setdefault(owner.id, _Pipe())
         with pipe.opening:
+            with self._lock:
+                pipe.streams = [s for s in pipe.streams if s.alive]
             while len(pipe.streams) < self._streams:
                 stream = self._open(owner, deadline, pipe)
                 with self._lock:

@@ -71,13 +71,16 @@ def _socket_errors(peer: str) -> Iterator[None]:
         raise BrokenResourceError(f"connection to {peer} broke: {exc}") from exc
 
 
+_LAST_CHANCE_S = 0.001
+"""A passed deadline still gets one short attempt: data that already arrived is never refused."""
+_FRAME_REST_S = 5.0
+"""Once a frame's first byte arrived, the rest may take this long, whatever the caller's deadline."""
+
+
 def _remaining(deadline: float | None) -> float:
     if deadline is None:
         return _NO_DEADLINE_S
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("deadline passed")
-    return left
+    return max(deadline - time.monotonic(), _LAST_CHANCE_S)
 
 
 class FrameStream:
@@ -122,6 +125,8 @@ class FrameStream:
         """The next frame. With `idle_ok`, a timeout before its first byte leaves the stream usable."""
         header = bytearray(4)
         self._recv_exact(memoryview(header), deadline, idle_ok=idle_ok)
+        if deadline is not None:
+            deadline = max(deadline, time.monotonic() + _FRAME_REST_S)
         (length,) = _HEADER.unpack(header)
         if length > MAX_FRAME:
             error = ProtocolError(f"frame of {length} bytes from {self.peer} exceeds {MAX_FRAME}")
