@@ -1,7 +1,24 @@
-"""Paths between ConnBuffers (local, ipc, staged; rdma and ucx to come), range lists and negotiation."""
+"""Paths between ConnBuffers (local, ipc, staged; rdma and ucx to come), range lists and negotiation.
 
-from hmc.transport._base import Capabilities, PathName, TransferOp, Transport
+Transport authors implement `Transport` (declare `Capabilities`, complete each
+`TransferRequest` through its `Completion`, optionally offer an `InlineCopy`)
+and run `hmc.testing.check_transport()` against it.
+"""
+
+from hmc.transport._base import Capabilities, Completion, InlineCopy, PathName, TransferOp, TransferRequest, Transport
 from hmc.transport._negotiate import Endpoint, PathChoice, negotiate
 from hmc.transport._ranges import RangeList
 
-__all__ = ["Capabilities", "Endpoint", "PathChoice", "PathName", "RangeList", "TransferOp", "Transport", "negotiate"]
+__all__ = [
+    "Capabilities",
+    "Completion",
+    "Endpoint",
+    "InlineCopy",
+    "PathChoice",
+    "PathName",
+    "RangeList",
+    "TransferOp",
+    "TransferRequest",
+    "Transport",
+    "negotiate",
+]
