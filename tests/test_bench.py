@@ -42,6 +42,8 @@ def test_bench_quick_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     assert report["failed"] == [] and report["skipped"] == []
     machine = report["machine"]
     assert machine["cores"] >= 1 and machine["cpu_model"] and machine["kernel"] and len(machine["loadavg"]) == 3
+    assert set(machine["interference"]) == {"hmc", "memcpy", "socket"}
+    assert all(0 <= v["other_cpu_fraction"] <= 1 for v in machine["interference"].values())
     assert report["date"] and report["versions"]["numpy"] and report["versions"]["python"]
 
 

@@ -12,7 +12,7 @@ largest bulk workload of the run (256 MiB in a full run), the smallest one
 A check whose rows are missing (baseline skipped or failed) says so and has
 `pass: null`.
 
-Concurrency: pure functions; any thread.
+Concurrency: pure functions (and /proc reads); any thread.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import importlib.metadata
 import os
 import platform
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ import numpy as np
 from hmc.bench._timing import Row
 from hmc.bench._workloads import KIND_BULK, KIND_KV, Workload
 
-__all__ = ["Check", "checks_for", "evaluate", "machine_info", "provenance"]
+__all__ = ["Check", "CpuSample", "checks_for", "evaluate", "interference", "machine_info", "provenance"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +127,44 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "memory_bytes": memory,
         "loadavg": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuSample:
+    """Wall clock, CPU seconds the whole machine spent busy and stolen, and this process tree's."""
+
+    wall: float
+    busy: float
+    steal: float
+    own: float
+
+    @classmethod
+    def take(cls) -> CpuSample:
+        ticks = os.sysconf("SC_CLK_TCK")
+        try:
+            with open("/proc/stat") as fh:
+                fields = [int(x) for x in fh.readline().split()[1:9]]
+        except (OSError, ValueError):
+            fields = [0] * 8
+        user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+        own = os.times()
+        return cls(time.monotonic(), (user + nice + system + irq + softirq) / ticks, steal / ticks,
+                   own.user + own.system + own.children_user + own.children_system)
+
+
+def interference(before: CpuSample, after: CpuSample) -> dict[str, float]:
+    """What else used the machine between two samples (child processes must have been reaped).
+
+    `other_cpu_fraction`: CPU time of processes outside this run, as a fraction of all
+    cores over the interval; `steal_fraction`: time the hypervisor gave to other guests.
+    """
+    capacity = max(after.wall - before.wall, 1e-9) * (os.cpu_count() or 1)
+    other = (after.busy - before.busy) - (after.own - before.own)
+    return {
+        "seconds": round(after.wall - before.wall, 1),
+        "other_cpu_fraction": round(min(max(other / capacity, 0.0), 1.0), 3),
+        "steal_fraction": round((after.steal - before.steal) / capacity, 3),
     }
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from hmc.bench._baselines import memcpy_rows, socket_rows
 from hmc.bench._nixl import NIXL_SYSTEMS, nixl_available, nixl_rows
 from hmc.bench._paths import PATHS, hmc_rows
-from hmc.bench._report import checks_for, evaluate, machine_info, provenance
+from hmc.bench._report import CpuSample, checks_for, evaluate, interference, machine_info, provenance
 from hmc.bench._timing import COLUMNS, Row, Timing
 from hmc.bench._workloads import Workload
 from hmc.config import Config
@@ -78,6 +78,7 @@ def run(spec: BenchSpec, config: Config, progress: Progress | None = None, comma
     skipped: list[dict[str, str]] = []
     failed: list[dict[str, str]] = []
     nixl_ok, nixl_why = nixl_available()
+    load: dict[str, dict[str, float]] = {}
     for name, units in spec.units().items():
         if name in NIXL_SYSTEMS and not nixl_ok:
             skipped.append({"system": name, "reason": nixl_why})
@@ -89,13 +90,16 @@ def run(spec: BenchSpec, config: Config, progress: Progress | None = None, comma
             got.append(row)
             advance(1, _note(row))
 
+        before = CpuSample.take()
         try:
             _measure_system(name, spec, config, on_row)
         except Exception as exc:  # noqa: BLE001 - one system's failure is reported, the others still run
             failed.append({"system": name, "error": f"{type(exc).__name__}: {exc}"})
             advance(units - len(got), f"{name}: FAILED")
+        load[name] = interference(before, CpuSample.take())
         rows.extend(got)
     machine["loadavg_end"] = machine_info()["loadavg"]
+    machine["interference"] = load
     return {
         "schema": SCHEMA,
         "command": " ".join(command) or None,

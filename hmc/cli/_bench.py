@@ -137,6 +137,9 @@ def _print_report(report: dict[str, Any]) -> None:
     machine = report["machine"]
     print(f"hmc bench on {machine['cores']} x {machine['cpu_model']}, kernel {machine['kernel']}, "
           f"load {' '.join(map(str, machine['loadavg']))} -> {' '.join(map(str, machine['loadavg_end']))}")
+    busy = ", ".join(f"{name} {v['other_cpu_fraction']:.0%}" for name, v in machine.get("interference", {}).items())
+    if busy:
+        print(f"CPU taken by other processes while each system ran: {busy}")
     print_table([_display(r) for r in report["rows"]])
     for item in report["skipped"]:
         print(f"skipped {item['system']}: {item['reason']}")
