@@ -89,3 +89,24 @@ def test_descriptor_decoding_of_random_bytes_never_crashes(raw: bytes) -> None:
     except DecodeError:
         return
     RangeList.build(0, 0, 0).check(int(descriptor.size), int(descriptor.size))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(-5, 5000), st.integers(-5, 5000), st.integers(-5, 3000)), min_size=1, max_size=20), st.integers(0, 6000), st.integers(0, 6000))
+def test_bounds_checks_agree_with_a_plain_oracle(rows: list[tuple[int, int, int]], src_size: int, dst_size: int) -> None:
+    """Short lists are checked on Python ints, long ones vectorised: both must refuse exactly the bad lists."""
+    ranges = RangeList.build(*(np.array(column, np.int64) for column in zip(*rows)))
+    bad_src = any(s < 0 or n < 0 or s + n > src_size for s, _, n in rows)
+    bad_dst = any(d < 0 or n < 0 or d + n > dst_size for _, d, n in rows)
+    try:
+        ranges.check(src_size, dst_size)
+        refused = False
+    except OutOfRangeError:
+        refused = True
+    assert refused == (bad_src or bad_dst)
+    try:
+        ranges.check_dst(dst_size)
+        refused = False
+    except OutOfRangeError:
+        refused = True
+    assert refused == bad_dst

@@ -7,6 +7,7 @@ vectorised. Wire form is `hmc.v1.RangeList` (three little-endian int64 arrays).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,16 @@ from hmc.v1 import common_pb2
 __all__ = ["RangeList"]
 
 _I64 = np.dtype("<i8")
+_SMALL = 8
+"""Up to this many ranges, checks run on Python ints: a numpy call costs more than the whole loop."""
+
+
+def _check_few(offsets: list[int], lengths: list[int], size: int, name: str) -> None:
+    for index, (offset, length) in enumerate(zip(offsets, lengths)):
+        if offset < 0 or length < 0:
+            raise OutOfRangeError("negative offset or length in range list")
+        if offset + length > size:
+            raise OutOfRangeError(f"{name} range #{index} [{offset}, {offset + length}) exceeds buffer of {size} bytes")
 
 
 def _as_i64(values: Any, name: str) -> np.ndarray:
@@ -62,13 +73,17 @@ class RangeList:
     def __len__(self) -> int:
         return int(self.lengths.size)
 
-    @property
+    @functools.cached_property
     def total(self) -> int:
         return int(self.lengths.sum()) if self.lengths.size else 0
 
     def check(self, src_size: int, dst_size: int) -> None:
         """Raise OutOfRangeError unless every range lies inside both buffers."""
         if not self.lengths.size:
+            return
+        if self.lengths.size <= _SMALL:
+            _check_few(self.src.tolist(), self.lengths.tolist(), src_size, "source")
+            _check_few(self.dst.tolist(), self.lengths.tolist(), dst_size, "destination")
             return
         if int(self.lengths.min()) < 0 or int(self.src.min()) < 0 or int(self.dst.min()) < 0:
             raise OutOfRangeError("negative offset or length in range list")
@@ -85,6 +100,9 @@ class RangeList:
     def check_dst(self, dst_size: int) -> None:
         """Receiver-side check of destination ranges only."""
         if not self.lengths.size:
+            return
+        if self.lengths.size <= _SMALL:
+            _check_few(self.dst.tolist(), self.lengths.tolist(), dst_size, "destination")
             return
         if int(self.lengths.min()) < 0 or int(self.dst.min()) < 0:
             raise OutOfRangeError("negative offset or length in range list")
