@@ -22,8 +22,10 @@ was cancelled are skipped, and read payloads for it are discarded, never
 written into user memory.
 
 Concurrency: `post()` runs on the caller's thread (it may open connections
-within the request's deadline) and only enqueues; each stream's queue and
-in-flight deque are shared by its two threads, guarded by the stream's lock.
+within the request's deadline) and only enqueues, except that a small
+single-chunk transfer is sent right there. Each stream's queue and in-flight
+deque are shared by its threads and such callers, guarded by the stream's lock;
+its `_order` lock keeps "record as sent" and "send" together.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from hmc.v1 import common_pb2, peer_pb2
 __all__ = ["StagedTransport"]
 
 _TICK_S = 0.25
+_INLINE_SEND_BYTES = 256 << 10
+"""A transfer of one chunk up to this size is sent by the caller's thread, not the stream's sender."""
 _JOIN_S = 2.0
 
 Connect = Callable[[common_pb2.AgentInfo, float], FrameStream]
@@ -101,6 +105,7 @@ class _Stream:
         self._stall_s = stall_s
         self._on_broken = on_broken
         self._lock = threading.Lock()  # guards _alive, _running, and _queue/_sent against failure draining
+        self._order = threading.Lock()  # held across "record as sent" + send, so replies match _sent's order
         self._alive = True
         self._running = 2  # threads still using the socket; the last one out closes it
         self._queue: queue.SimpleQueue[_Chunk | None] = queue.SimpleQueue()
@@ -144,15 +149,31 @@ class _Stream:
             request = chunk.transfer.request
             if request.completion.cancelled:
                 continue
-            frame, payload = chunk.frame()
+            error = self._send(chunk)
+            if error is not None:
+                self._fail(error)
+                return
+
+    def _send(self, chunk: _Chunk) -> HMCError | None:
+        frame, payload = chunk.frame()
+        with self._order:
             chunk.sent_at = time.monotonic()
             with self._lock:
                 self._sent.append(chunk)
             try:
                 self._stream.send(frame, payload, deadline=chunk.sent_at + self._stall_s)
             except HMCError as exc:
-                self._fail(exc)
-                return
+                return exc
+        return None
+
+    def send_now(self, chunk: _Chunk) -> bool:
+        """Send a small chunk on the caller's thread (one thread hand-off less); False if the stream is dead."""
+        if not self._alive:
+            return False
+        error = self._send(chunk)
+        if error is not None:
+            self._fail(error)  # fails the chunk with the rest of the stream
+        return True
 
     def _receive_loop(self) -> None:
         try:
@@ -249,11 +270,7 @@ class StagedTransport(Transport):
         self.capabilities = Capabilities(path=PathName.STAGED, memory_kinds=frozenset({DeviceKind.HOST}), detail=f"tcp x{self._streams}")
 
     def post(self, request: TransferRequest) -> None:
-        try:
-            if request.op is TransferOp.WRITE:
-                request.ranges.check(request.local.size, request.remote.size)
-            else:
-                request.ranges.check(request.remote.size, request.local.size)
+        try:  # ranges were checked against the descriptor by the agent; the owner checks them again on receipt
             streams, first = self._streams_for(request.remote.owner, request.deadline)
         except HMCError as exc:
             request.completion.finish(exc)
@@ -264,14 +281,17 @@ class StagedTransport(Transport):
             return
         request.completion.set_running()
         transfer = _Transfer(request, len(chunks))
+        inline = len(chunks) == 1 and chunks[0].total <= _INLINE_SEND_BYTES
         for index, ranges in enumerate(chunks):
             chunk = _Chunk(transfer, ranges)
-            while not streams[(first + index) % len(streams)].put(chunk):
+            stream = streams[(first + index) % len(streams)]
+            while not (stream.send_now(chunk) if inline else stream.put(chunk)):
                 try:  # a stream died since we listed them: list again, opening replacements
                     streams, first = self._streams_for(request.remote.owner, request.deadline)
                 except HMCError as exc:
                     request.completion.finish(exc)
                     return
+                stream = streams[(first + index) % len(streams)]
 
     def _streams_for(self, owner: common_pb2.AgentInfo, deadline: float) -> tuple[list[_Stream], int]:
         with self._lock:

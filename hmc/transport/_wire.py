@@ -24,7 +24,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from google.protobuf.message import DecodeError
 
@@ -59,18 +59,6 @@ _NO_DEADLINE_S = 86400.0
 _HEADER = struct.Struct("<I")
 
 
-@contextlib.contextmanager
-def _socket_errors(peer: str) -> Iterator[None]:
-    try:
-        yield
-    except HMCError:
-        raise
-    except socket.timeout as exc:
-        raise TimeoutError(f"deadline passed talking to {peer}") from exc
-    except OSError as exc:
-        raise BrokenResourceError(f"connection to {peer} broke: {exc}") from exc
-
-
 _LAST_CHANCE_S = 0.001
 """A passed deadline still gets one short attempt: data that already arrived is never refused."""
 _FRAME_REST_S = 5.0
@@ -101,11 +89,9 @@ class FrameStream:
         with self._send_lock:
             self._check()
             try:
-                with _socket_errors(self.peer):
-                    self._sendmsg_all(parts, deadline)
-            except HMCError as exc:
-                self._break(exc)
-                raise
+                self._sendmsg_all(parts, deadline)
+            except OSError as exc:
+                raise self._translate(exc) from exc
 
     def _sendmsg_all(self, parts: list[memoryview | bytes], deadline: float | None) -> None:
         index = 0
@@ -129,29 +115,30 @@ class FrameStream:
             deadline = max(deadline, time.monotonic() + _FRAME_REST_S)
         (length,) = _HEADER.unpack(header)
         if length > MAX_FRAME:
-            error = ProtocolError(f"frame of {length} bytes from {self.peer} exceeds {MAX_FRAME}")
-            self._break(error)
-            raise error
+            raise self._protocol_error(f"frame of {length} bytes from {self.peer} exceeds {MAX_FRAME}")
         body = bytearray(length)
         self._recv_exact(memoryview(body), deadline)
         frame = peer_pb2.PeerFrame()
         try:
             frame.ParseFromString(bytes(body))
         except DecodeError as exc:
-            error = ProtocolError(f"undecodable frame from {self.peer}")
-            self._break(error)
-            raise error from exc
+            raise self._protocol_error(f"undecodable frame from {self.peer}") from exc
         return frame
 
     def recv_into(self, views: Sequence[memoryview], deadline: float | None = None) -> None:
         """Fill `views` in order with the payload that follows (scatter receive, zero copy)."""
         pending = [view for view in views if view.nbytes]
         index = 0
+        sock = self._rx
         while index < len(pending):
-            with self._receiving(deadline) as sock:
+            self._check()
+            try:
+                sock.settimeout(_remaining(deadline))
                 got = sock.recvmsg_into(pending[index : index + IOV_MAX])[0]
+            except OSError as exc:
+                raise self._translate(exc) from exc
             if got == 0:
-                self._eof()
+                raise self._eof()
             while got:
                 size = pending[index].nbytes
                 if got < size:
@@ -169,32 +156,37 @@ class FrameStream:
 
     def _recv_exact(self, view: memoryview, deadline: float | None, *, idle_ok: bool = False) -> None:
         done = 0
+        sock = self._rx
         while done < view.nbytes:
-            with self._receiving(deadline, keep_on_timeout=idle_ok and done == 0) as sock:
+            self._check()
+            try:
+                sock.settimeout(_remaining(deadline))
                 got = sock.recv_into(view[done:])
+            except OSError as exc:
+                raise self._translate(exc, keep=idle_ok and done == 0) from exc
             if got == 0:
-                self._eof()
+                raise self._eof()
             done += got
 
-    @contextlib.contextmanager
-    def _receiving(self, deadline: float | None, *, keep_on_timeout: bool = False) -> Iterator[socket.socket]:
-        self._check()
-        try:
-            with _socket_errors(self.peer):
-                self._rx.settimeout(_remaining(deadline))
-                yield self._rx
-        except TimeoutError:
-            if not keep_on_timeout:
+    def _translate(self, exc: OSError, *, keep: bool = False) -> HMCError:
+        """The boundary: a socket timeout becomes TimeoutError (the stream survives only if `keep`), anything else breaks it."""
+        if isinstance(exc, socket.timeout):
+            if not keep:
                 self._break(BrokenResourceError(f"stream to {self.peer} timed out mid-frame"))
-            raise
-        except HMCError as exc:
-            self._break(exc)
-            raise
+            return TimeoutError(f"deadline passed talking to {self.peer}")
+        error = BrokenResourceError(f"connection to {self.peer} broke: {exc}")
+        self._break(error)
+        return error
 
-    def _eof(self) -> None:
+    def _protocol_error(self, message: str) -> ProtocolError:
+        error = ProtocolError(message)
+        self._break(error)
+        return error
+
+    def _eof(self) -> BrokenResourceError:
         error = BrokenResourceError(f"{self.peer} closed the connection")
         self._break(error)
-        raise error
+        return error
 
     def _check(self) -> None:
         if self._broken is not None:
