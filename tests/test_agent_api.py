@@ -174,3 +174,15 @@ def test_close_is_idempotent_and_final(config: Config) -> None:
     with pytest.raises(ClosedResourceError):
         a.write(buffer, buffer, 0, 0, 8)
     assert not [t for t in threading.enumerate() if t.name.startswith("hmc-peer")]
+
+
+def test_a_registration_hmcd_refuses_is_rolled_back(config: Config) -> None:
+    class Refusing(FakeLink):
+        def register(self, descriptor: common_pb2.BufferDescriptor) -> None:
+            raise ArgumentError("name taken on this node")
+
+    with Agent(config, daemon=True, link_factory=Refusing) as a:
+        with pytest.raises(ArgumentError):
+            a.register(bytearray(64), name="taken")
+        assert a.buffers() == []
+        assert a.register(bytearray(64), name="free").name == "free"

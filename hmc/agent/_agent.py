@@ -33,6 +33,7 @@ from hmc.agent._peers import Peers
 from hmc.agent._server import PeerServer
 from hmc.agent._transfer import Notification, NotificationInbox, NotifyStep, TransferHandle, TransferState
 from hmc.config import Config, PathPolicy
+from hmc.control._agent_link import DaemonLink
 from hmc.control._inventory import apply_vendor_override, device_to_proto, host_id
 from hmc.errors import (
     ArgumentError,
@@ -61,15 +62,12 @@ _INLINE_MAX = 1 << 20
 """Largest single range the inline fast path copies on the caller's thread."""
 
 _DESCRIPTOR = common_pb2.BufferDescriptor
+_PATH_NAMES = frozenset(p.value for p in PathName)
 
 LinkFactory = Callable[[Config, common_pb2.AgentInfo, Callable[[daemon_pb2.TransferInstruction], None]], Any]
 
 
-def _default_link(config: Config, info: common_pb2.AgentInfo, on_instruction: Callable[[daemon_pb2.TransferInstruction], None]) -> Any:
-    try:
-        from hmc.control._agent_link import DaemonLink
-    except ImportError as exc:
-        raise UnavailableError("this build has no hmcd link") from exc
+def _default_link(config: Config, info: common_pb2.AgentInfo, on_instruction: Callable[[daemon_pb2.TransferInstruction], None]) -> DaemonLink:
     return DaemonLink(config, info, on_instruction)
 
 
@@ -98,8 +96,9 @@ class Agent:
     ) -> None:
         self.config = config or Config.load()
         self.id = secrets.token_hex(8)
+        self.info = common_pb2.AgentInfo(id=self.id)  # completed below, once the listener has its port
         self._lock = threading.Lock()  # guards _paths and _withdrawn_remote
-        self._paths: dict[tuple[str, str, str], PathChoice] = {}
+        self._paths: dict[tuple[str, str, str, str | None], PathChoice] = {}
         self._withdrawn_remote: set[str] = set()
         self._closed = False
         self._buffers = BufferTable()
@@ -181,7 +180,11 @@ class Agent:
                 getattr(descriptor.handles, key).CopyFrom(handle)
         self._buffers.add(buffer)
         if self._link is not None:
-            self._link.register(descriptor)
+            try:
+                self._link.register(descriptor)
+            except HMCError:
+                self._buffers.remove(buffer.id, timeout=0)
+                raise
         return buffer
 
     def unregister(self, buffer: ConnBuffer | str) -> None:
@@ -343,19 +346,17 @@ class Agent:
         return self._choose(local, descriptor, None)
 
     def _choose(self, local: ConnBuffer, descriptor: common_pb2.BufferDescriptor, path: str | None) -> PathChoice:
-        src, dst = Endpoint.of(local.descriptor), Endpoint.of(descriptor)
-        if path is not None:
-            if path not in {p.value for p in PathName}:
-                raise ArgumentError(f"unknown path {path!r}")
-            choice = negotiate(src, dst, PathPolicy(allow=(path,)))
-        else:
-            key = (local.descriptor.device.name, descriptor.owner.id, descriptor.device.name)
+        """Negotiate (or, with `path`, check that path) for the pair; cached per device pair and agent."""
+        key = (local.descriptor.device.name, descriptor.owner.id, descriptor.device.name, path)
+        with self._lock:
+            choice = self._paths.get(key)
+        if choice is None:
+            if path is not None and path not in _PATH_NAMES:
+                raise ArgumentError(f"unknown path {path!r}; known: {', '.join(sorted(_PATH_NAMES))}")
+            policy = self.config.policy if path is None else PathPolicy(allow=(path,))
+            choice = negotiate(Endpoint.of(local.descriptor), Endpoint.of(descriptor), policy)
             with self._lock:
-                choice = self._paths.get(key)  # type: ignore[assignment]
-            if choice is None:
-                choice = negotiate(src, dst, self.config.policy)
-                with self._lock:
-                    self._paths[key] = choice
+                self._paths[key] = choice
         if choice.path not in self._transports:
             raise NoPathError(f"path {choice.path.value} was negotiated but this agent has no such transport")
         return choice
