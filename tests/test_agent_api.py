@@ -179,7 +179,8 @@ def test_close_is_idempotent_and_final(config: Config) -> None:
 def test_a_registration_hmcd_refuses_is_rolled_back(config: Config) -> None:
     class Refusing(FakeLink):
         def register(self, descriptor: common_pb2.BufferDescriptor) -> None:
-            raise ArgumentError("name taken on this node")
+            if descriptor.name == "taken":
+                raise ArgumentError("name taken on this node")
 
     with Agent(config, daemon=True, link_factory=Refusing) as a:
         with pytest.raises(ArgumentError):
