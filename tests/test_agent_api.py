@@ -94,6 +94,46 @@ def test_read_only_memory_can_be_read_but_not_written(agent: Agent, make_agent: 
         peer.write(sink, frozen.descriptor, 0, 0, 16).wait()
 
 
+@pytest.mark.parametrize("path", ["ipc", "staged", "local"])
+def test_writes_into_read_only_memory_are_refused_before_any_byte_lands(
+    agent: Agent, make_agent: Callable[..., Agent], path: str, rng: np.random.Generator
+) -> None:
+    from hmc.errors import AccessDeniedError
+
+    content = bytes(range(256)) * 16
+    frozen = agent.register(content)
+    owner = agent if path == "local" else make_agent()
+    source = owner.register(rng.integers(0, 256, 4096, dtype=np.uint8))
+    forced = None if path == "local" else path
+    sink = owner.register(np.zeros(4096, np.uint8))
+    owner.read(sink, frozen.descriptor, 0, 0, 4096, path=forced).wait()  # reads work (and set up the grant / fast path)
+    assert sink.numpy().tobytes() == content
+    for attempt in range(3):  # the first write may set things up, later ones take whatever fast path exists
+        for args in ((0, 0, 16), ([0, 100], [0, 1000], [8, 8]), (0, 0, 4096)):
+            handle = owner.write(source, frozen.descriptor, *args, path=forced if attempt < 2 else None)
+            with pytest.raises(AccessDeniedError, match="read-only"):
+                handle.wait()
+            assert handle.path == (path if attempt < 2 else owner.path_to(source, frozen).path.value)
+    assert frozen.numpy().tobytes() == content
+
+
+def test_read_only_local_memory_never_receives_a_read(agent: Agent, make_agent: Callable[..., Agent]) -> None:
+    from hmc.errors import AccessDeniedError
+
+    content = bytes(range(256)) * 16
+    frozen = agent.register(content)
+    other = make_agent()
+    theirs = other.register(np.zeros(4096, np.uint8))
+    agent.write(frozen, theirs.descriptor, 0, 0, 4096).wait()  # the pair's fast path exists now
+    agent.write(frozen, theirs.descriptor, 0, 0, 4096).wait()
+    assert theirs.numpy().tobytes() == content
+    theirs.numpy()[:] = 7
+    for path in (None, "ipc", "staged"):
+        with pytest.raises(AccessDeniedError, match="read-only"):
+            agent.read(frozen, theirs.descriptor, 0, 0, 16, path=path)
+    assert frozen.numpy().tobytes() == content
+
+
 def test_embedded_mode_and_daemon_requirements(config: Config) -> None:
     with Agent(config) as a:  # no hmcd socket: embedded
         with pytest.raises(UnavailableError):

@@ -36,6 +36,7 @@ from hmc.config import Config, PathPolicy
 from hmc.control._agent_link import DaemonLink
 from hmc.control._inventory import apply_vendor_override, device_to_proto, host_id
 from hmc.errors import (
+    AccessDeniedError,
     ArgumentError,
     BufferWithdrawnError,
     ClosedResourceError,
@@ -74,11 +75,13 @@ def _default_link(config: Config, info: common_pb2.AgentInfo, on_instruction: Ca
 class _Route:
     """A cached inline copy to one remote buffer (see the module's "Hot path")."""
 
-    __slots__ = ("key", "local_size", "path", "read", "remote_size", "write")
+    __slots__ = ("key", "local_size", "path", "read", "read_size", "remote_size", "write")
 
-    def __init__(self, copy: InlineCopy, key: bytes, path: str) -> None:
+    def __init__(self, copy: InlineCopy, key: bytes, path: str, local_writable: bool) -> None:
         self.write, self.read = copy.write, copy.read
         self.local_size = copy.local_size
+        self.read_size = copy.local_size if local_writable else 0
+        """Bound on local offsets of reads: 0 for read-only local memory, so every read takes the slow path, which refuses it."""
         self.remote_size = copy.remote_size
         self.key, self.path = key, path
 
@@ -250,7 +253,7 @@ class Agent:
             if (
                 route is not None
                 and 0 < lengths <= _INLINE_MAX
-                and 0 <= local_offsets <= route.local_size - lengths
+                and 0 <= local_offsets <= route.read_size - lengths
                 and 0 <= remote_offsets <= route.remote_size - lengths
                 and route.key == (remote.access_key if type(remote) is _DESCRIPTOR else remote.descriptor.access_key)
                 and not self._closed
@@ -280,6 +283,8 @@ class Agent:
         if op is TransferOp.WRITE:
             ranges.check(local.size, descriptor.size)
         else:
+            if local.region.readonly:
+                raise AccessDeniedError(f"{local!r} is read-only: it cannot receive a read")
             ranges.check(descriptor.size, local.size)
         ranges = ranges.coalesced()
         choice = self._choose(local, descriptor, path)
@@ -311,7 +316,7 @@ class Agent:
         except HMCError:
             return
         if copy is not None:
-            local.inline_routes[descriptor.id] = _Route(copy, descriptor.access_key, path)
+            local.inline_routes[descriptor.id] = _Route(copy, descriptor.access_key, path, not local.region.readonly)
 
     def _drop_routes(self, remote_id: str) -> None:
         for buffer in self._buffers.values():

@@ -2,7 +2,8 @@
 
 Peers connect over TCP and say in their hello which channel they open:
 
-- control: OpenBuffer (grants one-sided ipc access after the access-key check),
+- control: OpenBuffer (grants one-sided ipc access after the access-key check;
+  the grant says when the memory is read-only, and initiators refuse to write it),
   Notify (deduplicated, queued for `Agent.notifications()`), and the replies to
   the Withdrawn frames this agent sends when a granted buffer is unregistered;
 - data: DataWrite and DataRead of the staged path. Every range is bounds-checked
@@ -127,7 +128,8 @@ class PeerServer:
         with self._lock:
             self._opened.setdefault(buffer.id, set()).add(channel)
         handles = common_pb2.TransportHandles(cma=common_pb2.CmaHandle(pid=os.getpid(), address=buffer.region.address))
-        return peer_pb2.PeerReply(grant=peer_pb2.BufferGrant(buffer_id=buffer.id, size=buffer.size, handles=handles))
+        grant = peer_pb2.BufferGrant(buffer_id=buffer.id, size=buffer.size, handles=handles, read_only=buffer.region.readonly)
+        return peer_pb2.PeerReply(grant=grant)
 
     def _notify(self, request: peer_pb2.Notify, sender: str) -> peer_pb2.PeerReply:
         self._buffers.get(request.buffer_id, request.access_key)

@@ -5,9 +5,11 @@ and the owner's, the kernel doing the work; no staging, no owner thread involved
 
 Access model. The owner grants access once per (peer, buffer): the initiator
 sends OpenBuffer with the buffer's access key over the control connection and the
-owner answers with a BufferGrant (pid, address, size). The initiator bounds-checks
-every range against the *granted* size before any copy, so it never writes past
-the buffer's end. The owner revokes a grant with a Withdrawn frame when the buffer
+owner answers with a BufferGrant (pid, address, size, read-only flag). The
+initiator bounds-checks every range against the *granted* size before any copy,
+so it never writes past the buffer's end, and refuses every write into a
+read-only grant (AccessDeniedError) before a byte moves: the kernel would let
+it through, since the pages themselves are usually writable. The owner revokes a grant with a Withdrawn frame when the buffer
 is unregistered; the initiator acknowledges only after its in-flight copies into
 that buffer have finished, so unregister() returns before the memory can be
 reused. The kernel's ptrace access check (same uid; Yama scope, relaxed by each
@@ -38,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from hmc.errors import BrokenResourceError, BufferWithdrawnError, DeviceError, HMCError, TimeoutError, UnsupportedError
+from hmc.errors import AccessDeniedError, BrokenResourceError, BufferWithdrawnError, DeviceError, HMCError, TimeoutError, UnsupportedError
 from hmc.memory import DeviceKind, MemoryKind
 from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport
 from hmc.transport._ranges import RangeList
@@ -80,15 +82,20 @@ def _syscall_error(err: int, pid: int) -> HMCError:
 class _Grant:
     """The right to copy into/out of one remote buffer, as granted by its owner."""
 
-    __slots__ = ("address", "inflight", "key", "pid", "revoked", "size")
+    __slots__ = ("address", "buffer_id", "inflight", "key", "pid", "read_only", "revoked", "size")
 
     def __init__(self, message: peer_pb2.BufferGrant, key: bytes) -> None:
         self.key = key
         self.pid = message.handles.cma.pid
         self.address = message.handles.cma.address
         self.size = message.size
+        self.read_only = message.read_only
+        self.buffer_id = message.buffer_id
         self.inflight: list[None] = []
         self.revoked = False
+
+    def denied(self) -> AccessDeniedError:
+        return AccessDeniedError(f"buffer {self.buffer_id} is read-only: its owner grants reads only")
 
     def enter(self) -> None:
         self.inflight.append(None)
@@ -198,6 +205,8 @@ class IpcTransport(Transport):
     def post(self, request: TransferRequest) -> None:
         try:
             grant = self._grant(request.remote, request.deadline)
+            if grant.read_only and request.op is TransferOp.WRITE:
+                raise grant.denied()
             if grant.size < request.remote.size:  # the agent checked against the descriptor; the grant is authoritative
                 if request.op is TransferOp.WRITE:
                     request.ranges.check(request.local.size, grant.size)
@@ -272,7 +281,7 @@ class IpcTransport(Transport):
         if grant is None or grant.key != remote.access_key or local.region.kind is MemoryKind.DEVICE:
             return None
         return InlineCopy(
-            write=_single(_writev_fast, _writev, grant, local.region.address),
+            write=_denied(grant) if grant.read_only else _single(_writev_fast, _writev, grant, local.region.address),
             read=_single(_readv_fast, _readv, grant, local.region.address),
             local_size=local.size,
             remote_size=grant.size,
@@ -284,6 +293,15 @@ class IpcTransport(Transport):
             self._grants.clear()
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _denied(grant: _Grant) -> Callable[[int, int, int], None]:
+    """The inline write into a read-only grant: refused before any byte moves."""
+
+    def copy(local_offset: int, remote_offset: int, length: int) -> None:
+        raise grant.denied()
+
+    return copy
 
 
 def _single(call: Any, explain: Any, grant: _Grant, local_base: int) -> Callable[[int, int, int], None]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 from typing import TYPE_CHECKING, Any
 
-from hmc.errors import HMCError
+from hmc.errors import AccessDeniedError, HMCError
 from hmc.memory import DeviceKind, MemoryKind, copy, devices
 from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport
 from hmc.v1 import common_pb2
@@ -33,6 +33,10 @@ def copy_ranges(dst: Any, src: Any, src_offsets: list[int], dst_offsets: list[in
         return
     for s, d, n in zip(src_offsets, dst_offsets, lengths):
         copy(dst.region, src.region, n, dst_offset=d, src_offset=s)
+
+
+def _read_only(buffer: Any) -> AccessDeniedError:
+    return AccessDeniedError(f"buffer {buffer.id} is read-only")
 
 
 class LocalTransport(Transport):
@@ -55,6 +59,8 @@ class LocalTransport(Transport):
         try:
             target = self._peer_buffer(request.remote)
             src, dst = (request.local, target) if request.op is TransferOp.WRITE else (target, request.local)
+            if dst.region.readonly:
+                raise _read_only(dst)
             request.ranges.check(src.size, dst.size)
             request.completion.set_running()
             ranges = request.ranges
@@ -73,7 +79,10 @@ class LocalTransport(Transport):
         def write(local_offset: int, remote_offset: int, length: int) -> None:
             move(remote_base + remote_offset, local_base + local_offset, length)
 
+        def refuse(local_offset: int, remote_offset: int, length: int) -> None:
+            raise _read_only(target)
+
         def read(local_offset: int, remote_offset: int, length: int) -> None:
             move(local_base + local_offset, remote_base + remote_offset, length)
 
-        return InlineCopy(write=write, read=read, local_size=local.size, remote_size=target.size)
+        return InlineCopy(write=refuse if target.region.readonly else write, read=read, local_size=local.size, remote_size=target.size)
