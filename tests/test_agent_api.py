@@ -94,6 +94,33 @@ def test_read_only_memory_can_be_read_but_not_written(agent: Agent, make_agent: 
         peer.write(sink, frozen.descriptor, 0, 0, 16).wait()
 
 
+def test_a_forced_path_the_pair_negotiates_anyway_takes_the_fast_path(agent: Agent, make_agent: Callable[..., Agent], rng: np.random.Generator) -> None:
+    from hmc.agent._transfer import _FinishedHandle
+
+    other = make_agent()
+    mine = agent.register(rng.integers(0, 256, 8192, dtype=np.uint8))
+    theirs = other.register(np.zeros(8192, np.uint8))
+    agent.write(mine, theirs.descriptor, 0, 0, 4096, path="ipc").wait()  # a forced call sets the route up too
+    assert agent.path_to(mine, theirs.descriptor).path.value == "ipc" and theirs.id in mine.inline_routes
+    for path in ("ipc", None):
+        handle = agent.write(mine, theirs.descriptor, 4096, 4096, 4096, path=path)
+        assert type(handle) is _FinishedHandle and handle.path == "ipc"
+        handle = agent.read(mine, theirs.descriptor, 0, 0, 16, path=path)
+        assert type(handle) is _FinishedHandle and handle.path == "ipc"
+    handle = agent.write(mine, theirs.descriptor, 0, 0, 4096, path="staged")  # another path: never the route
+    handle.wait()
+    assert type(handle) is not _FinishedHandle and handle.path == "staged"
+    assert np.array_equal(theirs.numpy(), mine.numpy())
+    # Forcing ipc between two buffers of one agent must not teach the pair's unforced route (local) anything.
+    dst = agent.register(np.zeros(8192, np.uint8))
+    for _ in range(2):
+        handle = agent.write(mine, dst, 0, 0, 4096, path="ipc")
+        handle.wait()
+        assert handle.path == "ipc"
+    assert agent.write(mine, dst, 0, 0, 4096).path == "local"
+    assert agent.write(mine, dst, 0, 0, 4096).path == "local"
+
+
 @pytest.mark.parametrize("path", ["ipc", "staged", "local"])
 def test_writes_into_read_only_memory_are_refused_before_any_byte_lands(
     agent: Agent, make_agent: Callable[..., Agent], path: str, rng: np.random.Generator

@@ -9,7 +9,8 @@ executes the third-party transfers hmcd instructs.
 Hot path. A single-range transfer given as plain ints, between a pair that has
 already moved data over a path offering an inline copy (local, ipc), skips
 range arrays, negotiation and request objects: bounds check, one copy, one
-finished handle.
+finished handle. A call that forces `path=` takes it too when the forced path
+is the one the pair negotiates anyway (the route's path).
 
 Concurrency: every public method may be called from any thread. `_lock` guards
 the path cache and the set of remote buffers known to be withdrawn; the buffer
@@ -226,10 +227,11 @@ class Agent:
         *, notify: bytes | None = None, timeout: float | None = None, path: str | None = None,
     ) -> TransferHandle:
         """Push ranges of `local` into `remote` (a BufferDescriptor or a ConnBuffer)."""
-        if notify is None and path is None and type(lengths) is int and type(src_offsets) is int and type(dst_offsets) is int:
+        if notify is None and type(lengths) is int and type(src_offsets) is int and type(dst_offsets) is int:
             route = local.inline_routes.get(remote.id)
             if (
                 route is not None
+                and (path is None or path == route.path)
                 and 0 < lengths <= _INLINE_MAX
                 and 0 <= src_offsets <= route.local_size - lengths
                 and 0 <= dst_offsets <= route.remote_size - lengths
@@ -248,10 +250,11 @@ class Agent:
         *, notify: bytes | None = None, timeout: float | None = None, path: str | None = None,
     ) -> TransferHandle:
         """Pull ranges of `remote` (a BufferDescriptor or a ConnBuffer) into `local`."""
-        if notify is None and path is None and type(lengths) is int and type(local_offsets) is int and type(remote_offsets) is int:
+        if notify is None and type(lengths) is int and type(local_offsets) is int and type(remote_offsets) is int:
             route = local.inline_routes.get(remote.id)
             if (
                 route is not None
+                and (path is None or path == route.path)
                 and 0 < lengths <= _INLINE_MAX
                 and 0 <= local_offsets <= route.read_size - lengths
                 and 0 <= remote_offsets <= route.remote_size - lengths
@@ -295,8 +298,9 @@ class Agent:
         if notify is not None:
             completion = NotifyStep(handle, lambda h: self._send_notify(descriptor, h, bytes(notify)))
         transport.post(TransferRequest(handle.id, op, local, descriptor, ranges, deadline, completion))
-        if notify is None and path is None and len(ranges) == 1 and handle.state is TransferState.DONE and descriptor.id not in local.inline_routes:
-            self._learn_route(transport, local, descriptor, choice.path.value)
+        if notify is None and len(ranges) == 1 and handle.state is TransferState.DONE and descriptor.id not in local.inline_routes:
+            if path is None or self._choose(local, descriptor, None).path is choice.path:  # a route serves unforced calls too
+                self._learn_route(transport, local, descriptor, choice.path.value)
         return handle
 
     def _check_buffers(self, local: ConnBuffer, descriptor: common_pb2.BufferDescriptor) -> None:
