@@ -14,7 +14,7 @@ from hmc.agent import Agent
 from hmc.config import Config
 from hmc.testing import PeerProcess, TransportPair, check_transport
 from hmc.transport._base import TransferOp, TransferRequest
-from hmc.transport._ipc import IpcTransport, _copy_iovecs
+from hmc.transport._ipc import IpcTransport, _copy_few, _copy_iovecs
 from hmc.transport._ranges import RangeList
 from hmc.transport._wire import IOV_MAX
 
@@ -81,18 +81,27 @@ class _Done:
         self.error = error
 
 
-def test_partial_transfers_resume_mid_iovec(rng: np.random.Generator) -> None:
+def _iovecs(iov: int | bytes, count: int) -> list[list[int]]:
+    """(address, length) rows of an iovec array passed as an address (numpy path) or packed bytes (few-ranges path)."""
+    if isinstance(iov, bytes):
+        return np.frombuffer(iov, np.uint64).reshape(count, 2).tolist()
+    return np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(iov)).reshape(count, 2).tolist()
+
+
+@pytest.mark.parametrize("budget", [2999, 7000, 16001])
+@pytest.mark.parametrize("few", [False, True])
+def test_partial_transfers_resume_mid_iovec(rng: np.random.Generator, few: bool, budget: int) -> None:
     """The kernel may stop after any byte count; the copy loop must resume exactly there."""
     src = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
     dst = np.zeros(1 << 16, np.uint8)
     ranges = RangeList.build([0, 10000, 30000], [5, 20000, 40000], [7000, 9000, 12000])
+    calls = []
 
-    def stingy(pid: int, local: int, count: int, remote: int, _: int, flags: int) -> int:
-        rows_l = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(local)).reshape(count, 2)
-        rows_r = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(remote)).reshape(count, 2)
-        budget = 2999  # never a whole iovec's worth at once
+    def stingy(pid: int, local: int | bytes, count: int, remote: int | bytes, _: int, flags: int) -> int:
+        rows_l, rows_r = _iovecs(local, count), _iovecs(remote, count)
+        calls.append(count)
         moved = 0
-        for (la, n), (ra, _) in zip(rows_l.tolist(), rows_r.tolist()):
+        for (la, n), (ra, _) in zip(rows_l, rows_r):
             step = min(n, budget - moved)
             ctypes.memmove(ra, la, step)
             moved += step
@@ -106,7 +115,11 @@ def test_partial_transfers_resume_mid_iovec(rng: np.random.Generator) -> None:
     remote[:, 0] = ranges.dst.astype(np.uint64) + np.uint64(dst.ctypes.data)
     local[:, 1] = remote[:, 1] = ranges.lengths
     request = TransferRequest("t", TransferOp.WRITE, None, None, ranges, float("inf"), _Done())  # type: ignore[arg-type]
-    assert _copy_iovecs(stingy, 0, local, remote, ranges.lengths.astype(np.uint64), request)
+    if few:
+        assert _copy_few(stingy, 0, local[:, 0].tolist(), remote[:, 0].tolist(), ranges.lengths.tolist(), request)
+    else:
+        assert _copy_iovecs(stingy, 0, local, remote, ranges.lengths.astype(np.uint64), request)
+    assert len(calls) == -(-ranges.total // budget)
     expected = np.zeros_like(dst)
     for s, d, n in zip(ranges.src.tolist(), ranges.dst.tolist(), ranges.lengths.tolist()):
         expected[d : d + n] = src[s : s + n]
