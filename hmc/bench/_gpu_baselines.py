@@ -1,0 +1,520 @@
+"""The GPU benchmark's baselines, GPU0 -> GPU1, each in child processes of its own.
+
+Systems (row `system`, `path`):
+
+    peer-copy    torch      one process: `dst1.copy_(src0)` (cudaMemcpyPeerAsync), bulk
+    pinned-d2h   torch      one process: cuda:0 -> pinned host, non_blocking copy_, bulk
+    pinned-h2d   torch      one process: pinned host -> cuda:0, bulk
+    torch-gather torch      one process: index_select on GPU0 -> peer copy -> index_copy_ on GPU1, KV
+    copy-kernel  push/pull  one process, peer access: the copy kernel (one block per range) on GPU0
+                            writing GPU1 (push) or on GPU1 reading GPU0 (pull), bulk and KV
+    cuda-ipc     memcpy/kernel  two processes: GPU1's process exports a cudaMalloc'd buffer
+                            (cudaIpcGetMemHandle); GPU0's process opens it and writes into it
+                            with cudaMemcpyAsync (bulk) or the copy kernel (bulk and KV)
+    nccl         send/recv  two processes, torch.distributed (NCCL, FileStore), bulk
+    nccl-nop2p   send/recv  the same with NCCL_P2P_DISABLE=1 (host-staged through shared memory)
+
+NIXL is in `_gpu_nixl`, HMC in `_gpu_hmc`. Every row: random source data
+(`pattern`), destination poisoned before the workload, post + wait timed per
+iteration, then every moved byte checked once on the destination's device
+(`torch.equal`), in the process that owns it; `pipelined_gbps` adds the rate of
+back-to-back posts. NCCL iterations are timed on the sender (send + stream sync)
+while the receiver has its receives posted for the whole batch.
+
+Each child sends ("row", row) per measurement, ("done",) at the end, or
+("error", traceback); the parent (`_gpu_run`) bounds every wait and kills the
+children when one stalls.
+
+Concurrency: each child runs its measurements on its main thread.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from hmc.bench._child import RUN_TIMEOUT_S, receive, send_error
+from hmc.bench._gpu_common import (
+    CupyEventTimer,
+    TorchEventTimer,
+    WallTimer,
+    apply_env,
+    gpu_row,
+    pattern,
+    pipeline_count,
+    pipelined_gbps,
+    poison,
+    sizes_of,
+    verify,
+)
+from hmc.bench._timing import Timing, measure
+from hmc.bench._workloads import SEED, Workload, make_ranges
+
+__all__ = ["LOCAL_SYSTEMS", "NCCL_SYSTEMS", "ipc_initiator", "ipc_target", "local_child", "nccl_rank", "probe_child"]
+
+LOCAL_SYSTEMS = ("peer-copy", "pinned-d2h", "pinned-h2d", "torch-gather", "copy-kernel")
+"""Systems measured in one process that sees both GPUs."""
+NCCL_SYSTEMS: dict[str, dict[str, str]] = {"nccl": {}, "nccl-nop2p": {"NCCL_P2P_DISABLE": "1"}}
+"""System name -> extra environment of both ranks."""
+STARTUP_TIMEOUT_S = 180.0
+"""A peer's first message (torch import, CUDA and NCCL or UCX set-up)."""
+CUDA_MEMCPY_DEFAULT = 4
+"""cudaMemcpyDefault: direction from the pointers (unified addressing)."""
+
+
+def _bulk(workloads: Sequence[Workload]) -> list[Workload]:
+    return [w for w in workloads if not w.random]
+
+
+def _kv(workloads: Sequence[Workload]) -> list[Workload]:
+    return [w for w in workloads if w.random]
+
+
+# -- probe ------------------------------------------------------------------------
+
+
+def _run_text(argv: list[str]) -> str | None:
+    import subprocess
+
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{argv[0]}: {exc}"
+    return done.stdout.strip() or done.stderr.strip() or None
+
+
+def _dist_version(name: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def probe_child(out: Connection) -> None:
+    """Child: devices, peer access, driver and library versions -> ("info", dict), ("done",)."""
+    try:
+        apply_env()
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        devices = []
+        for index in range(count):
+            props = torch.cuda.get_device_properties(index)
+            devices.append({
+                "index": index,
+                "name": props.name,
+                "total_memory": props.total_memory,
+                "multiprocessors": props.multi_processor_count,
+                "capability": f"{props.major}.{props.minor}",
+                "uuid": str(getattr(props, "uuid", "")),
+            })
+        nccl = None
+        try:
+            version = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+        except Exception as exc:  # noqa: BLE001 - informative only
+            nccl = f"unknown ({type(exc).__name__})"
+        info: dict[str, Any] = {
+            "device_count": count,
+            "devices": devices,
+            "peer_access": {f"{a}->{b}": torch.cuda.can_device_access_peer(a, b) for a in range(count) for b in range(count) if a != b},
+            "nvidia_smi": _run_text(["nvidia-smi", "--query-gpu=index,name,driver_version,pci.bus_id,memory.total", "--format=csv,noheader"]),
+            "topology": _run_text(["nvidia-smi", "topo", "-m"]),
+            "versions": {
+                "torch": torch.__version__,
+                "torch_cuda": torch.version.cuda,
+                "nccl": nccl,
+                "cupy": _dist_version("cupy-cuda13x") or _dist_version("cupy-cuda12x") or _dist_version("cupy"),
+                "cuda-bindings": _dist_version("cuda-bindings"),
+                "nixl": _dist_version("nixl"),
+                "nixl-cu13": _dist_version("nixl-cu13"),
+                "nixl-cu12": _dist_version("nixl-cu12"),
+            },
+            "env": {key: os.environ.get(key) for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "CUDA_VISIBLE_DEVICES")},
+        }
+        try:
+            import cupy
+
+            info["driver_version"] = cupy.cuda.runtime.driverGetVersion()
+            info["runtime_version"] = cupy.cuda.runtime.runtimeGetVersion()
+        except Exception as exc:  # noqa: BLE001 - informative only
+            info["driver_version"] = f"unknown ({type(exc).__name__}: {exc})"
+        out.send(("info", info))
+        out.send(("done",))
+    except BaseException:
+        send_error(out)
+
+
+# -- one process, both GPUs -------------------------------------------------------
+
+
+class _Local:
+    """The tensors of the one-process systems: source on GPU0, destinations on GPU1 and GPU0, pinned host."""
+
+    def __init__(self, size: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.d0, self.d1 = torch.device("cuda", 0), torch.device("cuda", 1)
+        torch.cuda.set_device(self.d0)
+        self.src0 = pattern(size, SEED, self.d0)
+        self.expected1 = pattern(size, SEED, self.d1)
+        self.dst1 = torch.empty(size, dtype=torch.uint8, device=self.d1)
+        self.dst0 = torch.empty(size, dtype=torch.uint8, device=self.d0)
+        self.host: Any = None
+        self.size = size
+        torch.cuda.synchronize(self.d0)
+        torch.cuda.synchronize(self.d1)
+
+    def pinned(self) -> Any:
+        if self.host is None:
+            self.host = self.torch.empty(self.size, dtype=self.torch.uint8, pin_memory=True)
+        return self.host
+
+    def stream(self, device: Any) -> Any:
+        return self.torch.cuda.current_stream(device)
+
+    def sync(self) -> None:
+        self.torch.cuda.synchronize(self.d0)
+        self.torch.cuda.synchronize(self.d1)
+
+
+def _peer_copy(t: _Local, w: Workload, timing: Timing) -> Any:
+    n = w.nbytes
+    src, dst = t.src0[:n], t.dst1[:n]
+    poison(t.dst1, w.total_size)
+    t.sync()
+    done = t.stream(t.d1).synchronize  # the copy runs on GPU0's stream; GPU1's stream waits for it
+
+    def post() -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def step() -> None:
+        post()
+        done()
+
+    times = measure(step, timing)
+    ok = verify(t.dst1, t.expected1, w, *make_ranges(w)[:2])
+    pipe = pipelined_gbps(post, TorchEventTimer(t.stream(t.d0)), n, times)
+    return gpu_row("peer-copy", "torch", w, times, ok, "one process: dst(cuda:1).copy_(src(cuda:0), non_blocking=True); wait on cuda:1's stream", pipe, "cuda-events")
+
+
+def _pinned(t: _Local, w: Workload, timing: Timing, to_host: bool) -> Any:
+    n = w.nbytes
+    host = t.pinned()
+    stream = t.stream(t.d0)
+    if to_host:
+        host[:n].fill_(0xA5)
+        dst, src = host[:n], t.src0[:n]
+    else:
+        poison(t.dst0, w.total_size)
+        dst, src = t.dst0[:n], host[:n]
+    t.sync()
+
+    def post() -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def step() -> None:
+        post()
+        stream.synchronize()
+
+    times = measure(step, timing)
+    if to_host:
+        poison(t.dst0, w.total_size)
+        t.dst0[:n].copy_(host[:n])  # back to the device, where the check runs
+    ok = verify(t.dst0, t.src0, w, *make_ranges(w)[:2])
+    pipe = pipelined_gbps(post, TorchEventTimer(stream), n, times)
+    if to_host:
+        return gpu_row("pinned-d2h", "torch", w, times, ok, "cuda:0 -> pinned host (torch pin_memory), copy_(non_blocking=True), stream sync", pipe, "cuda-events")
+    return gpu_row("pinned-h2d", "torch", w, times, ok, "pinned host -> cuda:0, copy_(non_blocking=True), stream sync", pipe, "cuda-events")
+
+
+def _torch_gather(t: _Local, w: Workload, timing: Timing) -> Any:
+    torch = t.torch
+    so, do, _ = make_ranges(w)
+    block = w.block_size
+    src_blocks = t.src0[: w.total_size].view(-1, block)
+    dst_blocks = t.dst1[: w.total_size].view(-1, block)
+    src_index = torch.from_numpy(so // block).to(t.d0)
+    dst_index = torch.from_numpy(do // block).to(t.d1)
+    stage0 = torch.empty((w.batch_size, block), dtype=torch.uint8, device=t.d0)
+    stage1 = torch.empty((w.batch_size, block), dtype=torch.uint8, device=t.d1)
+    poison(t.dst1, w.total_size)
+    t.sync()
+    done = t.stream(t.d1).synchronize
+
+    def post() -> None:
+        torch.index_select(src_blocks, 0, src_index, out=stage0)
+        stage1.copy_(stage0, non_blocking=True)
+        dst_blocks.index_copy_(0, dst_index, stage1)
+
+    def step() -> None:
+        post()
+        done()
+
+    times = measure(step, timing)
+    ok = verify(t.dst1, t.expected1, w, so, do)
+    pipe = pipelined_gbps(post, WallTimer(t.sync), w.nbytes, times)
+    return gpu_row("torch-gather", "torch", w, times, ok, "one process: index_select on cuda:0 -> copy_ to cuda:1 -> index_copy_ on cuda:1", pipe, "wall")
+
+
+def _copy_kernel(t: _Local, w: Workload, timing: Timing, push: bool, streams: dict[int, Any]) -> Any:
+    from hmc.bench._gpu_kernel import RangeCopy
+
+    so, do, ln = make_ranges(w)
+    device = 0 if push else 1
+    stream = streams[device]
+    kernel = RangeCopy(device, t.src0.data_ptr(), t.dst1.data_ptr(), so, do, ln, stream)
+    poison(t.dst1, w.total_size)
+    t.sync()
+
+    def step() -> None:
+        kernel.post()
+        stream.synchronize()
+
+    times = measure(step, timing)
+    ok = verify(t.dst1, t.expected1, w, so, do)
+    pipe = pipelined_gbps(kernel.post, CupyEventTimer(stream, device), w.nbytes, times)
+    detail = (f"one process, peer access: copy kernel ({kernel.blocks} blocks of 256 threads, one per range of <= 64 KiB) "
+              + ("on cuda:0 writing cuda:1 over NVLink" if push else "on cuda:1 reading cuda:0 over NVLink"))
+    return gpu_row("copy-kernel", "push" if push else "pull", w, times, ok, detail, pipe, "cuda-events")
+
+
+def local_child(out: Connection, workloads: Sequence[Workload], timing: Timing, systems: Sequence[str]) -> None:
+    """Child: every one-process system in `systems` (LOCAL_SYSTEMS), rows as they finish."""
+    try:
+        apply_env()
+        t = _Local(sizes_of(workloads))
+        bulk, kv = _bulk(workloads), _kv(workloads)
+        if "peer-copy" in systems:
+            for w in bulk:
+                out.send(("row", _peer_copy(t, w, timing)))
+        if "pinned-d2h" in systems:
+            for w in bulk:
+                out.send(("row", _pinned(t, w, timing, to_host=True)))
+        if "pinned-h2d" in systems:
+            t.pinned().copy_(t.src0)
+            for w in bulk:
+                out.send(("row", _pinned(t, w, timing, to_host=False)))
+        if "torch-gather" in systems:
+            for w in kv:
+                out.send(("row", _torch_gather(t, w, timing)))
+        if "copy-kernel" in systems:
+            import cupy
+
+            from hmc.bench._gpu_kernel import enable_peer_access
+
+            enable_peer_access(0, 1)
+            enable_peer_access(1, 0)
+            streams = {}
+            for device in (0, 1):
+                with cupy.cuda.Device(device):
+                    streams[device] = cupy.cuda.Stream(non_blocking=True)
+            for push in (True, False):
+                for w in workloads:
+                    out.send(("row", _copy_kernel(t, w, timing, push, streams)))
+        out.send(("done",))
+    except BaseException:
+        send_error(out)
+
+
+# -- CUDA IPC across two processes --------------------------------------------------
+
+
+def _cupy_tensor(ptr: int, size: int, device: int) -> Any:
+    """A torch uint8 tensor over `size` bytes of device memory at `ptr` (not owned)."""
+    import cupy
+    import torch
+
+    memory = cupy.cuda.UnownedMemory(ptr, size, None, device)
+    array = cupy.ndarray((size,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+    return torch.as_tensor(array, device=torch.device("cuda", device))
+
+
+def ipc_target(conn: Connection, size: int) -> None:
+    """Child on GPU1: a cudaMalloc'd destination, its IPC handle sent; poisons and checks on request."""
+    try:
+        apply_env()
+        import cupy
+        import torch
+
+        cupy.cuda.Device(1).use()
+        torch.cuda.set_device(1)
+        ptr = cupy.cuda.runtime.malloc(size)
+        try:
+            dst = _cupy_tensor(ptr, size, 1)
+            expected = pattern(size, SEED, torch.device("cuda", 1))
+            torch.cuda.synchronize()
+            conn.send(("handle", cupy.cuda.runtime.ipcGetMemHandle(ptr)))
+            _serve_destination(conn, dst, expected)
+        finally:
+            torch.cuda.synchronize()
+            cupy.cuda.runtime.free(ptr)
+    except BaseException:
+        send_error(conn)
+
+
+def _serve_destination(conn: Connection, dst: Any, expected: Any, idle: Any = None) -> None:
+    """A destination owner's loop: ("prep", w) poison -> ("ready",); ("verify", w) -> ("verified", ok); ("quit",)."""
+    import torch
+
+    sync = torch.cuda.synchronize if dst.is_cuda else (lambda: None)
+    while True:
+        if idle is not None:
+            idle(conn)
+        message = receive(conn, "", RUN_TIMEOUT_S)
+        if message[0] == "prep":
+            poison(dst, message[1].total_size)
+            sync()
+            conn.send(("ready",))
+        elif message[0] == "verify":
+            sync()
+            w = message[1]
+            so, do, _ = make_ranges(w)
+            conn.send(("verified", verify(dst, expected, w, so, do)))
+        else:
+            return
+
+
+def ipc_initiator(conn: Connection, out: Connection, workloads: Sequence[Workload], timing: Timing) -> None:
+    """Child on GPU0: opens GPU1's IPC handle, writes into it with cudaMemcpyAsync and the copy kernel."""
+    try:
+        apply_env()
+        import cupy
+        import torch
+
+        from hmc.bench._gpu_kernel import RangeCopy
+
+        cupy.cuda.Device(0).use()
+        torch.cuda.set_device(0)
+        size = sizes_of(workloads)
+        src = pattern(size, SEED, torch.device("cuda", 0))
+        torch.cuda.synchronize()
+        src_ptr = src.data_ptr()
+        handle = receive(conn, "handle", STARTUP_TIMEOUT_S)[1]
+        remote = cupy.cuda.runtime.ipcOpenMemHandle(handle)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        memcpy_async = cupy.cuda.runtime.memcpyAsync
+        try:
+            for method in ("memcpy", "kernel"):
+                for w in (_bulk(workloads) if method == "memcpy" else workloads):
+                    so, do, ln = make_ranges(w)
+                    conn.send(("prep", w))
+                    receive(conn, "ready")
+                    if method == "memcpy":
+                        args = (remote + int(do[0]), src_ptr + int(so[0]), int(ln[0]), CUDA_MEMCPY_DEFAULT, stream.ptr)
+
+                        def post(args: tuple[int, ...] = args) -> None:
+                            memcpy_async(*args)
+
+                        detail = "two processes: cuda:0's process opens cuda:1's cudaIpcMemHandle, cudaMemcpyAsync into it"
+                    else:
+                        kernel = RangeCopy(0, src_ptr, remote, so, do, ln, stream)
+                        post = kernel.post
+                        detail = (f"two processes: cuda:0's process opens cuda:1's cudaIpcMemHandle; copy kernel on cuda:0 "
+                                  f"({kernel.blocks} blocks, one per range of <= 64 KiB) writes into it over NVLink")
+
+                    def step(post: Any = post) -> None:
+                        post()
+                        stream.synchronize()
+
+                    times = measure(step, timing)
+                    conn.send(("verify", w))
+                    ok = receive(conn, "verified")[1]
+                    pipe = pipelined_gbps(post, CupyEventTimer(stream, 0), w.nbytes, times)
+                    out.send(("row", gpu_row("cuda-ipc", method, w, times, ok, detail, pipe, "cuda-events")))
+        finally:
+            stream.synchronize()
+            cupy.cuda.runtime.ipcCloseMemHandle(remote)
+        conn.send(("quit",))
+        out.send(("done",))
+    except BaseException:
+        send_error(out, conn)
+
+
+# -- NCCL send/recv between two processes ---------------------------------------------
+
+
+def nccl_rank(rank: int, conn: Connection, out: Connection | None, store_path: str, system: str,
+              workloads: Sequence[Workload], timing: Timing, devices: Sequence[str] = ("cuda:0", "cuda:1"), backend: str = "nccl") -> None:
+    """Child: rank 0 sends from devices[0] (timed, rows to `out`), rank 1 receives into devices[1].
+
+    `devices`/`backend` other than CUDA/NCCL (cpu/gloo) exist to test the orchestration without a GPU.
+    """
+    try:
+        apply_env({"TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING": "false", **NCCL_SYSTEMS.get(system, {})})
+        import torch
+        import torch.distributed as dist
+
+        device = torch.device(devices[rank])
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.set_device(device)
+        store = dist.FileStore(store_path, 2)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120),
+                                **({"device_id": device} if cuda else {}))
+        size = sizes_of(workloads)
+        sync = (lambda: torch.cuda.current_stream(device).synchronize()) if cuda else (lambda: None)
+        try:
+            if rank == 0:
+                assert out is not None
+                _nccl_sender(dist, conn, out, system, pattern(size, SEED, device), workloads, timing, sync)
+            else:
+                _nccl_receiver(dist, conn, torch.empty(size, dtype=torch.uint8, device=device), pattern(size, SEED, device), sync)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        send_error(*([out] if out is not None else []), conn)
+
+
+def _nccl_sender(dist: Any, conn: Connection, out: Connection, system: str, src: Any, workloads: Sequence[Workload], timing: Timing, sync: Any) -> None:
+    path_detail = "two processes, torch.distributed send/recv (FileStore), timed on the sender: send + stream sync"
+    if NCCL_SYSTEMS.get(system):
+        path_detail += "; " + " ".join(f"{k}={v}" for k, v in NCCL_SYSTEMS[system].items())
+    for w in _bulk(workloads):
+        view = src[: w.nbytes]
+        conn.send(("prep", w))
+        receive(conn, "ready")
+
+        def post(view: Any = view) -> None:
+            dist.send(view, 1)
+
+        def step(post: Any = post) -> None:
+            post()
+            sync()
+
+        times = measure(step, timing, announce=lambda n, w=w: conn.send(("iters", w, n)))
+        conn.send(("verify", w))
+        ok = receive(conn, "verified")[1]
+        count = pipeline_count(times)
+        conn.send(("iters", w, count))
+        pipe = pipelined_gbps(post, WallTimer(sync), w.nbytes, times, count)
+        out.send(("row", gpu_row(system, "send/recv", w, times, ok, path_detail, pipe, "wall")))
+    conn.send(("quit",))
+    out.send(("done",))
+
+
+def _nccl_receiver(dist: Any, conn: Connection, dst: Any, expected: Any, sync: Any) -> None:
+    while True:
+        message = receive(conn, "", RUN_TIMEOUT_S)
+        if message[0] == "prep":
+            poison(dst, message[1].total_size)
+            sync()
+            conn.send(("ready",))
+        elif message[0] == "iters":
+            view = dst[: message[1].nbytes]
+            for _ in range(message[2]):
+                dist.recv(view, 0)
+        elif message[0] == "verify":
+            sync()
+            w = message[1]
+            so, do, _ = make_ranges(w)
+            conn.send(("verified", verify(dst, expected, w, so, do)))
+        else:
+            sync()
+            return
