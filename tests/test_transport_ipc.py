@@ -14,7 +14,7 @@ from hmc.agent import Agent
 from hmc.config import Config
 from hmc.testing import PeerProcess, TransportPair, check_transport
 from hmc.transport._base import TransferOp, TransferRequest
-from hmc.transport._ipc import IpcTransport, _copy_few, _copy_iovecs
+from hmc.transport._ipc import IpcTransport, _copy_few, _copy_iovecs, _iovecs, _remote_order
 from hmc.transport._ranges import RangeList
 from hmc.transport._wire import IOV_MAX
 
@@ -81,7 +81,7 @@ class _Done:
         self.error = error
 
 
-def _iovecs(iov: int | bytes, count: int) -> list[list[int]]:
+def _rows(iov: int | bytes, count: int) -> list[list[int]]:
     """(address, length) rows of an iovec array passed as an address (numpy path) or packed bytes (few-ranges path)."""
     if isinstance(iov, bytes):
         return np.frombuffer(iov, np.uint64).reshape(count, 2).tolist()
@@ -98,7 +98,7 @@ def test_partial_transfers_resume_mid_iovec(rng: np.random.Generator, few: bool,
     calls = []
 
     def stingy(pid: int, local: int | bytes, count: int, remote: int | bytes, _: int, flags: int) -> int:
-        rows_l, rows_r = _iovecs(local, count), _iovecs(remote, count)
+        rows_l, rows_r = _rows(local, count), _rows(remote, count)
         calls.append(count)
         moved = 0
         for (la, n), (ra, _) in zip(rows_l, rows_r):
@@ -118,12 +118,98 @@ def test_partial_transfers_resume_mid_iovec(rng: np.random.Generator, few: bool,
     if few:
         assert _copy_few(stingy, 0, local[:, 0].tolist(), remote[:, 0].tolist(), ranges.lengths.tolist(), request)
     else:
-        assert _copy_iovecs(stingy, 0, local, remote, ranges.lengths.astype(np.uint64), request)
+        assert _copy_iovecs(stingy, 0, local, remote, request)
     assert len(calls) == -(-ranges.total // budget)
     expected = np.zeros_like(dst)
     for s, d, n in zip(ranges.src.tolist(), ranges.dst.tolist(), ranges.lengths.tolist()):
         expected[d : d + n] = src[s : s + n]
     assert np.array_equal(dst, expected)
+
+
+def _kernel(budget: int, calls: list[tuple[int, int]]) -> Callable[..., int]:
+    """process_vm_writev within this process: each side's iovecs a byte stream, at most `budget` bytes per call."""
+
+    def call(pid: int, local: int, local_count: int, remote: int, remote_count: int, flags: int) -> int:
+        assert 0 < local_count <= IOV_MAX and 0 < remote_count <= IOV_MAX
+        calls.append((local_count, remote_count))
+        sources = [(a, n) for a, n in _rows(local, local_count)]
+        moved = 0
+        for address, length in _rows(remote, remote_count):
+            while length and moved < budget:
+                a, n = sources[0]
+                step = min(n, length, budget - moved)
+                ctypes.memmove(address, a, step)
+                address, length, moved = address + step, length - step, moved + step
+                sources[0] = (a + step, n - step)
+                if sources[0][1] == 0:
+                    sources.pop(0)
+        return moved
+
+    return call
+
+
+@pytest.mark.parametrize("budget", [1 << 40, 3 * 4096 + 7, 777_777])
+def test_sides_with_different_entry_counts_copy_the_same_bytes(rng: np.random.Generator, budget: int) -> None:
+    """Scattered local ranges into remote ranges that merge into a few runs; more entries than IOV_MAX on the local side."""
+    block, count = 4096, 2 * IOV_MAX + 5
+    src = rng.integers(0, 256, block * count * 2, dtype=np.uint8)
+    dst = np.zeros(block * count + 3 * block, np.uint8)
+    src_offsets = rng.permutation(2 * count)[:count].astype(np.int64) * block
+    dst_offsets = np.arange(count, dtype=np.int64) * block
+    dst_offsets[count // 2 :] += 3 * block  # two remote runs, and a gap
+    lengths = np.full(count, block, np.int64)
+    local = _iovecs(src_offsets + src.ctypes.data, lengths)
+    remote = _iovecs(dst_offsets + dst.ctypes.data, lengths)
+    assert 2 * IOV_MAX < len(local) <= count and len(remote) == 2  # (random neighbours on the local side merge too)
+    calls: list[tuple[int, int]] = []
+    request = TransferRequest("t", TransferOp.WRITE, None, None, RangeList.build(0, 0, 1), float("inf"), _Done())  # type: ignore[arg-type]
+    assert _copy_iovecs(_kernel(budget, calls), 0, local, remote, request)
+    assert len(calls) >= -(-count // IOV_MAX)
+    expected = np.zeros_like(dst)
+    for s, d in zip(src_offsets.tolist(), dst_offsets.tolist()):
+        expected[d : d + block] = src[s : s + block]
+    assert np.array_equal(dst, expected)
+    assert _iovecs(dst_offsets, lengths).tolist() == [[0, block * (count // 2)], [(count // 2 + 3) * block, block * (count - count // 2)]]
+
+
+def test_remote_order_sorts_only_when_destinations_are_disjoint() -> None:
+    ranges = RangeList.build([0, 100, 200], [300, 0, 150], [50, 50, 50])
+    write = _remote_order(ranges, TransferOp.WRITE)
+    assert write is not None and write.dst.tolist() == [0, 150, 300] and write.src.tolist() == [100, 200, 0]
+    read = _remote_order(ranges, TransferOp.READ)  # remote = src, already sorted; local destinations (dst) disjoint
+    assert read is not None and read.src.tolist() == [0, 100, 200]
+    assert _remote_order(RangeList.build([0, 100], [60, 0], [50, 70]), TransferOp.WRITE) is None  # [0,70) meets [60,110)
+    assert _remote_order(RangeList.build([100, 0], [0, 40], [50, 50]), TransferOp.READ) is None  # local [0,50) meets [40,90)
+    assert _remote_order(RangeList.build([100, 0], [0, 50], [50, 50]), TransferOp.READ) is not None  # touching is fine
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_overlapping_destinations_keep_the_given_order_and_disjoint_ones_any(
+    agent: Agent, peer: PeerProcess, rng: np.random.Generator, op: str
+) -> None:
+    """Large many-range batches are reordered and split across threads; where destinations overlap, the last range must still win."""
+    size, block, count = 8 << 20, 64 << 10, 80  # 5 MiB per batch: the threaded path
+    theirs = peer.register(size, fill=POISON)
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    mine = agent.register(data.copy())
+    if op == "read":
+        peer.fill(theirs.id, data.tobytes())
+    sources = rng.permutation(size // block)[:count].astype(np.int64) * block
+    overlapping = (np.arange(count, dtype=np.int64) % 7) * 1000  # every destination overlaps others
+    disjoint = rng.permutation(size // block)[:count].astype(np.int64) * block
+    for destinations in (overlapping, disjoint):
+        if op == "write":
+            peer.poison(theirs.id, POISON)
+            agent.write(mine, theirs, sources, destinations, block).wait()
+            landed = np.frombuffer(peer.contents(theirs.id), np.uint8)
+        else:
+            mine.numpy()[:] = POISON
+            agent.read(mine, theirs, sources, destinations, block).wait()
+            landed = mine.numpy()
+        expected = np.full(size, POISON, np.uint8)
+        for s, d in zip(sources.tolist(), destinations.tolist()):
+            expected[d : d + block] = data[s : s + block]
+        assert np.array_equal(landed, expected)
 
 
 def test_unavailable_cma_is_left_out_and_negotiation_falls_back_to_staged(
