@@ -87,6 +87,9 @@ class RangeList:
             return
         if int(self.lengths.min()) < 0 or int(self.src.min()) < 0 or int(self.dst.min()) < 0:
             raise OutOfRangeError("negative offset or length in range list")
+        longest = int(self.lengths.max())  # reductions only (no temporaries) settle the common, valid case
+        if int(self.src.max()) + longest <= src_size and int(self.dst.max()) + longest <= dst_size:
+            return
         for name, offsets, size in (("source", self.src, src_size), ("destination", self.dst, dst_size)):
             ends = offsets + self.lengths
             if (ends < offsets).any():
@@ -116,11 +119,17 @@ class RangeList:
 
     def coalesced(self) -> RangeList:
         """Merge ranges that are adjacent on both sides (in the given order); drop empty ones."""
-        keep = self.lengths > 0
-        src, dst, lens = self.src[keep], self.dst[keep], self.lengths[keep]
+        if self.lengths.size and int(self.lengths.min()) > 0:
+            src, dst, lens = self.src, self.dst, self.lengths
+        else:
+            keep = self.lengths > 0
+            src, dst, lens = self.src[keep], self.dst[keep], self.lengths[keep]
         if src.size < 2:
             return RangeList(src, dst, lens)
-        joins = (src[:-1] + lens[:-1] == src[1:]) & (dst[:-1] + lens[:-1] == dst[1:])
+        joins = src[:-1] + lens[:-1] == src[1:]
+        if not joins.any():  # nothing adjacent on the source side (scattered KV blocks): no need to look at dst
+            return RangeList(src, dst, lens)
+        joins &= dst[:-1] + lens[:-1] == dst[1:]
         if not joins.any():
             return RangeList(src, dst, lens)
         starts = np.flatnonzero(np.concatenate(([True], ~joins)))
