@@ -28,7 +28,7 @@ from typing import Any
 
 from hmc.errors import ArgumentError, DeviceError
 from hmc.memory._base import Device, DeviceKind, MemoryBackend, MemoryKind, MemoryRegion, Stream, Vendor
-from hmc.memory._cuda_driver import Contexts, CudaEvent, CudaStream, check, driver
+from hmc.memory._cuda_driver import Contexts, CudaEvent, CudaStream, check, driver, pointer_ordinal
 from hmc.memory._cuda_ipc import IpcMappings, export_handles
 from hmc.memory._host import HOST_DEVICE
 from hmc.v1 import common_pb2
@@ -66,6 +66,11 @@ class CudaBackend(MemoryBackend):
 
     def devices(self) -> list[Device]:
         return list(self._devices)
+
+    @property
+    def contexts(self) -> Contexts:
+        """The primary contexts and peer links, for transports that issue driver calls of their own."""
+        return self._contexts
 
     def allocate(self, device: Device, size: int, *, pinned: bool = False) -> MemoryRegion:
         """Device memory on a `cuda:N` device (always DMA-able; `pinned` is moot there).
@@ -136,7 +141,7 @@ class CudaBackend(MemoryBackend):
             memory_type = int(check(driver.cuPointerGetAttribute(attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, address)))
             if memory_type == int(driver.CUmemorytype.CU_MEMORYTYPE_HOST):
                 return HOST_DEVICE, MemoryKind.HOST_PINNED
-            ordinal = int(check(driver.cuPointerGetAttribute(attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, address)))
+            ordinal = pointer_ordinal(address)
         return self._devices[ordinal], MemoryKind.DEVICE
 
     def export_handles(self, region: MemoryRegion) -> dict[str, Any]:
@@ -148,11 +153,13 @@ class CudaBackend(MemoryBackend):
         return export_handles(self._contexts, region)
 
     def open_ipc(self, handle: common_pb2.CudaIpcHandle, device: Device, size: int) -> MemoryRegion:
-        """Map `size` bytes another process exported; `device` is the local GPU the memory lives on.
+        """Map `size` bytes another process exported, for use by the GPU `device`.
 
-        Each exported allocation is mapped once per process however often it is opened;
-        free the region (or close_ipc) to drop this user, and the last one unmaps it.
-        Peer access from other local GPUs is enabled on their first copy.
+        Open it on the GPU whose kernels will touch it: the memory may live on another
+        GPU (the driver then enables peer access for the mapping), but a mapping made
+        on one GPU is not reachable from kernels on the others. Each exported allocation
+        is mapped once per process and device however often it is opened; free the
+        region (or close_ipc) to drop this user, and the last one unmaps it.
         """
         return self._ipc.open(handle, self._devices[self._ordinal(device)], size)
 

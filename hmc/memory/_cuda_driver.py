@@ -17,6 +17,8 @@ order the enqueue calls happened to be made.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import threading
 from collections.abc import Iterator
 from typing import Any, Self
@@ -29,7 +31,7 @@ try:
 except ImportError:  # cuda-python is not installed: the CUDA backend is absent
     driver = None
 
-__all__ = ["Contexts", "CudaEvent", "CudaStream", "check", "driver"]
+__all__ = ["Contexts", "CudaEvent", "CudaStream", "check", "driver", "pointer_ordinal"]
 
 
 def check(result: tuple[Any, ...]) -> Any:
@@ -47,6 +49,26 @@ def check(result: tuple[Any, ...]) -> Any:
     if len(result) == 2:
         return result[1]
     return result[1:]
+
+
+@functools.cache
+def _libcuda_pointer_attribute() -> Any:
+    function = ctypes.CDLL("libcuda.so.1").cuPointerGetAttribute
+    function.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64)
+    function.restype = ctypes.c_int
+    return function
+
+
+def pointer_ordinal(address: int) -> int:
+    """The ordinal of the device a device pointer's memory was allocated on (a context must be current).
+
+    Asked of libcuda directly: cuda.bindings 13.x reads CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    back from the wrong field and answers 0 for every device (NVIDIA/cuda-python#2928).
+    """
+    ordinal = ctypes.c_int(-1)
+    attribute = int(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)
+    check((driver.CUresult(_libcuda_pointer_attribute()(ctypes.byref(ordinal), attribute, address)),))
+    return ordinal.value
 
 
 class Contexts:

@@ -3,8 +3,11 @@
 Handles name whole allocations (the cuMemGetAddressRange base) plus an offset, so a
 region carved out of a larger allocation (a PyTorch caching-allocator block, say)
 exports correctly. A process maps each exported allocation once however many
-regions it opens from it: `IpcMappings` keeps one mapping per (pid, handle) with a
-reference count, and unmaps it when the last region made from it is freed.
+regions it opens from it on one device: `IpcMappings` keeps one mapping per (pid,
+handle, device) with a reference count, and unmaps it when the last region made
+from it is freed. The device is the GPU whose context opens the handle: kernels
+on that GPU reach the memory (over NVLink when it lives on another GPU: the
+driver enables peer access for the mapping), kernels on other GPUs do not.
 
 Concurrency: `IpcMappings` is thread-safe; `export_handles` is stateless.
 """
@@ -82,7 +85,7 @@ class IpcMappings:
         # _lock guards _mappings: mapping a handle, counting its users and unmapping it are
         # one step, so two threads opening one handle map it once and a close never races an open.
         self._lock = threading.Lock()
-        self._mappings: dict[tuple[int, bytes], _Mapping] = {}
+        self._mappings: dict[tuple[int, bytes, int], _Mapping] = {}
 
     def open(self, handle: common_pb2.CudaIpcHandle, device: Device, size: int) -> MemoryRegion:
         """The `size` bytes at handle.offset in the exported allocation, mapped on `device`."""
@@ -92,7 +95,7 @@ class IpcMappings:
             raise ArgumentError(f"a CUDA IPC handle has {_IPC_HANDLE_BYTES} bytes, got {len(handle.handle)}")
         if size <= 0:
             raise ArgumentError(f"size must be positive, got {size}")
-        key = (handle.pid, bytes(handle.handle))
+        key = (handle.pid, bytes(handle.handle), device.index)
         with self._lock:
             mapping = self._mappings.get(key) or self._map(handle, device)
             if handle.offset + size > mapping.size:
@@ -118,7 +121,7 @@ class IpcMappings:
         with self._contexts.use(mapping.device.index):
             check(driver.cuIpcCloseMemHandle(mapping.address))
 
-    def _release(self, key: tuple[int, bytes]) -> None:
+    def _release(self, key: tuple[int, bytes, int]) -> None:
         with self._lock:
             mapping = self._mappings[key]
             mapping.users -= 1
