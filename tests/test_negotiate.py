@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from hmc.config import PathPolicy
+from hmc.control._inventory import apply_vendor_override, device_to_proto
 from hmc.errors import NoPathError
-from hmc.memory import DeviceKind
+from hmc.memory import Device, DeviceKind, Vendor
 from hmc.transport._base import Capabilities, PathName
 from hmc.transport._negotiate import Endpoint, PathChoice, negotiate
 from hmc.v1 import common_pb2
@@ -89,3 +90,79 @@ def test_missing_transport_on_one_end() -> None:
 def test_choice_round_trips_through_proto() -> None:
     choice = negotiate(endpoint("a", "h1"), endpoint("b", "h2"))
     assert PathChoice.from_proto(choice.to_proto()) == choice
+
+
+# -- cross-vendor pairs made by a vendor override (HMC_DEVICE_VENDOR_OVERRIDE), from hand-built descriptors
+
+
+def _gpu(index: int) -> Device:
+    return Device(f"cuda:{index}", DeviceKind.CUDA, index, Vendor.NVIDIA, Vendor.NVIDIA, uuid=f"GPU-{index}")
+
+
+def _gpu_endpoint(agent: str, index: int, override: dict[str, str] | None = None) -> Endpoint:
+    """An agent on host h1 with ipc (host + cuda) and staged, owning cuda:`index` as its config declares it."""
+    [device] = apply_vendor_override([_gpu(index)], override or {})
+    info = common_pb2.AgentInfo(id=agent, node="node-h1", host_id="h1", transports=caps(PathName.LOCAL, PathName.IPC, PathName.STAGED, kinds=GPU_AGENT))
+    return Endpoint(info, device_to_proto(device))
+
+
+GPU_AGENT = frozenset({DeviceKind.HOST, DeviceKind.CUDA})
+
+
+def test_mock_vendor_override_refuses_vendor_ipc_and_picks_staged() -> None:
+    choice = negotiate(_gpu_endpoint("a", 0), _gpu_endpoint("b", 1, {"cuda:1": "amd"}))
+    assert choice.path is PathName.STAGED
+    reasons = dict(choice.rejected)
+    assert reasons[PathName.IPC] == "cross-vendor pair (amd vs nvidia): vendor IPC cannot map the other vendor's memory"
+    assert set(reasons) == {PathName.LOCAL, PathName.IPC, PathName.RDMA, PathName.UCX}
+
+
+def test_mock_vendor_override_either_direction_and_reversed_roles() -> None:
+    amd0 = _gpu_endpoint("a", 0, {"cuda:0": "amd"})
+    nvidia1 = _gpu_endpoint("b", 1)
+    for src, dst in ((amd0, nvidia1), (nvidia1, amd0)):
+        choice = negotiate(src, dst)
+        assert choice.path is PathName.STAGED
+        assert "cross-vendor" in dict(choice.rejected)[PathName.IPC]
+
+
+def test_mock_vendor_override_the_same_pair_without_override_uses_ipc() -> None:
+    assert negotiate(_gpu_endpoint("a", 0), _gpu_endpoint("b", 1)).path is PathName.IPC
+    assert negotiate(_gpu_endpoint("a", 0, {"cuda:7": "amd"}), _gpu_endpoint("b", 1)).path is PathName.IPC  # names no device of a
+
+
+def test_mock_vendor_override_is_declared_not_physical() -> None:
+    endpoint = _gpu_endpoint("b", 1, {"cuda:1": "amd"})
+    assert endpoint.device.vendor == common_pb2.VENDOR_AMD
+    assert endpoint.device.physical_vendor == common_pb2.VENDOR_NVIDIA
+    assert endpoint.device.kind == common_pb2.DEVICE_KIND_CUDA
+
+
+def test_mock_vendor_override_host_memory_cannot_map_the_declared_vendor() -> None:
+    """Host memory of one agent and an AMD-declared GPU of another: a real pair needs HIP IPC, which neither declares."""
+    host = endpoint("a", "h1", kinds=GPU_AGENT)
+    choice = negotiate(host, _gpu_endpoint("b", 1, {"cuda:1": "amd"}))
+    assert choice.path is PathName.STAGED
+    assert dict(choice.rejected)[PathName.IPC] == "ipc on agent a cannot map hip memory (cuda:1 of agent b)"
+
+
+def test_mock_vendor_override_both_devices_declared_amd_still_needs_hip_ipc() -> None:
+    choice = negotiate(_gpu_endpoint("a", 0, {"cuda:0": "amd"}), _gpu_endpoint("b", 1, {"cuda:1": "amd"}))
+    assert choice.path is PathName.STAGED
+    assert "cannot map hip memory" in dict(choice.rejected)[PathName.IPC]
+
+
+# -- ipc is one-sided: each agent must be able to map the other's memory
+
+
+def test_ipc_needs_the_initiator_to_map_the_peers_device_memory() -> None:
+    host_only = endpoint("a", "h1")  # no CUDA backend: its ipc reaches host memory only
+    gpu = _gpu_endpoint("b", 0)
+    for src, dst in ((host_only, gpu), (gpu, host_only)):
+        choice = negotiate(src, dst, PathPolicy(allow=("ipc", "staged")))
+        assert choice.path is PathName.STAGED
+        assert dict(choice.rejected)[PathName.IPC] == "ipc on agent a cannot map cuda memory (cuda:0 of agent b)"
+
+
+def test_ipc_between_host_memory_and_a_gpu_when_both_agents_map_both() -> None:
+    assert negotiate(endpoint("a", "h1", kinds=GPU_AGENT), _gpu_endpoint("b", 0)).path is PathName.IPC

@@ -77,11 +77,14 @@ def _ptrace_scope(path: str = "/proc/sys/kernel/yama/ptrace_scope") -> int:
 
 
 def transports(device_kinds: frozenset[DeviceKind], ptrace_scope: int | None = None) -> list[Capabilities]:
-    """The paths agents on this node can offer (host-memory paths; device paths join with their backends)."""
+    """The paths agents on this node can offer: ipc reaches host memory where cross-memory attach is allowed, and CUDA memory where a CUDA device is."""
     scope = _ptrace_scope() if ptrace_scope is None else ptrace_scope
     found = [Capabilities(PathName.LOCAL, device_kinds, one_sided=True, same_agent_only=True, detail="memcpy")]
-    if scope < 2:  # 2 = admin-only attach, 3 = no attach at all: cross-memory attach is refused
-        found.append(Capabilities(PathName.IPC, frozenset({DeviceKind.HOST}), one_sided=True, same_host_only=True, detail="cma"))
+    ipc_kinds = {DeviceKind.HOST} if scope < 2 else set()  # 2 = admin-only attach, 3 = no attach at all: cross-memory attach is refused
+    ipc_kinds |= device_kinds & {DeviceKind.CUDA}  # CUDA IPC needs no ptrace permission
+    if ipc_kinds:
+        detail = ", ".join(name for kind, name in ((DeviceKind.HOST, "cma"), (DeviceKind.CUDA, "cuda ipc")) if kind in ipc_kinds)
+        found.append(Capabilities(PathName.IPC, frozenset(ipc_kinds), one_sided=True, same_host_only=True, same_vendor_only=DeviceKind.CUDA in ipc_kinds, detail=detail))
     found.append(Capabilities(PathName.STAGED, device_kinds, detail="tcp"))
     return found
 

@@ -97,7 +97,18 @@ def _local(src: Endpoint, dst: Endpoint) -> str | None:
     return _check_caps(PathName.LOCAL, src, dst)
 
 
+_VENDOR_KIND = {common_pb2.VENDOR_NVIDIA: "cuda", common_pb2.VENDOR_AMD: "hip"}
+
+
+def _mapped_kind(device: common_pb2.DeviceInfo) -> str:
+    """The memory kind a peer must be able to map to reach `device`: its vendor's (a declared vendor counts)."""
+    if _is_host(device):
+        return "host"
+    return _VENDOR_KIND.get(device.vendor, _kind_name(device))
+
+
 def _ipc(src: Endpoint, dst: Endpoint) -> str | None:
+    """Same host and same vendor, and each agent can map the other's memory (ipc is one-sided)."""
     if not src.agent.host_id or src.agent.host_id != dst.agent.host_id:
         return f"different hosts ({src.agent.node or '?'} vs {dst.agent.node or '?'})"
     devices = (src.device, dst.device)
@@ -105,7 +116,15 @@ def _ipc(src: Endpoint, dst: Endpoint) -> str | None:
         vendors = {_vendor(d) for d in devices if not _is_host(d)}
         if len(vendors) > 1:
             return f"cross-vendor pair ({' vs '.join(sorted(vendors))}): vendor IPC cannot map the other vendor's memory"
-    return _check_caps(PathName.IPC, src, dst)
+    why_not = _check_caps(PathName.IPC, src, dst)
+    if why_not is not None:
+        return why_not
+    for end, other in ((src, dst), (dst, src)):
+        cap = end.capability(PathName.IPC)
+        kind = _mapped_kind(other.device)
+        if cap is not None and kind not in {k.value for k in cap.memory_kinds}:
+            return f"ipc on agent {end.agent.id} cannot map {kind} memory ({other.device.name} of agent {other.agent.id})"
+    return None
 
 
 def _rdma(src: Endpoint, dst: Endpoint) -> str | None:

@@ -37,8 +37,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutError
-from hmc.memory import DeviceKind
+from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutError, UnsupportedError
+from hmc.memory import DeviceKind, MemoryKind
 from hmc.transport._base import Capabilities, PathName, TransferOp, TransferRequest, Transport
 from hmc.transport._ranges import RangeList
 from hmc.transport._wire import FrameStream, raise_for_reply
@@ -50,6 +50,7 @@ _TICK_S = 0.25
 _INLINE_SEND_BYTES = 256 << 10
 """A transfer of one chunk up to this size is sent by the caller's thread, not the stream's sender."""
 _JOIN_S = 2.0
+_HOST_KINDS = (common_pb2.DEVICE_KIND_UNSPECIFIED, common_pb2.DEVICE_KIND_HOST)
 
 Connect = Callable[[common_pb2.AgentInfo, float], FrameStream]
 
@@ -260,17 +261,33 @@ class _Pipe:
 class StagedTransport(Transport):
     """TCP streams between any two agents (initiator side; the owner side is the agent's server)."""
 
-    def __init__(self, connect: Connect, *, streams: int = 4, chunk_bytes: int = 4 << 20, stall_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        connect: Connect,
+        *,
+        streams: int = 4,
+        chunk_bytes: int = 4 << 20,
+        stall_s: float = 30.0,
+        memory_kinds: frozenset[DeviceKind] = frozenset({DeviceKind.HOST}),
+    ) -> None:
+        """`memory_kinds`: what to declare. Device memory is declared so that negotiation picks this path where a
+        real pair would (a cross-vendor pair, say), but is refused with UnsupportedError until the pinned-ring
+        pipeline (device -> pinned ring -> wire -> pinned ring -> device) exists."""
         self._connect = connect
         self._stall_s = stall_s
         self._streams = max(1, streams)
         self._chunk_bytes = chunk_bytes
         self._lock = threading.Lock()  # guards _pipes and each pipe's stream list
         self._pipes: dict[str, _Pipe] = {}
-        self.capabilities = Capabilities(path=PathName.STAGED, memory_kinds=frozenset({DeviceKind.HOST}), detail=f"tcp x{self._streams}")
+        self.capabilities = Capabilities(path=PathName.STAGED, memory_kinds=memory_kinds | {DeviceKind.HOST}, detail=f"tcp x{self._streams}")
 
     def post(self, request: TransferRequest) -> None:
         try:  # ranges were checked against the descriptor by the agent; the owner checks them again on receipt
+            if request.local.region.kind is MemoryKind.DEVICE or request.remote.device.kind not in _HOST_KINDS:
+                raise UnsupportedError(
+                    "the staged path cannot move device memory yet (the pinned-ring pipeline is not built): "
+                    f"{request.local.region.device.name} -> {request.remote.device.name or 'host'}"
+                )
             streams, first = self._streams_for(request.remote.owner, request.deadline)
         except HMCError as exc:
             request.completion.finish(exc)
