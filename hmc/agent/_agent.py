@@ -46,10 +46,12 @@ from hmc.errors import (
     UnavailableError,
     UnknownBufferError,
 )
-from hmc.memory import MemoryRegion
+from hmc.memory import DeviceKind, MemoryRegion
 from hmc.memory import register as register_memory
 from hmc.transport._base import InlineCopy, PathName, TransferOp, TransferRequest, Transport
+from hmc.transport._cuda_ipc import CudaIpcTransport
 from hmc.transport._ipc import IpcTransport, allow_ptrace_peers
+from hmc.transport._ipc_path import IpcPath
 from hmc.transport._local import LocalTransport
 from hmc.transport._negotiate import Endpoint, PathChoice, negotiate
 from hmc.transport._ranges import RangeList
@@ -129,10 +131,22 @@ class Agent:
 
     def _default_transports(self) -> list[Transport]:
         cfg = self.config
+        local = LocalTransport(self._buffers)
+        host_ipc = IpcTransport(self._peers.open_grant, threads=cfg.ipc_threads)
+        ipc_movers: dict[DeviceKind, Transport] = {DeviceKind.HOST: host_ipc}
+        cuda_ipc = CudaIpcTransport.probe(self._peers.open_grant, host=host_ipc, timeout_s=cfg.timeout_s)
+        if cuda_ipc is not None:
+            ipc_movers[DeviceKind.CUDA] = cuda_ipc
         return [
-            LocalTransport(self._buffers),
-            IpcTransport(self._peers.open_grant, threads=cfg.ipc_threads),
-            StagedTransport(self._peers.connect_data, streams=cfg.staged_streams, chunk_bytes=cfg.staged_chunk_bytes, stall_s=cfg.timeout_s),
+            local,
+            IpcPath(ipc_movers),
+            StagedTransport(
+                self._peers.connect_data,
+                streams=cfg.staged_streams,
+                chunk_bytes=cfg.staged_chunk_bytes,
+                stall_s=cfg.timeout_s,
+                memory_kinds=local.capabilities.memory_kinds,
+            ),
         ]
 
     @staticmethod

@@ -3,7 +3,8 @@
 Peers connect over TCP and say in their hello which channel they open:
 
 - control: OpenBuffer (grants one-sided ipc access after the access-key check;
-  the grant says when the memory is read-only, and initiators refuse to write it),
+  the grant carries pid and address, for device memory the CUDA IPC handle too,
+  and says when the memory is read-only: initiators refuse to write it),
   Notify (deduplicated, queued for `Agent.notifications()`), and the replies to
   the Withdrawn frames this agent sends when a granted buffer is unregistered;
 - data: DataWrite and DataRead of the staged path. Every range is bounds-checked
@@ -27,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from hmc.agent._buffers import BufferTable
+from hmc.agent._buffers import BufferTable, ConnBuffer
 from hmc.agent._transfer import Notification, NotificationInbox
 from hmc.errors import AccessDeniedError, HMCError, ProtocolError, UnsupportedError
 from hmc.memory import MemoryKind
@@ -123,11 +124,11 @@ class PeerServer:
 
     def _open(self, request: peer_pb2.OpenBuffer, channel: Channel) -> peer_pb2.PeerReply:
         buffer = self._buffers.get(request.buffer_id, request.access_key)
-        if request.path != "ipc" or buffer.region.kind is MemoryKind.DEVICE:
+        if request.path != "ipc":
             raise UnsupportedError(f"buffer {buffer.id} cannot be opened for path {request.path!r}")
+        handles = _grant_handles(buffer)
         with self._lock:
             self._opened.setdefault(buffer.id, set()).add(channel)
-        handles = common_pb2.TransportHandles(cma=common_pb2.CmaHandle(pid=os.getpid(), address=buffer.region.address))
         grant = peer_pb2.BufferGrant(buffer_id=buffer.id, size=buffer.size, handles=handles, read_only=buffer.region.readonly)
         return peer_pb2.PeerReply(grant=grant)
 
@@ -212,6 +213,18 @@ class PeerServer:
             stream.shutdown()
         for thread in (self._accepter, *threads):
             thread.join(_JOIN_S)
+
+
+def _grant_handles(buffer: ConnBuffer) -> common_pb2.TransportHandles:
+    """What an ipc initiator needs to reach `buffer`: pid and address (cross-memory attach, or direct
+    use by an agent of this very process), and for device memory the CUDA IPC handle."""
+    handles = common_pb2.TransportHandles(cma=common_pb2.CmaHandle(pid=os.getpid(), address=buffer.region.address))
+    if buffer.region.kind is MemoryKind.DEVICE:
+        exported = buffer.descriptor.handles
+        if not exported.HasField("cuda_ipc"):
+            raise UnsupportedError(f"buffer {buffer.id} is {buffer.region.device.name} memory with no IPC handle this agent could export")
+        handles.cuda_ipc.CopyFrom(exported.cuda_ipc)
+    return handles
 
 
 _MAX_RANGE = 1 << 40

@@ -1,9 +1,10 @@
 """A real peer agent in another process, driven from tests over a pipe.
 
 `PeerProcess` starts a fresh interpreter (multiprocessing "spawn"), builds an
-`Agent` there from the given Config, and answers commands: register, fill and
-read back buffers, unregister, drain notifications, and run transfers that the
-peer itself initiates. Descriptors cross the pipe serialized, exactly as users
+`Agent` there from the given Config, and answers commands: register (host
+memory, or device memory on a named device), fill and read back buffers (device
+memory through a host copy), unregister, drain notifications, and run transfers
+that the peer itself initiates. Descriptors cross the pipe serialized, exactly as users
 pass them between processes. It also exposes the process for fault injection:
 `kill()` (SIGKILL) and `stalled()` (SIGSTOP ... SIGCONT).
 
@@ -28,9 +29,11 @@ from typing import Any
 
 import numpy as np
 
+from hmc import memory
 from hmc.agent._transfer import Notification
 from hmc.config import Config
 from hmc.errors import BrokenResourceError, HMCError, TimeoutError, error_from_code
+from hmc.memory import MemoryKind
 from hmc.v1 import common_pb2
 
 __all__ = ["PeerProcess", "ranges_digest"]
@@ -70,37 +73,66 @@ def _serve(conn: Connection, config: Config, daemon: bool | None) -> None:
                 conn.send(("error", (int(exc.code), str(exc))))
 
 
-def _register(agent: Any, buffers: dict[str, Any], size: int, name: str | None, fill: int) -> bytes:
-    buffer = agent.register(np.full(size, fill, dtype=np.uint8), name=name)
+def _register(agent: Any, buffers: dict[str, Any], size: int, name: str | None, fill: int, device: str) -> bytes:
+    if device == "host":
+        buffer = agent.register(np.full(size, fill, dtype=np.uint8), name=name)
+    else:  # device memory HMC allocates; freed when the buffer is unregistered
+        region = memory.allocate(size, device)
+        memory.fill(region, fill)
+        try:
+            buffer = agent.register(region, name=name)
+        except BaseException:
+            region.free()
+            raise
     buffers[buffer.id] = buffer
     return buffer.descriptor.SerializeToString()
 
 
+def _host_bytes(buffer: Any) -> np.ndarray:
+    """The buffer's bytes: a zero-copy view of host memory, a fresh host copy of device memory."""
+    if buffer.region.kind is not MemoryKind.DEVICE:
+        return buffer.numpy()
+    out = np.empty(buffer.size, np.uint8)
+    memory.copy(out, buffer.region)
+    return out
+
+
 def _fill(agent: Any, buffers: dict[str, Any], buffer_id: str, offset: int, data: bytes) -> None:
-    buffers[buffer_id].numpy()[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
+    buffer = buffers[buffer_id]
+    if buffer.region.kind is MemoryKind.DEVICE:
+        memory.copy(buffer.region, np.frombuffer(data, np.uint8), len(data), dst_offset=offset)
+    else:
+        buffer.numpy()[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
 
 
 def _contents(agent: Any, buffers: dict[str, Any], buffer_id: str) -> bytes:
-    return buffers[buffer_id].numpy().tobytes()
+    return _host_bytes(buffers[buffer_id]).tobytes()
 
 
 def _poison(agent: Any, buffers: dict[str, Any], buffer_id: str, value: int) -> None:
-    buffers[buffer_id].numpy().fill(value)
+    buffer = buffers[buffer_id]
+    if buffer.region.kind is MemoryKind.DEVICE:
+        memory.fill(buffer.region, value)
+    else:
+        buffer.numpy().fill(value)
 
 
 def _digest(agent: Any, buffers: dict[str, Any], buffer_id: str, offsets: Any, lengths: Any) -> bytes:
-    return ranges_digest(buffers[buffer_id].numpy(), offsets, lengths)
+    return ranges_digest(_host_bytes(buffers[buffer_id]), offsets, lengths)
 
 
 def _unregister(agent: Any, buffers: dict[str, Any], buffer_id: str) -> None:
     agent.unregister(buffer_id)
+    buffer = buffers[buffer_id]
+    if buffer.region.kind is MemoryKind.DEVICE:
+        buffer.region.free()  # HMC allocated it (_register); peers were told and have let go
 
 
 def _notifications(agent: Any, buffers: dict[str, Any], timeout: float) -> list[tuple[tuple[str, str, bytes, str], bytes]]:
     """Each notification with the bytes of its buffer as they were when it was drained."""
     out = []
     for n in agent.notifications(timeout):
-        snapshot = buffers[n.buffer_id].numpy().tobytes() if n.buffer_id in buffers else b""
+        snapshot = _host_bytes(buffers[n.buffer_id]).tobytes() if n.buffer_id in buffers else b""
         out.append(((n.buffer_id, n.transfer_id, n.payload, n.sender_agent), snapshot))
     return out
 
@@ -162,9 +194,9 @@ class PeerProcess:
                 raise BrokenResourceError(f"peer process {self._process.pid} is gone") from exc
             return self._reply(self._timeout)
 
-    def register(self, size: int, *, name: str | None = None, fill: int = 0) -> common_pb2.BufferDescriptor:
-        """A new ConnBuffer in the peer, every byte set to `fill`."""
-        return common_pb2.BufferDescriptor.FromString(self._call("register", size, name, fill))
+    def register(self, size: int, *, name: str | None = None, fill: int = 0, device: str = "host") -> common_pb2.BufferDescriptor:
+        """A new ConnBuffer in the peer, every byte set to `fill`: numpy memory, or `hmc.memory.allocate(size, device)`."""
+        return common_pb2.BufferDescriptor.FromString(self._call("register", size, name, fill, device))
 
     def fill(self, buffer_id: str, data: bytes, offset: int = 0) -> None:
         self._call("fill", buffer_id, offset, bytes(data))

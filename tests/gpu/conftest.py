@@ -1,4 +1,4 @@
-"""GPU tests run only where the CUDA backend finds a device; elsewhere they are skipped with the reason."""
+"""GPU tests run only where the CUDA backend finds a device (`cuda`), and enough of them (`multi_gpu(n)`); elsewhere they are skipped with the reason."""
 
 from __future__ import annotations
 
@@ -21,12 +21,26 @@ def _cuda_absent_reason() -> str | None:
     return None
 
 
+@functools.cache
+def _cuda_device_count() -> int:
+    try:
+        return len(memory.backend_for(DeviceKind.CUDA).devices())
+    except UnsupportedError:
+        return 0
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
     reason = _cuda_absent_reason() if cuda_items else None
     if reason is not None:
         for item in cuda_items:
             item.add_marker(pytest.mark.skip(reason=reason))
+    for item in items:  # multi_gpu(n): skipped where fewer than n CUDA devices are visible
+        marker = item.get_closest_marker("multi_gpu")
+        if marker is not None:
+            needed = int(marker.args[0]) if marker.args else 2
+            if _cuda_device_count() < needed:
+                item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPUs, {_cuda_device_count()} visible"))
 
 
 @pytest.fixture

@@ -1,0 +1,455 @@
+"""Batched device copies for the CUDA ipc path: a batch of ranges costs one launch, not one call per range.
+
+A `Lane` is one GPU's stream plus what it needs to move batches of (source
+pointer, destination pointer, length) triples on it:
+
+- up to `FEW` ranges: one cuMemcpyAsync each (the copy engines; a peer copy over
+  NVLink when the two pointers live on two GPUs);
+- more: ranges longer than `PIECE_BYTES` are cut into pieces, the pointer and
+  length arrays are written (base added on the way) into a page-locked staging
+  table and go to the device in one host-to-device copy, and one launch of
+  `hmc_copy_ranges` moves every piece, one thread block per piece: 16-byte
+  loads and stores where source and destination are equally aligned modulo 16
+  (else 8, 4, 2 or 1 bytes), unrolled so each thread keeps four loads in
+  flight, and a byte tail.
+
+Pointers may be memory of this GPU, of a peer GPU (peer access enabled, or a
+CUDA IPC mapping), or page-locked host memory mapped for the device.
+
+The kernel is compiled once per process and GPU architecture with NVRTC
+(`cuda.bindings.nvrtc`), else through CuPy when it is importable; where neither
+works, every range is one cuMemcpyAsync (correct, slow; logged once per lane).
+
+Waiting never blocks without a deadline: `wait_idle()` and `event_done()` poll
+(`spin_until()`: tight at first, then yielding, then sleeping briefly).
+
+Concurrency: any thread may use a lane. `_lock` guards the range tables and the
+kernel: the staging table is rewritten only after its previous upload left it,
+and "upload, launch" stay together on the stream. `_bounce_lock` hands the
+bounce buffer to one transfer at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hmc.errors import DeviceError, HMCError, TimeoutError
+from hmc.memory._base import Device, MemoryRegion
+from hmc.memory._cuda_driver import check, driver
+
+if TYPE_CHECKING:
+    from hmc.memory._cuda import CudaBackend
+
+__all__ = ["FEW", "KERNEL_SOURCE", "PIECE_BYTES", "Bounce", "Lane", "compile_kernel", "mapped_pointer", "pieces", "spin_until"]
+
+_log = logging.getLogger(__name__)
+
+FEW = 4
+"""Up to this many ranges, each is one cuMemcpyAsync (cheaper than a table upload and a launch)."""
+PIECE_BYTES = 256 << 10
+"""Ranges longer than this are cut, so one long range still spreads over many thread blocks."""
+_FIRST_ROWS = 4096
+_BLOCK_SMALL, _BLOCK_LARGE = 256, 512
+_SMALL_PIECE = 32 << 10
+"""Batches whose longest piece is at most this get 256-thread blocks (one unrolled pass moves 16 KiB), others 512."""
+_KERNEL = "hmc_copy_ranges"
+
+KERNEL_SOURCE = r"""
+typedef unsigned long long u64;
+
+template <typename T, int UNROLL>
+__device__ __forceinline__ void copy_words(const unsigned char* src, unsigned char* dst, u64 n) {
+    const u64 width = sizeof(T);
+    u64 head = (width - (reinterpret_cast<u64>(src) & (width - 1))) & (width - 1);
+    if (head > n) head = n;
+    for (u64 i = threadIdx.x; i < head; i += blockDim.x) dst[i] = src[i];
+    const T* s = reinterpret_cast<const T*>(src + head);
+    T* d = reinterpret_cast<T*>(dst + head);
+    const u64 words = (n - head) / width;
+    const u64 stride = blockDim.x;
+    u64 i = threadIdx.x;
+    for (; i + (UNROLL - 1) * stride < words; i += UNROLL * stride) {
+        T r[UNROLL];
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) r[k] = s[i + k * stride];
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) d[i + k * stride] = r[k];
+    }
+    for (; i < words; i += stride) d[i] = s[i];
+    for (u64 j = head + words * width + threadIdx.x; j < n; j += stride) dst[j] = src[j];
+}
+
+// One thread block per range: sources, destinations and lengths are three arrays of gridDim.x entries.
+extern "C" __global__ void __launch_bounds__(512)
+hmc_copy_ranges(const u64* __restrict__ sources, const u64* __restrict__ destinations, const u64* __restrict__ lengths) {
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(sources[blockIdx.x]);
+    unsigned char* dst = reinterpret_cast<unsigned char*>(destinations[blockIdx.x]);
+    const u64 n = lengths[blockIdx.x];
+    const u64 skew = reinterpret_cast<u64>(src) ^ reinterpret_cast<u64>(dst);
+    if ((skew & 15) == 0) copy_words<uint4, 4>(src, dst, n);
+    else if ((skew & 7) == 0) copy_words<unsigned long long, 4>(src, dst, n);
+    else if ((skew & 3) == 0) copy_words<unsigned int, 4>(src, dst, n);
+    else if ((skew & 1) == 0) copy_words<unsigned short, 4>(src, dst, n);
+    else copy_words<unsigned char, 4>(src, dst, n);
+}
+"""
+
+
+# -- compiling and loading the kernel ---------------------------------------------
+
+
+@functools.cache
+def compile_kernel(arch: int) -> bytes | None:
+    """CUBIN of the copy kernel for sm_<arch> through NVRTC; None where NVRTC is missing or fails."""
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError:
+        return None
+    try:
+        return _nvrtc_cubin(nvrtc, arch)
+    except Exception as exc:  # noqa: BLE001 - a missing libnvrtc raises the loader's own error types
+        _log.info("NVRTC cannot build the copy kernel for sm_%d: %s", arch, exc)
+        return None
+
+
+def _nvrtc_cubin(nvrtc: Any, arch: int) -> bytes:
+    def ok(result: tuple[Any, ...]) -> Any:
+        if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise DeviceError(f"NVRTC call failed: {nvrtc.nvrtcGetErrorString(result[0])[1].decode()}")
+        return result[1] if len(result) > 1 else None
+
+    program = ok(nvrtc.nvrtcCreateProgram(KERNEL_SOURCE.encode(), b"hmc_copy_ranges.cu", 0, [], []))
+    try:
+        options = [f"--gpu-architecture=sm_{arch}".encode(), b"--std=c++17"]
+        if nvrtc.nvrtcCompileProgram(program, len(options), options)[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            log = b" " * ok(nvrtc.nvrtcGetProgramLogSize(program))
+            ok(nvrtc.nvrtcGetProgramLog(program, log))
+            raise DeviceError(f"NVRTC could not compile the copy kernel: {log.decode(errors='replace').strip()}")
+        image = b" " * ok(nvrtc.nvrtcGetCUBINSize(program))
+        ok(nvrtc.nvrtcGetCUBIN(program, image))
+        return image
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+
+
+class _ModuleKernel:
+    """The kernel loaded from a CUBIN into one device's primary context (current when called)."""
+
+    def __init__(self, image: bytes) -> None:
+        self._image = np.frombuffer(image, np.uint8)
+        self._module = check(driver.cuModuleLoadData(self._image.ctypes.data))
+        self._function = check(driver.cuModuleGetFunction(self._module, _KERNEL.encode()))
+
+    def launch(self, grid: int, block: int, table: int, stream: int) -> None:
+        """`table`: device address of the sources, then destinations, then lengths (`grid` entries each)."""
+        arguments = np.array([table, table + 8 * grid, table + 16 * grid], np.uint64)
+        pointers = np.array([arguments.ctypes.data, arguments.ctypes.data + 8, arguments.ctypes.data + 16], np.uint64)
+        check(driver.cuLaunchKernel(self._function, grid, 1, 1, block, 1, 1, 0, stream, pointers.ctypes.data, 0))
+
+    def close(self) -> None:
+        check(driver.cuModuleUnload(self._module))
+
+
+class _CupyKernel:
+    """The kernel compiled and launched through CuPy (when NVRTC through cuda.bindings is unavailable)."""
+
+    def __init__(self, ordinal: int) -> None:
+        import cupy
+
+        self._cupy = cupy
+        self._ordinal = ordinal
+        self._kernel = cupy.RawKernel(KERNEL_SOURCE, _KERNEL, options=("--std=c++17",))
+        with cupy.cuda.Device(ordinal):
+            self._kernel.compile()
+
+    def launch(self, grid: int, block: int, table: int, stream: int) -> None:
+        cupy = self._cupy
+        arguments = (np.uint64(table), np.uint64(table + 8 * grid), np.uint64(table + 16 * grid))
+        with cupy.cuda.Device(self._ordinal):
+            self._kernel((grid,), (block,), arguments, stream=cupy.cuda.ExternalStream(stream))
+
+    def close(self) -> None:
+        return None
+
+
+def _load_kernel(device: Device) -> _ModuleKernel | _CupyKernel | None:
+    """The copy kernel for `device` (its context current), or None: ranges then go one copy each."""
+    handle = check(driver.cuDeviceGet(device.index))
+    attribute = driver.CUdevice_attribute
+    major = int(check(driver.cuDeviceGetAttribute(attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, handle)))
+    minor = int(check(driver.cuDeviceGetAttribute(attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, handle)))
+    image = compile_kernel(major * 10 + minor)
+    if image is not None:
+        try:
+            return _ModuleKernel(image)
+        except DeviceError as exc:
+            _log.info("the copy kernel built by NVRTC does not load on %s: %s", device.name, exc)
+    try:
+        return _CupyKernel(device.index)
+    except Exception as exc:  # noqa: BLE001 - CuPy missing or its compiler failing: fall back to copies
+        _log.warning("no copy kernel on %s (NVRTC and CuPy both failed: %s); each range is one cuMemcpyAsync", device.name, exc)
+        return None
+
+
+# -- ranges and waiting --------------------------------------------------------------
+
+
+def pieces(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, piece: int = PIECE_BYTES) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ranges with every one longer than `piece` cut into `piece`-sized parts (relative alignment kept)."""
+    if not lengths.size or int(lengths.max()) <= piece:
+        return src, dst, lengths
+    counts = (lengths + (piece - 1)) // piece
+    index = np.repeat(np.arange(lengths.size), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    shift = (np.arange(index.size) - first) * piece
+    return src[index] + shift, dst[index] + shift, np.minimum(lengths[index] - shift, piece)
+
+
+def spin_until(query: Callable[[], Any], deadline: float) -> bool:
+    """Poll a CUresult-returning query until it is not CUDA_ERROR_NOT_READY (True) or `deadline` passed (False).
+
+    Tight for the first polls (microsecond copies), then yielding the GIL each
+    poll, then sleeping 0.2 ms between polls after 20 ms (long transfers).
+    """
+    not_ready = driver.CUresult.CUDA_ERROR_NOT_READY
+    polls = 0
+    started = 0.0
+    while True:
+        status = query()
+        if status != not_ready:
+            check((status,))
+            return True
+        now = time.monotonic()
+        if now > deadline:
+            return False
+        polls += 1
+        if polls < 64:
+            continue
+        if not started:
+            started = now
+        time.sleep(0 if now - started < 0.02 else 0.0002)
+
+
+# -- lanes ---------------------------------------------------------------------------
+
+
+class Bounce:
+    """A lane's page-locked bounce buffer: host `region`, and `pointer`, the address its GPU uses."""
+
+    def __init__(self, region: MemoryRegion, pointer: int) -> None:
+        self.region = region
+        self.pointer = pointer
+        self.size = region.size
+
+
+class Lane:
+    """One GPU's copy stream, its copy kernel and its range tables."""
+
+    def __init__(self, backend: CudaBackend, device: Device) -> None:
+        self.device = device
+        self.ordinal = device.index
+        self._backend = backend
+        self._contexts = backend.contexts
+        self._context = self._contexts.context(device.index)
+        self._context_id = int(self._context)
+        self.stream = backend.stream(device)
+        self.handle = self.stream.handle
+        self._ok, self._not_ready = driver.CUresult.CUDA_SUCCESS, driver.CUresult.CUDA_ERROR_NOT_READY
+        self._lock = threading.Lock()  # guards _kernel, the range tables and _uploaded
+        self._kernel: _ModuleKernel | _CupyKernel | None = None
+        self._kernel_loaded = False
+        self._rows = 0
+        self._host_table: MemoryRegion | None = None
+        self._table: np.ndarray = np.empty(0, np.int64)
+        self._device_table: MemoryRegion | None = None
+        with self._contexts.use(self.ordinal):
+            self._uploaded = check(driver.cuEventCreate(int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
+        self._bounce_lock = threading.Lock()  # one transfer at a time uses the bounce buffer
+        self._bounce: Bounce | None = None
+
+    @property
+    def kernel_kind(self) -> str:
+        """How batches are moved here: "nvrtc", "cupy", "memcpy" (no kernel) or "unloaded" (no batch yet)."""
+        if not self._kernel_loaded:
+            return "unloaded"
+        return {_ModuleKernel: "nvrtc", _CupyKernel: "cupy"}.get(type(self._kernel), "memcpy")
+
+    def enqueue(
+        self, src: np.ndarray, src_base: int, dst: np.ndarray, dst_base: int, lengths: np.ndarray, deadline: float,
+        *, per_range: bool = False, record: bool = False,
+    ) -> Any:
+        """Queue copies of ranges (int64 offsets from each side's base address) on the stream.
+
+        With `record`, return an event marking their end (release it with release_event).
+        """
+        with self._contexts.use(self.ordinal):
+            if per_range or lengths.size <= FEW:
+                self._copies(src + src_base, dst + dst_base, lengths)
+            else:
+                with self._lock:
+                    kernel = self._kernel_here()
+                    if kernel is None:
+                        self._copies(src + src_base, dst + dst_base, lengths)
+                    else:
+                        self._launch(kernel, src, src_base, dst, dst_base, lengths, deadline)
+            if not record:
+                return None
+            event = check(driver.cuEventCreate(int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
+            check(driver.cuEventRecord(event, self.handle))
+            return event
+
+    def copy_now(self, dst: int, src: int, length: int, deadline: float) -> bool:
+        """One copy, waited for on this thread: True once done, False when `deadline` passed first.
+
+        The single-range fast path (a 4 KiB write): the copy and stream polls, inside a push and pop
+        of the lane's context unless the caller's thread has it current already (PyTorch on this GPU).
+        """
+        stream, ok, not_ready, query = self.handle, self._ok, self._not_ready, driver.cuStreamQuery
+        pushed = int(driver.cuCtxGetCurrent()[1]) != self._context_id
+        if pushed:
+            check(driver.cuCtxPushCurrent(self._context))
+        try:
+            status = driver.cuMemcpyAsync(dst, src, length, stream)[0]
+            if status != ok:
+                check((status,))
+            for _ in range(256):  # a small copy lands within these polls
+                status = query(stream)[0]
+                if status == ok:
+                    return True
+                if status != not_ready:
+                    check((status,))
+            return spin_until(lambda: query(stream)[0], deadline)
+        finally:
+            if pushed:
+                check(driver.cuCtxPopCurrent())
+
+    def record(self) -> Any:
+        """An event marking everything queued so far (release it with release_event)."""
+        with self._contexts.use(self.ordinal):
+            event = check(driver.cuEventCreate(int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
+            check(driver.cuEventRecord(event, self.handle))
+            return event
+
+    def wait_idle(self, deadline: float) -> bool:
+        """Poll until everything queued on the stream finished (True) or `deadline` passed (False)."""
+        stream = self.handle
+        with self._contexts.use(self.ordinal):
+            return spin_until(lambda: driver.cuStreamQuery(stream)[0], deadline)
+
+    def event_done(self, event: Any) -> bool:
+        """True once the work before `event` finished (DeviceError if it failed)."""
+        with self._contexts.use(self.ordinal):
+            status = driver.cuEventQuery(event)[0]
+        if status == driver.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        check((status,))
+        return True
+
+    def release_event(self, event: Any) -> None:
+        with self._contexts.use(self.ordinal):
+            check(driver.cuEventDestroy(event))
+
+    @contextlib.contextmanager
+    def bounce(self, size: int, deadline: float) -> Iterator[Bounce]:
+        """The lane's page-locked bounce buffer (allocated on first use), held for the block."""
+        if not self._bounce_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            raise TimeoutError(f"the bounce buffer of {self.device.name} stayed busy past the deadline")
+        try:
+            if self._bounce is None:
+                region = self._backend.allocate_pinned_host(size)
+                with self._contexts.use(self.ordinal):
+                    self._bounce = Bounce(region, mapped_pointer(region.address))
+            yield self._bounce
+        finally:
+            self._bounce_lock.release()
+
+    def _kernel_here(self) -> _ModuleKernel | _CupyKernel | None:
+        if not self._kernel_loaded:
+            self._kernel = _load_kernel(self.device)
+            self._kernel_loaded = True
+        return self._kernel
+
+    def _copies(self, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> None:
+        stream = self.handle
+        for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist()):
+            check(driver.cuMemcpyAsync(d, s, n, stream))
+
+    def _launch(
+        self, kernel: _ModuleKernel | _CupyKernel, src: np.ndarray, src_base: int, dst: np.ndarray, dst_base: int, lengths: np.ndarray, deadline: float
+    ) -> None:
+        longest = int(lengths.max())
+        if longest > PIECE_BYTES:
+            src, dst, lengths = pieces(src, dst, lengths)
+            longest = PIECE_BYTES
+        rows = int(lengths.size)
+        self._reserve(rows, deadline)
+        if not spin_until(lambda: driver.cuEventQuery(self._uploaded)[0], deadline):
+            raise TimeoutError(f"the range table of {self.device.name} stayed in use past the deadline")
+        table = self._table  # sources, destinations, lengths: rows entries each, back to back
+        np.add(src, src_base, out=table[:rows])
+        np.add(dst, dst_base, out=table[rows : 2 * rows])
+        table[2 * rows : 3 * rows] = lengths
+        assert self._device_table is not None and self._host_table is not None
+        check(driver.cuMemcpyHtoDAsync(self._device_table.address, self._host_table.address, rows * 24, self.handle))
+        check(driver.cuEventRecord(self._uploaded, self.handle))
+        kernel.launch(rows, _BLOCK_SMALL if longest <= _SMALL_PIECE else _BLOCK_LARGE, self._device_table.address, self.handle)
+
+    def _reserve(self, rows: int, deadline: float) -> None:
+        """Range tables of at least `rows` rows (old ones freed once the stream no longer reads them)."""
+        if rows <= self._rows:
+            return
+        if self._device_table is not None:
+            if not self.wait_idle(deadline):
+                raise TimeoutError(f"the range table of {self.device.name} stayed in use past the deadline")
+            self._free_tables()
+        capacity = max(rows, 2 * self._rows, _FIRST_ROWS)
+        self._host_table = self._backend.allocate_pinned_host(capacity * 24)
+        self._table = self._host_table.numpy().view(np.int64)
+        self._device_table = self._backend.allocate(self.device, capacity * 24)
+        self._rows = capacity
+
+    def _free_tables(self) -> None:
+        for region in (self._device_table, self._host_table):
+            if region is not None:
+                region.free()
+        self._device_table = self._host_table = None
+        self._table = np.empty(0, np.int64)
+        self._rows = 0
+
+    def close(self, deadline: float) -> None:
+        """Wait (bounded) for queued work, then free the tables, the bounce buffer, the kernel and the stream."""
+        try:
+            idle = self.wait_idle(deadline)
+        except HMCError:
+            idle = False
+        if not idle:  # the GPU may still read them: leak rather than free memory in use
+            _log.warning("copies on %s still running at close; their buffers are left allocated", self.device.name)
+            return
+        with self._lock:
+            self._free_tables()
+            if self._kernel is not None:
+                with self._contexts.use(self.ordinal):
+                    self._kernel.close()
+                self._kernel = None
+            with self._contexts.use(self.ordinal):
+                check(driver.cuEventDestroy(self._uploaded))
+        if self._bounce is not None:
+            self._bounce.region.free()
+            self._bounce = None
+        self.stream.close()
+
+
+def mapped_pointer(address: int) -> int:
+    """The device-side address of page-locked host memory (the host address itself where the driver says so)."""
+    try:
+        return int(check(driver.cuMemHostGetDevicePointer(address, 0)))
+    except DeviceError:
+        return address

@@ -1,0 +1,356 @@
+"""The `ipc` path for CUDA memory between two processes of one host, on two GPUs.
+
+This process runs an Agent whose buffers live on cuda:0 (or in host memory); a
+`PeerProcess` owns buffers on cuda:1 (or in host memory). Both directions, both
+initiators, random data into poisoned destinations, every byte compared (host
+copies of the device buffers, or BLAKE2b digests of whole 256 MiB buffers),
+odd sizes, unaligned offsets and ranges touching the last byte, the KV patterns
+of issue 3 (4096 x 64 KiB and 16384 x 16 KiB random ranges), the conformance
+suite with host memory here and device memory there, withdrawal closing the
+mapping, a wrong access key refused, and a vendor override turning the pair
+into a cross-vendor one. Skipped with the reason where fewer than two GPUs exist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hmc import memory
+from hmc.agent import Agent, ConnBuffer
+from hmc.config import Config
+from hmc.errors import AccessDeniedError, BufferWithdrawnError, UnsupportedError
+from hmc.memory import DeviceKind
+from hmc.memory._cuda import CudaBackend
+from hmc.testing import PeerProcess, TransportPair, check_transport, ranges_digest
+from hmc.transport._base import PathName
+from hmc.v1 import common_pb2
+
+pytestmark = [pytest.mark.cuda, pytest.mark.multi_gpu(2), pytest.mark.timeout(300)]
+
+POISON = 0xA5
+HOST_POISON = 0x3C
+KV_TOTAL = 256 << 20
+
+# (length, remote offset, local offset, slack after the remote range; 0 touches the last byte)
+CASES = [
+    (1, 0, 0, 0),
+    (3, 1, 5, 2),
+    (4095, 7, 0, 0),
+    (4096, 4093, 1, 9),
+    (65537, 0, 3, 0),
+    ((3 << 20) + 13, 17, 4091, 5),
+]
+
+
+def random_bytes(n: int, seed: int) -> np.ndarray:
+    return np.frombuffer(np.random.default_rng(seed).bytes(n), np.uint8).copy()
+
+
+def host_copy(buffer: ConnBuffer) -> np.ndarray:
+    out = np.full(buffer.size, HOST_POISON, np.uint8)
+    memory.copy(out, buffer.region)
+    return out
+
+
+def assert_bytes_equal(actual: np.ndarray, expected: np.ndarray, what: str = "") -> None:
+    assert actual.shape == expected.shape
+    differ = np.flatnonzero(actual != expected)
+    assert differ.size == 0, f"{what}: {differ.size} of {actual.size} bytes differ, first at {differ[:3].tolist()}"
+
+
+def disjoint_ranges(rng: np.random.Generator, count: int, space: int, longest: int) -> tuple[np.ndarray, np.ndarray]:
+    """`count` non-overlapping (offset, length) pairs of odd lengths and offsets inside `space` bytes, shuffled."""
+    slot = space // count
+    lengths = rng.integers(1, min(longest, slot) + 1, count)
+    offsets = np.arange(count) * slot + rng.integers(0, slot - lengths + 1)
+    order = rng.permutation(count)
+    return offsets[order], lengths[order]
+
+
+@pytest.fixture(scope="module")
+def gpu_config(tmp_path_factory: pytest.TempPathFactory) -> Config:
+    return Config(socket=str(Path(tmp_path_factory.mktemp("cuda-ipc")) / "no-hmcd.sock"), timeout_s=60.0)
+
+
+@pytest.fixture(scope="module")
+def gpu_agent(gpu_config: Config) -> Iterator[Agent]:
+    with Agent(gpu_config, daemon=False) as agent:
+        yield agent
+
+
+@pytest.fixture(scope="module")
+def gpu_peer(gpu_config: Config) -> Iterator[PeerProcess]:
+    with PeerProcess(gpu_config, timeout=120.0) as peer:
+        yield peer
+
+
+@pytest.fixture
+def backend() -> CudaBackend:
+    found = memory.backend_for(DeviceKind.CUDA)
+    assert isinstance(found, CudaBackend)
+    return found
+
+
+@contextlib.contextmanager
+def gpu_buffer(agent: Agent, data: np.ndarray | int, device: str = "cuda:0", size: int | None = None) -> Iterator[ConnBuffer]:
+    """A ConnBuffer of device memory here, holding `data` (or every byte set to it)."""
+    nbytes = size if isinstance(data, int) else data.size
+    region = memory.allocate(nbytes or 1, device)
+    if isinstance(data, int):
+        memory.fill(region, data)
+    else:
+        memory.copy(region, data)
+    buffer = agent.register(region)
+    try:
+        yield buffer
+    finally:
+        with contextlib.suppress(Exception):
+            agent.unregister(buffer)
+        region.free()
+
+
+def test_ipc_declares_cuda_and_is_negotiated_between_the_gpus(gpu_agent: Agent, gpu_peer: PeerProcess) -> None:
+    [ipc] = [t for t in gpu_agent.info.transports if t.path == "ipc"]
+    assert common_pb2.DEVICE_KIND_CUDA in ipc.memory_kinds and common_pb2.DEVICE_KIND_HOST in ipc.memory_kinds
+    remote = gpu_peer.register(4096, device="cuda:1")
+    with gpu_buffer(gpu_agent, POISON, size=4096) as local:
+        choice = gpu_agent.path_to(local, remote)
+        assert choice.path is PathName.IPC, choice
+        assert remote.handles.HasField("cuda_ipc") and remote.device.kind == common_pb2.DEVICE_KIND_CUDA
+    gpu_peer.unregister(remote.id)
+
+
+@pytest.mark.parametrize(("length", "remote_offset", "local_offset", "slack"), CASES)
+def test_write_then_read_odd_sizes_unaligned_offsets(
+    gpu_agent: Agent, gpu_peer: PeerProcess, length: int, remote_offset: int, local_offset: int, slack: int
+) -> None:
+    remote_size = remote_offset + length + slack
+    data = random_bytes(local_offset + length + 3, length)
+    remote = gpu_peer.register(remote_size, fill=POISON, device="cuda:1")
+    with gpu_buffer(gpu_agent, data) as local:
+        handle = gpu_agent.write(local, remote, local_offset, remote_offset, length)
+        handle.wait()
+        assert handle.path == "ipc"
+        expected = np.full(remote_size, POISON, np.uint8)
+        expected[remote_offset : remote_offset + length] = data[local_offset : local_offset + length]
+        assert_bytes_equal(np.frombuffer(gpu_peer.contents(remote.id), np.uint8), expected, "write")
+        memory.fill(local.region, POISON)
+        gpu_agent.read(local, remote, remote_offset, local_offset, length).wait()
+        mine = np.full(local.size, POISON, np.uint8)
+        mine[local_offset : local_offset + length] = data[local_offset : local_offset + length]
+        assert_bytes_equal(host_copy(local), mine, "read")
+    gpu_peer.unregister(remote.id)
+
+
+def test_batches_of_odd_unaligned_ranges_both_ways(gpu_agent: Agent, gpu_peer: PeerProcess) -> None:
+    """Many ranges take the gather/scatter kernel: every alignment skew, lengths from 1 byte, the last byte."""
+    rng = np.random.default_rng(3)
+    size = (8 << 20) + 13
+    data = random_bytes(size, 4)
+    remote = gpu_peer.register(size, fill=POISON, device="cuda:1")
+    with gpu_buffer(gpu_agent, data) as local:
+        dst, lengths = disjoint_ranges(rng, 1001, size, 20011)
+        last = int(np.argmax(dst))
+        dst[last], lengths[last] = size - 777, 777  # still inside the last slot: this range ends at the buffer's end
+        src = rng.integers(0, size - lengths)
+        gpu_agent.write(local, remote, src, dst, lengths).wait()
+        expected = np.full(size, POISON, np.uint8)
+        for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist()):
+            expected[d : d + n] = data[s : s + n]
+        assert_bytes_equal(np.frombuffer(gpu_peer.contents(remote.id), np.uint8), expected, "batched write")
+        memory.fill(local.region, POISON)
+        back = rng.permutation(dst.size)
+        local_dst, local_lengths = disjoint_ranges(rng, dst.size, size, 20011)
+        n = np.minimum(lengths[back], local_lengths)
+        gpu_agent.read(local, remote, dst[back], local_dst, n).wait()
+        mine = np.full(size, POISON, np.uint8)
+        for s, d, k in zip(dst[back].tolist(), local_dst.tolist(), n.tolist()):
+            mine[d : d + k] = expected[s : s + k]
+        assert_bytes_equal(host_copy(local), mine, "batched read")
+    gpu_peer.unregister(remote.id)
+
+
+def test_the_peer_initiates_both_directions(gpu_agent: Agent, gpu_peer: PeerProcess) -> None:
+    size = (1 << 20) + 3
+    data = random_bytes(size, 11)
+    theirs = gpu_peer.register(size, device="cuda:1")
+    gpu_peer.fill(theirs.id, data.tobytes())
+    with gpu_buffer(gpu_agent, POISON, size=size) as mine:
+        assert gpu_peer.transfer("write", theirs.id, mine.descriptor, [0, 5000, size - 1], [3, 9000, size - 1], [4000, 70001, 1]) == "ipc"
+        expected = np.full(size, POISON, np.uint8)
+        expected[3:4003], expected[9000:79001], expected[-1] = data[:4000], data[5000:75001], data[-1]
+        assert_bytes_equal(host_copy(mine), expected, "peer write")
+        fresh = random_bytes(size, 12)
+        memory.copy(mine.region, fresh)
+        assert gpu_peer.transfer("read", theirs.id, mine.descriptor, 0, 0, size) == "ipc"
+        assert gpu_peer.contents(theirs.id) == fresh.tobytes()
+    gpu_peer.unregister(theirs.id)
+
+
+@pytest.mark.parametrize(("count", "block"), [(4096, 64 << 10), (16384, 16 << 10)])
+def test_kv_random_ranges_every_byte(gpu_agent: Agent, gpu_peer: PeerProcess, count: int, block: int) -> None:
+    rng = np.random.default_rng(count)
+    slots = KV_TOTAL // block
+    src = rng.permutation(slots)[:count].astype(np.int64) * block
+    dst = rng.permutation(slots)[:count].astype(np.int64) * block
+    data = random_bytes(KV_TOTAL, count)
+    remote = gpu_peer.register(KV_TOTAL, fill=POISON, device="cuda:1")
+    with gpu_buffer(gpu_agent, data) as local:
+        handle = gpu_agent.write(local, remote, src, dst, block)
+        handle.wait()
+        assert handle.path == "ipc"
+        expected = np.full(KV_TOTAL, POISON, np.uint8)
+        expected.reshape(slots, block)[dst // block] = data.reshape(slots, block)[src // block]
+        assert gpu_peer.digest(remote.id) == ranges_digest(expected), "KV write: the peer's buffer differs"
+        memory.fill(local.region, POISON)
+        back = rng.permutation(slots)[:count].astype(np.int64) * block
+        gpu_agent.read(local, remote, dst, back, block).wait()
+        mine = np.full(KV_TOTAL, POISON, np.uint8)
+        mine.reshape(slots, block)[back // block] = expected.reshape(slots, block)[dst // block]
+        assert_bytes_equal(host_copy(local), mine, "KV read")
+    gpu_peer.unregister(remote.id)
+    engines = gpu_agent_cuda_mover(gpu_agent).copy_engines()
+    assert engines.get("cuda:0") in ("nvrtc", "cupy"), engines
+
+
+def gpu_agent_cuda_mover(agent: Agent):  # type: ignore[no-untyped-def]
+    return agent._transports[PathName.IPC].movers()[DeviceKind.CUDA]  # type: ignore[attr-defined]
+
+
+class DeviceOwner:
+    """The peer as a `BufferOwner` whose buffers are device memory on one GPU."""
+
+    def __init__(self, peer: PeerProcess, device: str) -> None:
+        self.peer, self.device = peer, device
+
+    def register(self, size: int, *, name: str | None = None, fill: int = 0) -> common_pb2.BufferDescriptor:
+        return self.peer.register(size, name=name, fill=fill, device=self.device)
+
+    def fill(self, buffer_id: str, data: bytes, offset: int = 0) -> None:
+        self.peer.fill(buffer_id, data, offset)
+
+    def contents(self, buffer_id: str) -> bytes:
+        return self.peer.contents(buffer_id)
+
+    def unregister(self, buffer_id: str) -> None:
+        self.peer.unregister(buffer_id)
+
+    def notifications(self, timeout: float = 0.0) -> list:  # type: ignore[type-arg]
+        return self.peer.notifications(timeout)
+
+
+def test_host_memory_here_to_device_memory_there_conforms(gpu_agent: Agent, gpu_peer: PeerProcess) -> None:
+    """check_transport with numpy buffers here (page-locked by the path) and cuda:1 buffers in the peer.
+
+    The peer is not frozen for the deadline checks: a one-sided path needs nothing from it.
+    """
+
+    @contextlib.contextmanager
+    def pair() -> Iterator[TransportPair]:
+        yield TransportPair(gpu_agent, DeviceOwner(gpu_peer, "cuda:1"), "ipc")
+
+    check_transport(pair)
+
+
+def test_device_memory_here_to_host_memory_there(gpu_agent: Agent, gpu_peer: PeerProcess) -> None:
+    """The bounce through page-locked memory and cross-memory attach, both ways, batches and single ranges."""
+    rng = np.random.default_rng(21)
+    size = (40 << 20) + 5  # more than the 16 MiB bounce buffer: several chunks
+    data = random_bytes(size, 22)
+    remote = gpu_peer.register(size, fill=POISON)
+    with gpu_buffer(gpu_agent, data) as local:
+        gpu_agent.write(local, remote, 1, 0, size - 1).wait()
+        dst, lengths = disjoint_ranges(rng, 300, size, 70001)
+        src = rng.integers(0, size - lengths)
+        handle = gpu_agent.write(local, remote, src, dst, lengths)
+        handle.wait()
+        assert handle.path == "ipc"
+        expected = np.full(size, POISON, np.uint8)
+        expected[: size - 1] = data[1:]
+        for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist()):
+            expected[d : d + n] = data[s : s + n]
+        assert_bytes_equal(np.frombuffer(gpu_peer.contents(remote.id), np.uint8), expected, "write into host memory")
+        memory.fill(local.region, POISON)
+        gpu_agent.read(local, remote, dst, src, lengths).wait()
+        gpu_agent.read(local, remote, size - 1, size - 1, 1).wait()
+        mine = np.full(size, POISON, np.uint8)
+        for s, d, n in zip(dst.tolist(), src.tolist(), lengths.tolist()):
+            mine[d : d + n] = expected[s : s + n]
+        mine[-1] = expected[-1]
+        assert_bytes_equal(host_copy(local), mine, "read from host memory")
+    gpu_peer.unregister(remote.id)
+
+
+def test_withdrawal_closes_the_mapping(gpu_agent: Agent, gpu_peer: PeerProcess, backend: CudaBackend) -> None:
+    before = backend.ipc_mappings()
+    remote = gpu_peer.register(1 << 20, fill=POISON, device="cuda:1")
+    with gpu_buffer(gpu_agent, random_bytes(1 << 20, 5)) as local:
+        gpu_agent.write(local, remote, 0, 0, 4096).wait()  # opens the mapping and sets up the inline route
+        gpu_agent.write(local, remote, [0, 8192, 20000, 40000, 60000], [0, 8192, 20000, 40000, 60000], 100).wait()
+        assert backend.ipc_mappings() == before + 1
+        gpu_peer.unregister(remote.id)
+        assert backend.ipc_mappings() == before, "the mapping outlived the buffer's withdrawal"
+        with pytest.raises(BufferWithdrawnError):
+            gpu_agent.write(local, remote, 0, 0, 4096).wait()
+        with pytest.raises(BufferWithdrawnError):
+            gpu_agent.read(local, remote, [0, 100, 200, 300, 400], [0, 100, 200, 300, 400], 10).wait()
+
+
+def test_a_wrong_access_key_is_refused(gpu_agent: Agent, gpu_peer: PeerProcess, backend: CudaBackend) -> None:
+    remote = gpu_peer.register(1 << 20, fill=POISON, device="cuda:1")
+    forged = common_pb2.BufferDescriptor()
+    forged.CopyFrom(remote)
+    forged.access_key = bytes(16)
+    before = backend.ipc_mappings()
+    with gpu_buffer(gpu_agent, random_bytes(1 << 20, 6)) as local:
+        with pytest.raises(AccessDeniedError):
+            gpu_agent.write(local, forged, 0, 0, 4096).wait()
+        assert backend.ipc_mappings() == before, "a refused grant opened a mapping"
+        gpu_agent.write(local, remote, 0, 0, 4096).wait()  # the right key maps it
+        with pytest.raises(AccessDeniedError):
+            gpu_agent.write(local, forged, 0, 0, 4096).wait()
+        with pytest.raises(AccessDeniedError):
+            gpu_agent.read(local, forged, [0, 64, 128, 192, 256], [0, 64, 128, 192, 256], 8).wait()
+    assert np.all(np.frombuffer(gpu_peer.contents(remote.id), np.uint8)[4096:] == POISON)
+    gpu_peer.unregister(remote.id)
+
+
+def test_vendor_override_picks_staged(gpu_config: Config, gpu_agent: Agent) -> None:
+    """A peer declares its cuda:1 as AMD (vendor_override, as HMC_DEVICE_VENDOR_OVERRIDE="cuda:1=amd" would):
+    negotiation refuses vendor IPC for the now cross-vendor pair and picks staged, what a real NVIDIA-AMD pair
+    gets. The staged path cannot move device memory yet (its pinned-ring pipeline is not built), so the
+    transfers in both directions raise UnsupportedError saying so; this test asserts the negotiated path, the
+    reasons, and that error, and that nothing was written.
+    """
+    with PeerProcess(gpu_config.replace(vendor_override={"cuda:1": "amd"}), timeout=120.0) as amd:
+        remote = amd.register(1 << 20, fill=POISON, device="cuda:1")
+        assert remote.device.vendor == common_pb2.VENDOR_AMD and remote.device.physical_vendor == common_pb2.VENDOR_NVIDIA
+        with gpu_buffer(gpu_agent, random_bytes(1 << 20, 7)) as local:
+            choice = gpu_agent.path_to(local, remote)
+            assert choice.path is PathName.STAGED, choice
+            reasons = dict(choice.rejected)
+            assert reasons[PathName.IPC] == "cross-vendor pair (amd vs nvidia): vendor IPC cannot map the other vendor's memory"
+            assert "different agents" in reasons[PathName.LOCAL]
+            with pytest.raises(UnsupportedError, match="cannot move device memory yet"):
+                gpu_agent.write(local, remote, 0, 0, 4096).wait()
+            with pytest.raises(UnsupportedError, match="cannot move device memory yet"):
+                amd.transfer("write", remote.id, local.descriptor, 0, 0, 4096)
+        assert np.all(np.frombuffer(amd.contents(remote.id), np.uint8) == POISON)
+        amd.unregister(remote.id)
+
+
+def test_a_torch_tensor_on_the_second_gpu_registers_there(gpu_agent: Agent) -> None:
+    """Pointer resolution names the GPU the memory is on (cuda.bindings alone answers 0 for every GPU)."""
+    torch = pytest.importorskip("torch")
+    for index in (1, 0):
+        tensor = torch.zeros(4096, dtype=torch.uint8, device=f"cuda:{index}")
+        torch.cuda.synchronize(index)
+        assert memory.register(tensor).device.name == f"cuda:{index}"
+        buffer = gpu_agent.register(tensor)
+        assert buffer.descriptor.device.name == f"cuda:{index}" and buffer.descriptor.handles.HasField("cuda_ipc")
+        gpu_agent.unregister(buffer)

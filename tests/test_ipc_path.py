@@ -1,0 +1,192 @@
+"""The ipc path's dispatcher (one transport per path name, a mover per memory kind) and what device memory
+meets on the CPU-only paths: declarations, routing, the owner's grant, and staged refusing device memory."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hmc.agent import Agent
+from hmc.agent._buffers import ConnBuffer
+from hmc.agent._server import _grant_handles
+from hmc.config import Config
+from hmc.control._inventory import transports
+from hmc.errors import UnsupportedError
+from hmc.memory import Device, DeviceKind, MemoryKind, MemoryRegion, Vendor
+from hmc.memory._host import HOST_DEVICE
+from hmc.transport._base import Capabilities, PathName, TransferOp, TransferRequest, Transport
+from hmc.transport._cuda_copy import pieces
+from hmc.transport._ipc_path import IpcPath
+from hmc.transport._ranges import RangeList
+from hmc.transport._staged import StagedTransport
+from hmc.v1 import common_pb2
+
+GPU = Device("cuda:0", DeviceKind.CUDA, 0, Vendor.NVIDIA, Vendor.NVIDIA, uuid="GPU-0")
+
+
+class FakeMover(Transport):
+    """Records what it is asked; declares ipc for the given kinds."""
+
+    def __init__(self, kinds: set[DeviceKind], detail: str, *, unavailable: str | None = None) -> None:
+        self.capabilities = Capabilities(PathName.IPC, frozenset(kinds), one_sided=True, same_host_only=True, detail=detail)
+        self.unavailable = unavailable
+        self.calls: list[tuple[str, Any]] = []
+        self.closed = False
+
+    def unavailable_reason(self) -> str | None:
+        return self.unavailable
+
+    def export(self, buffer: Any) -> dict[str, Any]:
+        return {self.capabilities.detail: buffer.id}
+
+    def withdraw(self, buffer_id: str) -> None:
+        self.calls.append(("withdraw", buffer_id))
+
+    def forget_peer(self, agent: common_pb2.AgentInfo) -> None:
+        self.calls.append(("forget", agent.id))
+
+    def post(self, request: TransferRequest) -> None:
+        self.calls.append(("post", request.transfer_id))
+        request.completion.finish()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Done:
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+        self.cancelled = False
+
+    def set_running(self) -> None: ...
+
+    def add_bytes(self, nbytes: int) -> None: ...
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self.finished.set()
+
+
+def _local(kind: MemoryKind = MemoryKind.HOST, device: Device = HOST_DEVICE, buffer_id: str = "local") -> ConnBuffer:
+    region = MemoryRegion(device=device, address=0x1000, size=4096, kind=kind)
+    return ConnBuffer(region, common_pb2.BufferDescriptor(id=buffer_id, size=4096))
+
+
+def _remote(kind: int = common_pb2.DEVICE_KIND_HOST) -> common_pb2.BufferDescriptor:
+    return common_pb2.BufferDescriptor(id="remote", size=4096, device=common_pb2.DeviceInfo(name="x", kind=kind))
+
+
+def _request(local: ConnBuffer, remote: common_pb2.BufferDescriptor, done: Done, transfer_id: str = "t") -> TransferRequest:
+    return TransferRequest(transfer_id, TransferOp.WRITE, local, remote, RangeList.single(0, 0, 16), time.monotonic() + 5, done)
+
+
+def test_declares_the_union_of_its_movers() -> None:
+    path = IpcPath({DeviceKind.HOST: FakeMover({DeviceKind.HOST}, "cma"), DeviceKind.CUDA: FakeMover({DeviceKind.CUDA}, "cuda ipc")})
+    caps = path.capabilities
+    assert caps.path is PathName.IPC and caps.memory_kinds == {DeviceKind.HOST, DeviceKind.CUDA}
+    assert caps.one_sided and caps.same_host_only and caps.detail == "cma; cuda ipc"
+    assert sorted(path.capabilities.to_proto().memory_kinds) == [common_pb2.DEVICE_KIND_HOST, common_pb2.DEVICE_KIND_CUDA]
+
+
+def test_routes_by_the_pairs_device_memory() -> None:
+    host, cuda = FakeMover({DeviceKind.HOST}, "cma"), FakeMover({DeviceKind.CUDA}, "cuda ipc")
+    path = IpcPath({DeviceKind.HOST: host, DeviceKind.CUDA: cuda})
+    cases = [
+        ("host-host", _local(), _remote(), host),
+        ("host-cuda", _local(), _remote(common_pb2.DEVICE_KIND_CUDA), cuda),
+        ("cuda-host", _local(MemoryKind.DEVICE, GPU), _remote(), cuda),
+        ("pinned-cuda", _local(MemoryKind.HOST_PINNED), _remote(common_pb2.DEVICE_KIND_CUDA), cuda),
+        ("unspecified", _local(), _remote(common_pb2.DEVICE_KIND_UNSPECIFIED), host),
+    ]
+    for name, local, remote, mover in cases:
+        done = Done()
+        path.post(_request(local, remote, done, name))
+        assert done.error is None and ("post", name) in mover.calls, name
+
+
+def test_a_kind_without_mover_is_refused_with_the_reason() -> None:
+    path = IpcPath({DeviceKind.HOST: FakeMover({DeviceKind.HOST}, "cma")})
+    done = Done()
+    path.post(_request(_local(), _remote(common_pb2.DEVICE_KIND_CUDA), done))
+    assert isinstance(done.error, UnsupportedError) and "cannot move cuda memory" in str(done.error)
+
+
+def test_unavailable_movers_are_dropped_and_closed() -> None:
+    host, cuda = FakeMover({DeviceKind.HOST}, "cma", unavailable="ptrace_scope=3"), FakeMover({DeviceKind.CUDA}, "cuda ipc")
+    path = IpcPath({DeviceKind.HOST: host, DeviceKind.CUDA: cuda})
+    assert path.unavailable_reason() is None
+    assert host.closed and path.capabilities.memory_kinds == {DeviceKind.CUDA}
+    assert list(path.movers()) == [DeviceKind.CUDA]
+    only = IpcPath({DeviceKind.HOST: FakeMover({DeviceKind.HOST}, "cma", unavailable="no cma")})
+    assert only.unavailable_reason() == "host memory: no cma"
+
+
+def test_lifecycle_calls_reach_every_mover() -> None:
+    host, cuda = FakeMover({DeviceKind.HOST}, "cma"), FakeMover({DeviceKind.CUDA}, "cuda")
+    path = IpcPath({DeviceKind.HOST: host, DeviceKind.CUDA: cuda})
+    assert path.export(_local(buffer_id="b1")) == {"cma": "b1", "cuda": "b1"}
+    path.withdraw("b1")
+    path.forget_peer(common_pb2.AgentInfo(id="gone"))
+    path.close()
+    for mover in (host, cuda):
+        assert mover.calls == [("withdraw", "b1"), ("forget", "gone")] and mover.closed
+
+
+def test_a_mover_must_declare_the_kind_it_serves() -> None:
+    with pytest.raises(ValueError, match="does not declare ipc for cuda"):
+        IpcPath({DeviceKind.CUDA: FakeMover({DeviceKind.HOST}, "cma")})
+
+
+def test_agent_declares_ipc_through_the_dispatcher(config: Config) -> None:
+    with Agent(config, daemon=False) as agent:
+        [ipc] = [t for t in agent.info.transports if t.path == "ipc"]
+        assert common_pb2.DEVICE_KIND_HOST in ipc.memory_kinds  # CUDA joins where the CUDA backend is present
+        assert "cma" in ipc.detail
+
+
+def test_inventory_declares_cuda_ipc_where_a_gpu_is() -> None:
+    kinds = frozenset({DeviceKind.HOST, DeviceKind.CUDA})
+    [ipc] = [c for c in transports(kinds, ptrace_scope=0) if c.path is PathName.IPC]
+    assert ipc.memory_kinds == kinds and ipc.same_vendor_only
+    [cuda_only] = [c for c in transports(kinds, ptrace_scope=3) if c.path is PathName.IPC]
+    assert cuda_only.memory_kinds == {DeviceKind.CUDA}
+    assert "ipc" not in [c.path.value for c in transports(frozenset({DeviceKind.HOST}), ptrace_scope=3)]
+
+
+def test_the_grant_of_device_memory_carries_its_cuda_ipc_handle() -> None:
+    descriptor = common_pb2.BufferDescriptor(id="d", size=4096)
+    descriptor.handles.cuda_ipc.CopyFrom(common_pb2.CudaIpcHandle(handle=bytes(64), offset=512, pid=7))
+    gpu_buffer = ConnBuffer(MemoryRegion(device=GPU, address=0x7000, size=4096, kind=MemoryKind.DEVICE), descriptor)
+    handles = _grant_handles(gpu_buffer)
+    assert handles.cuda_ipc.offset == 512 and handles.cma.address == 0x7000
+    bare = ConnBuffer(MemoryRegion(device=GPU, address=0x7000, size=4096, kind=MemoryKind.DEVICE), common_pb2.BufferDescriptor(id="v"))
+    with pytest.raises(UnsupportedError, match="no IPC handle"):
+        _grant_handles(bare)
+    assert not _grant_handles(_local()).HasField("cuda_ipc")
+
+
+def test_staged_declares_device_memory_but_refuses_it_until_the_pinned_ring_exists() -> None:
+    def connect(*_: Any) -> Any:
+        raise AssertionError("a refused request must not connect")
+
+    staged = StagedTransport(connect, memory_kinds=frozenset({DeviceKind.CUDA}))
+    assert staged.capabilities.memory_kinds == {DeviceKind.HOST, DeviceKind.CUDA}
+    for local, remote in ((_local(MemoryKind.DEVICE, GPU), _remote()), (_local(), _remote(common_pb2.DEVICE_KIND_CUDA))):
+        done = Done()
+        staged.post(_request(local, remote, done))
+        assert isinstance(done.error, UnsupportedError) and "pinned-ring" in str(done.error)
+    staged.close()
+
+
+def test_cut_long_ranges_into_pieces_keeping_alignment() -> None:
+    src, dst, lengths = np.array([0, 1000], np.int64), np.array([5, 3], np.int64), np.array([10, 600000], np.int64)
+    s, d, n = pieces(src, dst, lengths, piece=262144)
+    assert n.tolist() == [10, 262144, 262144, 75712]
+    assert s.tolist() == [0, 1000, 263144, 525288] and d.tolist() == [5, 3, 262147, 524291]
+    short = pieces(src, dst, np.array([10, 20], np.int64), piece=262144)
+    assert [a.tolist() for a in short] == [[0, 1000], [5, 3], [10, 20]]
