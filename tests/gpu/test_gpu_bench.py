@@ -91,11 +91,11 @@ def test_checks_floors_and_table() -> None:
 def test_hmc_plugin_says_why_it_is_skipped() -> None:
     from hmc.bench._gpu_hmc import HMC_PATHS, unavailable_reason
     from hmc.memory import DeviceKind
-    from hmc.transport._ipc import IpcTransport
+    from hmc.transport._cuda_ipc import CudaIpcTransport
 
     assert "ipc" in HMC_PATHS
     reason = unavailable_reason()
-    if DeviceKind.CUDA in IpcTransport.capabilities.memory_kinds:
+    if DeviceKind.CUDA in CudaIpcTransport.capabilities.memory_kinds:
         assert reason is None
     else:
         assert reason is not None and reason.startswith("CUDA paths not implemented yet")
