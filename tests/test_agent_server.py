@@ -119,6 +119,36 @@ def test_negative_lengths_close_the_data_connection(data_stream: FrameStream, ta
     assert (target.numpy() == POISON).all()
 
 
+@pytest.mark.parametrize("count", [1, 3, 20], ids=["one", "few", "many"])  # few: decoded with struct; many: numpy
+def test_short_and_long_range_lists_are_checked_alike(data_stream: FrameStream, target: ConnBuffer, count: int) -> None:
+    d, size = target.descriptor, target.size
+    dst = [i * 64 for i in range(count)]
+    payload = [memoryview(b"\x02" * 16 * count)]
+    last = count - 1
+    for bad_dst, error in (([*dst[:last], -64], OutOfRangeError), ([*dst[:last], size - 8], OutOfRangeError)):
+        data_stream.send(_write_frame(d, bad_dst, [16] * count), payload)
+        assert isinstance(_reply_error(data_stream), error)
+    assert (target.numpy() == POISON).all()
+    data_stream.send(_write_frame(d, dst, [16] * count), payload)
+    assert _reply_error(data_stream) is None
+    assert all((target.numpy()[o : o + 16] == 2).all() for o in dst)
+    if count == 1:
+        return  # no offsets at all means offset 0 (as RangeList.from_proto reads it)
+    wire = RangeList.build(np.zeros(count, np.int64), dst, 16).to_proto()
+    wire.dst_offsets = wire.dst_offsets[:-8]  # one offset short
+    data_stream.send(peer_pb2.PeerFrame(request_id=2, write=peer_pb2.DataWrite(buffer_id=d.id, access_key=d.access_key, ranges=wire)), payload)
+    assert isinstance(_reply_error(data_stream), ProtocolError)
+
+
+@pytest.mark.parametrize("count", [1, 20])
+def test_absurd_lengths_close_the_data_connection(data_stream: FrameStream, target: ConnBuffer, count: int) -> None:
+    data_stream.send(_write_frame(target.descriptor, [0] * count, [16] * (count - 1) + [1 << 41]))
+    assert isinstance(_reply_error(data_stream), ProtocolError)
+    with pytest.raises(BrokenResourceError):
+        data_stream.recv(_deadline())
+    assert (target.numpy() == POISON).all()
+
+
 def test_wrong_requests_on_each_channel_get_protocol_errors(agent: Agent, target: ConnBuffer) -> None:
     control = _open(agent, CONTROL)
     control.send(_write_frame(target.descriptor, [0], [16]))

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 import numpy as np
+import pytest
 
 from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
@@ -78,3 +79,59 @@ def test_zero_length_batch_completes_without_traffic(config: Config, peer: PeerP
         handle.wait()
         assert handle.bytes_total == 0
         assert peer.contents(remote.id) == bytes([POISON]) * 4096
+
+
+def _staged_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("hmc-staged-")]
+
+
+def test_small_transfers_are_one_round_trip_on_the_callers_thread(config: Config, peer: PeerProcess, rng: np.random.Generator) -> None:
+    from hmc.errors import OutOfRangeError
+    from hmc.transport._staged import StagedTransport
+
+    remote = peer.register(1 << 20, fill=POISON)
+    with Agent(config.replace(policy=STAGED), daemon=False) as a:
+        src = a.register(rng.integers(0, 256, 1 << 20, dtype=np.uint8))
+        back = a.register(np.zeros(1 << 20, np.uint8))
+        for length in (1, 4096, 128 << 10):  # two ranges: up to 256 KiB in all
+            handle = a.write(src, remote, [0, 300_000], [length, 600_000], length)
+            assert handle.done()  # finished when write() returned
+            handle.wait()
+            handle = a.read(back, remote, [length, 600_000], [0, 300_000], length)
+            assert handle.done()
+            handle.wait()
+            assert np.array_equal(back.numpy()[:length], src.numpy()[:length])
+            assert np.array_equal(back.numpy()[300_000 : 300_000 + length], src.numpy()[300_000 : 300_000 + length])
+        with pytest.raises(OutOfRangeError):  # the owner refuses; the connection stays usable
+            a.write(src, remote, 0, (1 << 20) - 8, 16, path="staged").wait()
+        a.write(src, remote, 0, 0, 4096).wait()
+        assert _staged_threads() == []  # no stream was needed
+        [transport] = [t for t in a._transports.values() if isinstance(t, StagedTransport)]
+        [pipe] = transport._pipes.values()
+        assert pipe.round_trips == len(pipe.idle) == 1
+        a.write(src, remote, 0, 0, (256 << 10) + 1).wait()  # larger: the streams
+        assert len([n for n in _staged_threads() if n.startswith("hmc-staged-tx-")]) == config.staged_streams
+        assert peer.contents(remote.id)[: (256 << 10) + 1] == src.numpy()[: (256 << 10) + 1].tobytes()
+
+
+def test_concurrent_small_transfers_share_the_round_trip_connections(config: Config, peer: PeerProcess, rng: np.random.Generator) -> None:
+    size, block, writers = 1 << 20, 4096, 8
+    remote = peer.register(size, fill=POISON)
+    with Agent(config.replace(policy=STAGED), daemon=False) as a:
+        src = a.register(rng.integers(0, 256, size, dtype=np.uint8))
+        errors: list[BaseException] = []
+
+        def write(first: int) -> None:
+            try:
+                for slot in range(first, size // block, writers):
+                    a.write(src, remote, slot * block, slot * block, block).wait()
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=write, args=(i,)) for i in range(writers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == []
+        assert peer.contents(remote.id) == src.numpy().tobytes()

@@ -312,7 +312,13 @@ class Agent:
         if notify is not None:
             completion = NotifyStep(handle, lambda h: self._send_notify(descriptor, h, bytes(notify)))
         transport.post(TransferRequest(handle.id, op, local, descriptor, ranges, deadline, completion))
-        if notify is None and len(ranges) == 1 and handle.state is TransferState.DONE and descriptor.id not in local.inline_routes:
+        if (
+            notify is None
+            and type(transport).inline is not Transport.inline  # offers a fast path at all
+            and len(ranges) == 1
+            and handle.state is TransferState.DONE
+            and descriptor.id not in local.inline_routes
+        ):
             if path is None or self._choose(local, descriptor, None).path is choice.path:  # a route serves unforced calls too
                 self._learn_route(transport, local, descriptor, choice.path.value)
         return handle

@@ -96,21 +96,29 @@ class BufferTable:
     @contextlib.contextmanager
     def use(self, buffer_id: str, access_key: bytes) -> Iterator[ConnBuffer]:
         """Check access, then hold the buffer so `remove()` waits for this use to end."""
+        buffer = self.acquire(buffer_id, access_key)
+        try:
+            yield buffer
+        finally:
+            self.release(buffer_id)
+
+    def acquire(self, buffer_id: str, access_key: bytes) -> ConnBuffer:
+        """`use()` without a context manager (the staged owner's per-request path): pair with `release()`."""
         buffer = self.get(buffer_id, access_key)
         with self._cond:
             if buffer_id not in self._by_id:
                 raise BufferWithdrawnError(f"buffer {buffer_id} was withdrawn")
             self._users[buffer_id] = self._users.get(buffer_id, 0) + 1
-        try:
-            yield buffer
-        finally:
-            with self._cond:
-                left = self._users[buffer_id] - 1
-                if left:
-                    self._users[buffer_id] = left
-                else:
-                    del self._users[buffer_id]
-                    self._cond.notify_all()
+        return buffer
+
+    def release(self, buffer_id: str) -> None:
+        with self._cond:
+            left = self._users[buffer_id] - 1
+            if left:
+                self._users[buffer_id] = left
+            else:
+                del self._users[buffer_id]
+                self._cond.notify_all()
 
     def remove(self, buffer_id: str, timeout: float = 5.0) -> ConnBuffer | None:
         """Withdraw a buffer; wait (bounded) until no in-flight use touches its memory."""

@@ -24,13 +24,14 @@ import contextlib
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
 
 from hmc.agent._buffers import BufferTable, ConnBuffer
 from hmc.agent._transfer import Notification, NotificationInbox
-from hmc.errors import AccessDeniedError, HMCError, ProtocolError, UnsupportedError
+from hmc.errors import AccessDeniedError, HMCError, OutOfRangeError, ProtocolError, UnsupportedError
 from hmc.memory import MemoryKind
 from hmc.transport._channel import Channel
 from hmc.transport._ranges import RangeList
@@ -167,39 +168,49 @@ class PeerServer:
                     continue
             else:
                 raise ProtocolError(f"{kind or 'empty frame'} is not a data request")
-            stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=reply))
+            if reply is _OK and not frame.request_id:
+                stream.send_serialized(_OK_FRAME)
+            else:
+                stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=reply))
 
     def _receive_write(self, stream: FrameStream, request: peer_pb2.DataWrite) -> peer_pb2.PeerReply:
-        ranges = _wire_ranges(request.ranges)
-        with contextlib.ExitStack() as held:
-            try:
-                buffer = held.enter_context(self._buffers.use(request.buffer_id, request.access_key))
-                if buffer.region.readonly:
-                    raise AccessDeniedError(f"buffer {buffer.id} is read-only")
-                if buffer.region.kind is MemoryKind.DEVICE:
-                    raise UnsupportedError("staged writes into device memory are not supported yet")
-                ranges.check_dst(buffer.size)
-            except HMCError as exc:
-                stream.discard(ranges.total)
-                return error_reply(exc)
-            view = buffer.view
-            stream.recv_into([view[d : d + n] for d, n in zip(ranges.dst.tolist(), ranges.lengths.tolist())])
-        return peer_pb2.PeerReply()
+        side = _Side(request.ranges, "dst_offsets")
+        buffer = None
+        try:
+            buffer = self._buffers.acquire(request.buffer_id, request.access_key)
+            if buffer.region.readonly:
+                raise AccessDeniedError(f"buffer {buffer.id} is read-only")
+            if buffer.region.kind is MemoryKind.DEVICE:
+                raise UnsupportedError("staged writes into device memory are not supported yet")
+            side.check(buffer.size)
+        except HMCError as exc:
+            if buffer is not None:
+                self._buffers.release(buffer.id)
+            stream.discard(side.total)
+            return error_reply(exc)
+        try:
+            stream.recv_into(side.views(buffer.view))
+        finally:
+            self._buffers.release(buffer.id)
+        return _OK
 
     def _send_read(self, stream: FrameStream, frame: peer_pb2.PeerFrame) -> peer_pb2.PeerReply | None:
-        ranges = _wire_ranges(frame.read.ranges).swapped()
-        with contextlib.ExitStack() as held:
+        side = _Side(frame.read.ranges, "src_offsets")
+        try:
+            buffer = self._buffers.acquire(frame.read.buffer_id, frame.read.access_key)
+        except HMCError as exc:
+            return error_reply(exc)
+        try:
             try:
-                buffer = held.enter_context(self._buffers.use(frame.read.buffer_id, frame.read.access_key))
                 if buffer.region.kind is MemoryKind.DEVICE:
                     raise UnsupportedError("staged reads from device memory are not supported yet")
-                ranges.check_dst(buffer.size)
+                side.check(buffer.size)
             except HMCError as exc:
                 return error_reply(exc)
-            view = buffer.view
-            payload = [view[s : s + n] for s, n in zip(ranges.dst.tolist(), ranges.lengths.tolist())]
-            reply = peer_pb2.PeerReply(payload_bytes=ranges.total)
-            stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=reply), payload)
+            reply = peer_pb2.PeerReply(payload_bytes=side.total)
+            stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=reply), side.views(buffer.view))
+        finally:
+            self._buffers.release(buffer.id)
         return None
 
     def close(self) -> None:
@@ -229,6 +240,49 @@ def _grant_handles(buffer: ConnBuffer) -> common_pb2.TransportHandles:
 
 _MAX_RANGE = 1 << 40
 """Longest single range accepted on the wire (keeps the payload size computable without overflow)."""
+_FEW = 8
+"""Up to this many ranges a request is decoded with struct and checked on Python ints (numpy costs more)."""
+_OK = peer_pb2.PeerReply()
+_OK_FRAME = peer_pb2.PeerFrame(reply=_OK).SerializeToString()
+"""The reply to almost every data request, serialized once (a request id of 0 is not on the wire)."""
+
+
+class _Side:
+    """One side (this owner's) of a request's ranges: offsets, lengths, total (ProtocolError when malformed).
+
+    Lengths must be sane to know how much payload follows. Up to `_FEW` ranges are
+    decoded with struct and checked on Python ints; longer lists with numpy.
+    """
+
+    __slots__ = ("lengths", "offsets", "ranges", "total")
+
+    def __init__(self, message: common_pb2.RangeList, field: str) -> None:
+        raw_offsets, raw_lengths = getattr(message, field), message.lengths
+        count = len(raw_lengths) >> 3
+        self.ranges: RangeList | None = None
+        if count > _FEW or len(raw_lengths) & 7 or len(raw_offsets) not in (0, len(raw_lengths)):
+            ranges = _wire_ranges(message)
+            self.ranges = ranges if field == "dst_offsets" else ranges.swapped()
+            self.offsets, self.lengths, self.total = self.ranges.dst, self.ranges.lengths, self.ranges.total
+            return
+        self.lengths = list(struct.unpack(f"<{count}q", raw_lengths))
+        self.offsets = list(struct.unpack(f"<{count}q", raw_offsets)) if raw_offsets else [0] * count
+        if self.lengths and not 0 <= min(self.lengths) <= max(self.lengths) <= _MAX_RANGE:
+            raise ProtocolError("range lengths in a data request are negative or absurd")
+        self.total = sum(self.lengths)
+
+    def check(self, size: int) -> None:
+        """OutOfRangeError unless every range lies inside a buffer of `size` bytes."""
+        if self.ranges is not None:
+            self.ranges.check_dst(size)
+            return
+        for index, (offset, length) in enumerate(zip(self.offsets, self.lengths)):
+            if offset < 0 or offset + length > size:
+                raise OutOfRangeError(f"range #{index} [{offset}, {offset + length}) is outside the buffer of {size} bytes")
+
+    def views(self, view: memoryview) -> list[memoryview]:
+        offsets, lengths = (self.offsets, self.lengths) if self.ranges is None else (self.ranges.dst.tolist(), self.ranges.lengths.tolist())
+        return [view[o : o + n] for o, n in zip(offsets, lengths)]
 
 
 def _wire_ranges(message: common_pb2.RangeList) -> RangeList:

@@ -13,6 +13,13 @@ key before receiving into its buffer. READ sends `DataRead`; the owner answers
 with a reply announcing `payload_bytes` and the bytes follow, received straight
 into the destination (`recvmsg_into`). No intermediate copy on either side.
 
+Small transfers (up to 256 KiB) skip the streams: the caller's thread sends the
+whole request on an idle round-trip connection to the owner, whose connection
+thread answers, and reads the reply (and a read's payload) itself. No thread
+hand-off on this side, no chunking; the transfer is finished when post()
+returns. Up to 4 such connections per peer are kept; a caller that finds them
+all busy uses the streams instead.
+
 Deadlines and failures: a transfer's deadline is enforced by its handle; a
 stream is torn down only when the connection breaks or makes no progress for
 `stall_s`, because one transfer expiring must not fail the others queued
@@ -21,11 +28,16 @@ is replaced on the next transfer. Chunks of a transfer that already expired or
 was cancelled are skipped, and read payloads for it are discarded, never
 written into user memory.
 
+Deadlines hold for small transfers too: a round trip that misses its deadline
+(or fails in any way but a typed refusal from the owner) drops its connection.
+
 Concurrency: `post()` runs on the caller's thread (it may open connections
-within the request's deadline) and only enqueues, except that a small
-single-chunk transfer is sent right there. Each stream's queue and in-flight
-deque are shared by its threads and such callers, guarded by the stream's lock;
-its `_order` lock keeps "record as sent" and "send" together.
+within the request's deadline) and only enqueues, except for small transfers,
+which run right there. A round-trip connection is used by one caller at a
+time (taken from and given back to its pipe under the transport's `_lock`).
+Each stream's queue and in-flight deque are shared by its threads and callers,
+guarded by the stream's lock; its `_order` lock keeps "record as sent" and
+"send" together.
 """
 
 from __future__ import annotations
@@ -47,8 +59,10 @@ from hmc.v1 import common_pb2, peer_pb2
 __all__ = ["StagedTransport"]
 
 _TICK_S = 0.25
-_INLINE_SEND_BYTES = 256 << 10
-"""A transfer of one chunk up to this size is sent by the caller's thread, not the stream's sender."""
+_ROUND_TRIP_BYTES = 256 << 10
+"""A transfer up to this size is one round trip on the caller's thread (see the module's "Small transfers")."""
+_ROUND_TRIP_CONNECTIONS = 4
+"""Round-trip connections per peer: callers that find them all busy use the streams."""
 _JOIN_S = 2.0
 _HOST_KINDS = (common_pb2.DEVICE_KIND_UNSPECIFIED, common_pb2.DEVICE_KIND_HOST)
 
@@ -84,18 +98,43 @@ class _Chunk:
         self.sent_at = 0.0
 
     def local_views(self, local_offsets: Any) -> list[memoryview]:
-        view = self.transfer.request.local.view
-        return [view[o : o + n] for o, n in zip(local_offsets.tolist(), self.ranges.lengths.tolist())]
+        return _views(self.transfer.request, local_offsets, self.ranges.lengths)
 
     def frame(self) -> tuple[peer_pb2.PeerFrame, list[memoryview]]:
-        request, ranges = self.transfer.request, self.ranges
-        lengths = ranges.lengths.tobytes()
-        if request.op is TransferOp.WRITE:
-            wire = common_pb2.RangeList(dst_offsets=ranges.dst.tobytes(), lengths=lengths)
-            frame = peer_pb2.PeerFrame(write=peer_pb2.DataWrite(buffer_id=request.remote.id, access_key=request.remote.access_key, ranges=wire))
-            return frame, self.local_views(ranges.src)
-        wire = common_pb2.RangeList(src_offsets=ranges.src.tobytes(), lengths=lengths)
-        return peer_pb2.PeerFrame(read=peer_pb2.DataRead(buffer_id=request.remote.id, access_key=request.remote.access_key, ranges=wire)), []
+        return _frame(self.transfer.request, self.ranges)
+
+
+def _views(request: TransferRequest, local_offsets: Any, lengths: Any) -> list[memoryview]:
+    view = request.local.view
+    return [view[o : o + n] for o, n in zip(local_offsets.tolist(), lengths.tolist())]
+
+
+def _frame(request: TransferRequest, ranges: RangeList) -> tuple[peer_pb2.PeerFrame, list[memoryview]]:
+    """The DataWrite (with its payload views) or DataRead asking for `ranges` of the request."""
+    lengths = ranges.lengths.tobytes()
+    remote = request.remote
+    if request.op is TransferOp.WRITE:
+        wire = common_pb2.RangeList(dst_offsets=ranges.dst.tobytes(), lengths=lengths)
+        frame = peer_pb2.PeerFrame(write=peer_pb2.DataWrite(buffer_id=remote.id, access_key=remote.access_key, ranges=wire))
+        return frame, _views(request, ranges.src, ranges.lengths)
+    wire = common_pb2.RangeList(src_offsets=ranges.src.tobytes(), lengths=lengths)
+    return peer_pb2.PeerFrame(read=peer_pb2.DataRead(buffer_id=remote.id, access_key=remote.access_key, ranges=wire)), []
+
+
+def _round_trip(stream: FrameStream, request: TransferRequest) -> peer_pb2.PeerReply:
+    """Send the whole request, read the owner's reply (and a read's payload); stream failures raise."""
+    frame, payload = _frame(request, request.ranges)
+    stream.send(frame, payload, deadline=request.deadline)
+    answer = stream.recv(request.deadline)
+    if answer.WhichOneof("kind") != "reply":
+        raise ProtocolError(f"expected a reply on a data connection, got {answer.WhichOneof('kind')}")
+    reply = answer.reply
+    if request.op is TransferOp.READ and not (reply.HasField("error") and reply.error.code):
+        ranges = request.ranges
+        if reply.payload_bytes != ranges.total:
+            raise ProtocolError(f"peer announced {reply.payload_bytes} bytes for a {ranges.total}-byte read")
+        stream.recv_into(_views(request, ranges.dst, ranges.lengths), request.deadline)
+    return reply
 
 
 class _Stream:
@@ -166,15 +205,6 @@ class _Stream:
             except HMCError as exc:
                 return exc
         return None
-
-    def send_now(self, chunk: _Chunk) -> bool:
-        """Send a small chunk on the caller's thread (one thread hand-off less); False if the stream is dead."""
-        if not self._alive:
-            return False
-        error = self._send(chunk)
-        if error is not None:
-            self._fail(error)  # fails the chunk with the rest of the stream
-        return True
 
     def _receive_loop(self) -> None:
         try:
@@ -250,12 +280,16 @@ class _Stream:
 
 
 class _Pipe:
-    """The streams to one peer agent, dealt chunks round-robin."""
+    """The streams to one peer agent, dealt chunks round-robin, and its round-trip connections."""
 
     def __init__(self) -> None:
         self.streams: list[_Stream] = []
         self.next = 0
         self.opening = threading.Lock()  # one thread at a time opens this pipe's missing streams
+        self.idle: list[FrameStream] = []
+        """Round-trip connections nobody uses right now."""
+        self.round_trips = 0
+        """Round-trip connections open or being opened, idle or in use."""
 
 
 class StagedTransport(Transport):
@@ -277,38 +311,99 @@ class StagedTransport(Transport):
         self._stall_s = stall_s
         self._streams = max(1, streams)
         self._chunk_bytes = chunk_bytes
-        self._lock = threading.Lock()  # guards _pipes and each pipe's stream list
+        self._round_trip_bytes = min(_ROUND_TRIP_BYTES, chunk_bytes)
+        self._lock = threading.Lock()  # guards _pipes, _closed, each pipe's stream list and round-trip connections
         self._pipes: dict[str, _Pipe] = {}
+        self._closed = False
         self.capabilities = Capabilities(path=PathName.STAGED, memory_kinds=memory_kinds | {DeviceKind.HOST}, detail=f"tcp x{self._streams}")
 
     def post(self, request: TransferRequest) -> None:
-        try:  # ranges were checked against the descriptor by the agent; the owner checks them again on receipt
-            if request.local.region.kind is MemoryKind.DEVICE or request.remote.device.kind not in _HOST_KINDS:
-                raise UnsupportedError(
+        # Ranges were checked against the descriptor by the agent; the owner checks them again on receipt.
+        if request.local.region.kind is MemoryKind.DEVICE or request.remote.device.kind not in _HOST_KINDS:
+            request.completion.finish(
+                UnsupportedError(
                     "the staged path cannot move device memory yet (the pinned-ring pipeline is not built): "
                     f"{request.local.region.device.name} -> {request.remote.device.name or 'host'}"
                 )
+            )
+            return
+        total = request.ranges.total
+        if not total:
+            request.completion.finish()
+            return
+        if total <= self._round_trip_bytes and self._round_trip(request):
+            return
+        try:
             streams, first = self._streams_for(request.remote.owner, request.deadline)
         except HMCError as exc:
             request.completion.finish(exc)
             return
-        chunks = request.ranges.chunks(self._chunk_bytes) if len(request.ranges) else []
-        if not chunks:
-            request.completion.finish()
-            return
+        chunks = request.ranges.chunks(self._chunk_bytes)
         request.completion.set_running()
         transfer = _Transfer(request, len(chunks))
-        inline = len(chunks) == 1 and chunks[0].total <= _INLINE_SEND_BYTES
         for index, ranges in enumerate(chunks):
             chunk = _Chunk(transfer, ranges)
             stream = streams[(first + index) % len(streams)]
-            while not (stream.send_now(chunk) if inline else stream.put(chunk)):
+            while not stream.put(chunk):
                 try:  # a stream died since we listed them: list again, opening replacements
                     streams, first = self._streams_for(request.remote.owner, request.deadline)
                 except HMCError as exc:
                     request.completion.finish(exc)
                     return
                 stream = streams[(first + index) % len(streams)]
+
+    def _round_trip(self, request: TransferRequest) -> bool:
+        """Run a small transfer on this thread over an idle round-trip connection; False when none is free."""
+        owner = request.remote.owner
+        try:
+            taken = self._take_connection(owner, request.deadline)
+        except HMCError as exc:
+            request.completion.finish(exc)
+            return True
+        if taken is None:
+            return False
+        pipe, stream = taken
+        request.completion.set_running()
+        try:
+            reply = _round_trip(stream, request)
+        except HMCError as exc:  # the connection is in an unknown state: drop it
+            self._give_back(owner, pipe, stream, broken=True)
+            request.completion.finish(exc if isinstance(exc, (TimeoutError, BrokenResourceError)) else BrokenResourceError(f"data connection failed: {exc}"))
+            return True
+        self._give_back(owner, pipe, stream, broken=False)
+        try:
+            raise_for_reply(reply)
+        except HMCError as exc:  # the owner refused (access, bounds): the connection is fine
+            request.completion.finish(exc)
+            return True
+        request.completion.finish()
+        return True
+
+    def _take_connection(self, owner: common_pb2.AgentInfo, deadline: float) -> tuple[_Pipe, FrameStream] | None:
+        """An idle round-trip connection to `owner`, a new one, or None when all are busy."""
+        with self._lock:
+            pipe = self._pipes.setdefault(owner.id, _Pipe())
+            if pipe.idle:
+                return pipe, pipe.idle.pop()
+            if pipe.round_trips >= _ROUND_TRIP_CONNECTIONS:
+                return None
+            pipe.round_trips += 1
+        try:
+            return pipe, self._connect(owner, deadline)
+        except BaseException:
+            with self._lock:
+                pipe.round_trips -= 1
+            raise
+
+    def _give_back(self, owner: common_pb2.AgentInfo, pipe: _Pipe, stream: FrameStream, *, broken: bool) -> None:
+        with self._lock:
+            keep = not broken and not stream.broken and not self._closed and self._pipes.get(owner.id) is pipe
+            if keep:
+                pipe.idle.append(stream)
+            else:
+                pipe.round_trips -= 1
+        if not keep:
+            stream.close()
 
     def _streams_for(self, owner: common_pb2.AgentInfo, deadline: float) -> tuple[list[_Stream], int]:
         with self._lock:
@@ -341,12 +436,21 @@ class StagedTransport(Transport):
         """Close the streams to an agent that went away."""
         with self._lock:
             pipe = self._pipes.pop(agent.id, None)
-        for stream in pipe.streams if pipe else ():
-            stream.close()
+        if pipe is not None:
+            self._close_pipe(pipe)
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             pipes, self._pipes = list(self._pipes.values()), {}
         for pipe in pipes:
-            for stream in list(pipe.streams):
-                stream.close()
+            self._close_pipe(pipe)
+
+    def _close_pipe(self, pipe: _Pipe) -> None:
+        """Close a pipe that is out of `_pipes` (round-trip connections in use close when given back)."""
+        with self._lock:
+            idle, pipe.idle = pipe.idle, []
+        for connection in idle:
+            connection.close()
+        for stream in list(pipe.streams):
+            stream.close()

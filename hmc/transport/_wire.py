@@ -84,7 +84,10 @@ class FrameStream:
 
     def send(self, frame: peer_pb2.PeerFrame, payload: Sequence[memoryview] = (), deadline: float | None = None) -> None:
         """Send one frame and, directly after it, the payload views (zero copy)."""
-        body = frame.SerializeToString()
+        self.send_serialized(frame.SerializeToString(), payload, deadline)
+
+    def send_serialized(self, body: bytes, payload: Sequence[memoryview] = (), deadline: float | None = None) -> None:
+        """`send()` of a frame serialized beforehand (constant replies are serialized once)."""
         parts: list[memoryview | bytes] = [_HEADER.pack(len(body)) + body, *payload]
         with self._send_lock:
             self._check()
