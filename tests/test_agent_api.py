@@ -107,9 +107,17 @@ def test_a_forced_path_the_pair_negotiates_anyway_takes_the_fast_path(agent: Age
         assert type(handle) is _FinishedHandle and handle.path == "ipc"
         handle = agent.read(mine, theirs.descriptor, 0, 0, 16, path=path)
         assert type(handle) is _FinishedHandle and handle.path == "ipc"
-    handle = agent.write(mine, theirs.descriptor, 0, 0, 4096, path="staged")  # another path: never the route
+    handle = agent.write(mine, theirs.descriptor, 0, 0, 4096, path="staged")  # another path: a route of its own
     handle.wait()
     assert type(handle) is not _FinishedHandle and handle.path == "staged"
+    for op in (agent.write, agent.read):
+        handle = op(mine, theirs.descriptor, 0, 0, 4096, path="staged")
+        assert type(handle) is _FinishedHandle and handle.path == "staged"
+        handle = op(mine, theirs.descriptor, 0, 0, 4096, path="staged", timeout=5.0)  # staged's route waits: not with a timeout
+        assert type(handle) is not _FinishedHandle and handle.path == "staged"
+        handle.wait()
+    assert type(agent.write(mine, theirs.descriptor, 0, 0, 4096)) is _FinishedHandle  # the unforced route is still ipc's
+    assert agent.write(mine, theirs.descriptor, 0, 0, 4096).path == "ipc"
     assert np.array_equal(theirs.numpy(), mine.numpy())
     # Forcing ipc between two buffers of one agent must not teach the pair's unforced route (local) anything.
     dst = agent.register(np.zeros(8192, np.uint8))

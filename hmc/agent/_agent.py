@@ -9,8 +9,10 @@ executes the third-party transfers hmcd instructs.
 Hot path. A single-range transfer given as plain ints, between a pair that has
 already moved data over a path offering an inline copy (local, ipc), skips
 range arrays, negotiation and request objects: bounds check, one copy, one
-finished handle. A call that forces `path=` takes it too when the forced path
-is the one the pair negotiates anyway (the route's path).
+finished handle. Calls that force `path=` have routes of their own (per remote
+buffer and path); the pair's negotiated path serves forced and unforced calls.
+A route whose copy waits on the peer (staged: one round trip) serves only calls
+without a `timeout` of their own, within the agent's default deadline.
 
 Concurrency: every public method may be called from any thread. `_lock` guards
 the path cache and the set of remote buffers known to be withdrawn; the buffer
@@ -78,10 +80,13 @@ def _default_link(config: Config, info: common_pb2.AgentInfo, on_instruction: Ca
 class _Route:
     """A cached inline copy to one remote buffer (see the module's "Hot path")."""
 
-    __slots__ = ("key", "local_size", "path", "read", "read_size", "remote_size", "write")
+    __slots__ = ("key", "local_size", "max_bytes", "path", "read", "read_size", "remote_size", "waits", "write")
 
     def __init__(self, copy: InlineCopy, key: bytes, path: str, local_writable: bool) -> None:
         self.write, self.read = copy.write, copy.read
+        self.max_bytes = min(copy.max_bytes, _INLINE_MAX)
+        self.waits = copy.waits
+        """The copy waits on the peer (a round trip): calls that bring their own timeout take the slow path."""
         self.local_size = copy.local_size
         self.read_size = copy.local_size if local_writable else 0
         """Bound on local offsets of reads: 0 for read-only local memory, so every read takes the slow path, which refuses it."""
@@ -242,11 +247,11 @@ class Agent:
     ) -> TransferHandle:
         """Push ranges of `local` into `remote` (a BufferDescriptor or a ConnBuffer)."""
         if notify is None and type(lengths) is int and type(src_offsets) is int and type(dst_offsets) is int:
-            route = local.inline_routes.get(remote.id)
+            route = local.inline_routes.get(remote.id if path is None else (remote.id, path))
             if (
                 route is not None
-                and (path is None or path == route.path)
-                and 0 < lengths <= _INLINE_MAX
+                and 0 < lengths <= route.max_bytes
+                and (timeout is None or not route.waits)
                 and 0 <= src_offsets <= route.local_size - lengths
                 and 0 <= dst_offsets <= route.remote_size - lengths
                 and route.key == (remote.access_key if type(remote) is _DESCRIPTOR else remote.descriptor.access_key)
@@ -265,11 +270,11 @@ class Agent:
     ) -> TransferHandle:
         """Pull ranges of `remote` (a BufferDescriptor or a ConnBuffer) into `local`."""
         if notify is None and type(lengths) is int and type(local_offsets) is int and type(remote_offsets) is int:
-            route = local.inline_routes.get(remote.id)
+            route = local.inline_routes.get(remote.id if path is None else (remote.id, path))
             if (
                 route is not None
-                and (path is None or path == route.path)
-                and 0 < lengths <= _INLINE_MAX
+                and 0 < lengths <= route.max_bytes
+                and (timeout is None or not route.waits)
                 and 0 <= local_offsets <= route.read_size - lengths
                 and 0 <= remote_offsets <= route.remote_size - lengths
                 and route.key == (remote.access_key if type(remote) is _DESCRIPTOR else remote.descriptor.access_key)
@@ -317,10 +322,12 @@ class Agent:
             and type(transport).inline is not Transport.inline  # offers a fast path at all
             and len(ranges) == 1
             and handle.state is TransferState.DONE
-            and descriptor.id not in local.inline_routes
+            and (descriptor.id if path is None else (descriptor.id, path)) not in local.inline_routes
         ):
-            if path is None or self._choose(local, descriptor, None).path is choice.path:  # a route serves unforced calls too
-                self._learn_route(transport, local, descriptor, choice.path.value)
+            keys: list[Any] = [] if path is None else [(descriptor.id, path)]
+            if path is None or self._choose(local, descriptor, None).path is choice.path:  # the pair's own path: unforced calls too
+                keys.append(descriptor.id)
+            self._learn_route(transport, local, descriptor, choice.path.value, keys)
         return handle
 
     def _check_buffers(self, local: ConnBuffer, descriptor: common_pb2.BufferDescriptor) -> None:
@@ -334,17 +341,22 @@ class Agent:
         if known_gone or (descriptor.owner.id == self.id and self._buffers.withdrawn(descriptor.id)):
             raise BufferWithdrawnError(f"buffer {descriptor.id} was withdrawn by its owner")
 
-    def _learn_route(self, transport: Transport, local: ConnBuffer, descriptor: common_pb2.BufferDescriptor, path: str) -> None:
+    def _learn_route(self, transport: Transport, local: ConnBuffer, descriptor: common_pb2.BufferDescriptor, path: str, keys: list[Any]) -> None:
         try:
             copy = transport.inline(local, descriptor)
         except HMCError:
             return
         if copy is not None:
-            local.inline_routes[descriptor.id] = _Route(copy, descriptor.access_key, path, not local.region.readonly)
+            route = _Route(copy, descriptor.access_key, path, not local.region.readonly)
+            for key in keys:
+                local.inline_routes[key] = route
 
     def _drop_routes(self, remote_id: str) -> None:
         for buffer in self._buffers.values():
-            buffer.inline_routes.pop(remote_id, None)
+            routes = buffer.inline_routes
+            for key in list(routes):
+                if key == remote_id or (type(key) is tuple and key[0] == remote_id):
+                    routes.pop(key, None)
 
     def _send_notify(self, descriptor: common_pb2.BufferDescriptor, handle: TransferHandle, payload: bytes) -> None:
         if descriptor.owner.id == self.id:

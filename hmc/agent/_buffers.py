@@ -41,7 +41,8 @@ class ConnBuffer:
         self.name: str = descriptor.name
         self.size: int = region.size
         self.inline_routes: dict[str, Any] = {}
-        """Per remote buffer id: the agent's cached single-range fast path (dropped on withdrawal)."""
+        """The agent's cached single-range fast paths (dropped on withdrawal): per remote buffer id for
+        unforced calls, per (remote buffer id, path) for calls that force a path."""
         self._view: memoryview | None = None
 
     def numpy(self) -> np.ndarray:

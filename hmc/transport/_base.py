@@ -124,14 +124,20 @@ class InlineCopy:
     """A transport's synchronous one-range fast path between two known buffers.
 
     Both callables take `(local_offset, remote_offset, length)`, already
-    bounds-checked by the caller against `local_size` and `remote_size`, copy on
-    the caller's thread and raise a typed error on failure.
+    bounds-checked by the caller against `local_size` and `remote_size` (and
+    `length` against `max_bytes`), copy on the caller's thread and raise a typed
+    error on failure.
     """
 
     write: Callable[[int, int, int], None]
     read: Callable[[int, int, int], None]
     local_size: int
     remote_size: int
+    max_bytes: int = 1 << 20
+    """Longest range the copy takes."""
+    waits: bool = False
+    """True when the copy waits on the peer (a network round trip): it then runs within the transport's
+    default deadline, and the agent uses it only for calls that set no timeout of their own."""
 
 
 class Transport(abc.ABC):

@@ -18,7 +18,9 @@ whole request on an idle round-trip connection to the owner, whose connection
 thread answers, and reads the reply (and a read's payload) itself. No thread
 hand-off on this side, no chunking; the transfer is finished when post()
 returns. Up to 4 such connections per peer are kept; a caller that finds them
-all busy uses the streams instead.
+all busy uses the streams instead. Once a pair has moved one range this way,
+the agent's fast path (`inline()`) sends later single ranges without building
+range lists, requests or handles (it waits for a free connection instead).
 
 Deadlines and failures: a transfer's deadline is enforced by its handle; a
 stream is torn down only when the connection breaks or makes no progress for
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import queue
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -51,7 +54,7 @@ from typing import Any
 
 from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutError, UnsupportedError
 from hmc.memory import DeviceKind, MemoryKind
-from hmc.transport._base import Capabilities, PathName, TransferOp, TransferRequest, Transport
+from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport
 from hmc.transport._ranges import RangeList
 from hmc.transport._wire import FrameStream, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
@@ -64,6 +67,7 @@ _ROUND_TRIP_BYTES = 256 << 10
 _ROUND_TRIP_CONNECTIONS = 4
 """Round-trip connections per peer: callers that find them all busy use the streams."""
 _JOIN_S = 2.0
+_I64 = struct.Struct("<q")
 _HOST_KINDS = (common_pb2.DEVICE_KIND_UNSPECIFIED, common_pb2.DEVICE_KIND_HOST)
 
 Connect = Callable[[common_pb2.AgentInfo, float], FrameStream]
@@ -124,17 +128,30 @@ def _frame(request: TransferRequest, ranges: RangeList) -> tuple[peer_pb2.PeerFr
 def _round_trip(stream: FrameStream, request: TransferRequest) -> peer_pb2.PeerReply:
     """Send the whole request, read the owner's reply (and a read's payload); stream failures raise."""
     frame, payload = _frame(request, request.ranges)
-    stream.send(frame, payload, deadline=request.deadline)
-    answer = stream.recv(request.deadline)
+    ranges = request.ranges
+    into = _views(request, ranges.dst, ranges.lengths) if request.op is TransferOp.READ else None
+    return _exchange(stream, frame, payload, into, ranges.total, request.deadline)
+
+
+def _exchange(
+    stream: FrameStream, frame: peer_pb2.PeerFrame, payload: list[memoryview], into: list[memoryview] | None, nbytes: int, deadline: float
+) -> peer_pb2.PeerReply:
+    """One request and its reply; a read (`into` given) receives its `nbytes` of payload there."""
+    stream.send(frame, payload, deadline=deadline)
+    answer = stream.recv(deadline)
     if answer.WhichOneof("kind") != "reply":
         raise ProtocolError(f"expected a reply on a data connection, got {answer.WhichOneof('kind')}")
     reply = answer.reply
-    if request.op is TransferOp.READ and not (reply.HasField("error") and reply.error.code):
-        ranges = request.ranges
-        if reply.payload_bytes != ranges.total:
-            raise ProtocolError(f"peer announced {reply.payload_bytes} bytes for a {ranges.total}-byte read")
-        stream.recv_into(_views(request, ranges.dst, ranges.lengths), request.deadline)
+    if into is not None and not (reply.HasField("error") and reply.error.code):
+        if reply.payload_bytes != nbytes:
+            raise ProtocolError(f"peer announced {reply.payload_bytes} bytes for a {nbytes}-byte read")
+        stream.recv_into(into, deadline)
     return reply
+
+
+def _stream_error(exc: HMCError) -> HMCError:
+    """What a caller sees of a failed data connection (the connection is dropped)."""
+    return exc if isinstance(exc, (TimeoutError, BrokenResourceError)) else BrokenResourceError(f"data connection failed: {exc}")
 
 
 class _Stream:
@@ -314,6 +331,7 @@ class StagedTransport(Transport):
         self._round_trip_bytes = min(_ROUND_TRIP_BYTES, chunk_bytes)
         self._lock = threading.Lock()  # guards _pipes, _closed, each pipe's stream list and round-trip connections
         self._pipes: dict[str, _Pipe] = {}
+        self._freed = threading.Condition(self._lock)  # a round-trip connection was given back
         self._closed = False
         self.capabilities = Capabilities(path=PathName.STAGED, memory_kinds=memory_kinds | {DeviceKind.HOST}, detail=f"tcp x{self._streams}")
 
@@ -368,7 +386,7 @@ class StagedTransport(Transport):
             reply = _round_trip(stream, request)
         except HMCError as exc:  # the connection is in an unknown state: drop it
             self._give_back(owner, pipe, stream, broken=True)
-            request.completion.finish(exc if isinstance(exc, (TimeoutError, BrokenResourceError)) else BrokenResourceError(f"data connection failed: {exc}"))
+            request.completion.finish(_stream_error(exc))
             return True
         self._give_back(owner, pipe, stream, broken=False)
         try:
@@ -379,31 +397,67 @@ class StagedTransport(Transport):
         request.completion.finish()
         return True
 
-    def _take_connection(self, owner: common_pb2.AgentInfo, deadline: float) -> tuple[_Pipe, FrameStream] | None:
-        """An idle round-trip connection to `owner`, a new one, or None when all are busy."""
-        with self._lock:
+    def _take_connection(self, owner: common_pb2.AgentInfo, deadline: float, *, wait: bool = False) -> tuple[_Pipe, FrameStream] | None:
+        """An idle round-trip connection to `owner`, a new one, or (all busy) None or, with `wait`, the first freed."""
+        with self._freed:
             pipe = self._pipes.setdefault(owner.id, _Pipe())
+            while not pipe.idle and pipe.round_trips >= _ROUND_TRIP_CONNECTIONS:
+                if not wait:
+                    return None
+                if not self._freed.wait(max(deadline - time.monotonic(), 0.0)):
+                    raise TimeoutError(f"every data connection to agent {owner.id} stayed busy until the deadline")
+                pipe = self._pipes.setdefault(owner.id, _Pipe())
             if pipe.idle:
                 return pipe, pipe.idle.pop()
-            if pipe.round_trips >= _ROUND_TRIP_CONNECTIONS:
-                return None
             pipe.round_trips += 1
         try:
             return pipe, self._connect(owner, deadline)
         except BaseException:
-            with self._lock:
+            with self._freed:
                 pipe.round_trips -= 1
+                self._freed.notify()
             raise
 
     def _give_back(self, owner: common_pb2.AgentInfo, pipe: _Pipe, stream: FrameStream, *, broken: bool) -> None:
-        with self._lock:
+        with self._freed:
             keep = not broken and not stream.broken and not self._closed and self._pipes.get(owner.id) is pipe
             if keep:
                 pipe.idle.append(stream)
             else:
                 pipe.round_trips -= 1
+            self._freed.notify()
         if not keep:
             stream.close()
+
+    def inline(self, local: Any, remote: common_pb2.BufferDescriptor) -> InlineCopy | None:
+        """One range as one round trip, the agent's fast path (within `stall_s`, the agent's default deadline)."""
+        if local.region.kind is MemoryKind.DEVICE or remote.device.kind not in _HOST_KINDS:
+            return None
+        owner, view, buffer_id, key = remote.owner, local.view, remote.id, remote.access_key
+        pack = _I64.pack
+
+        def run(frame: peer_pb2.PeerFrame, payload: list[memoryview], into: list[memoryview] | None, nbytes: int) -> None:
+            deadline = time.monotonic() + self._stall_s
+            pipe, stream = self._take_connection(owner, deadline, wait=True)  # type: ignore[misc]
+            try:
+                reply = _exchange(stream, frame, payload, into, nbytes, deadline)
+            except HMCError as exc:
+                self._give_back(owner, pipe, stream, broken=True)
+                raise _stream_error(exc) from exc
+            self._give_back(owner, pipe, stream, broken=False)
+            raise_for_reply(reply)
+
+        def write(local_offset: int, remote_offset: int, length: int) -> None:
+            wire = common_pb2.RangeList(dst_offsets=pack(remote_offset), lengths=pack(length))
+            frame = peer_pb2.PeerFrame(write=peer_pb2.DataWrite(buffer_id=buffer_id, access_key=key, ranges=wire))
+            run(frame, [view[local_offset : local_offset + length]], None, length)
+
+        def read(local_offset: int, remote_offset: int, length: int) -> None:
+            wire = common_pb2.RangeList(src_offsets=pack(remote_offset), lengths=pack(length))
+            frame = peer_pb2.PeerFrame(read=peer_pb2.DataRead(buffer_id=buffer_id, access_key=key, ranges=wire))
+            run(frame, [], [view[local_offset : local_offset + length]], length)
+
+        return InlineCopy(write=write, read=read, local_size=local.size, remote_size=remote.size, max_bytes=self._round_trip_bytes, waits=True)
 
     def _streams_for(self, owner: common_pb2.AgentInfo, deadline: float) -> tuple[list[_Stream], int]:
         with self._lock:
