@@ -93,3 +93,39 @@ def test_inbox_delivers_each_transfer_once_and_drains() -> None:
     assert inbox.drain(0) == [note] and inbox.drain(0) == []
     threading.Timer(0.05, inbox.deliver, args=(Notification("b", "t2", b"", "a"),)).start()
     assert [n.transfer_id for n in inbox.drain(5.0)] == ["t2"]
+
+
+def test_wait_and_done_complete_a_driven_transfer_on_the_callers_thread() -> None:
+    handle = TransferHandle("ipc", 10, time.monotonic() + 5)
+    calls: list[tuple[str, float]] = []
+
+    def drive(deadline: float) -> None:
+        calls.append((threading.current_thread().name, deadline))
+        if len(calls) == 2:
+            handle.finish()
+
+    handle.drive_with(drive)
+    assert not handle.done()  # one look, with a deadline already past
+    assert calls[0][1] <= time.monotonic()
+    handle.wait()
+    assert handle.state is TransferState.DONE and handle.bytes_done == 10
+    assert [name for name, _ in calls] == [threading.current_thread().name] * 2
+    assert handle.done() and len(calls) == 2  # a finished handle drives no more
+
+
+def test_a_driven_wait_keeps_its_timeout_and_the_deadline() -> None:
+    handle = TransferHandle("ipc", 1, time.monotonic() + 0.2)
+    seen: list[float] = []
+
+    def drive(deadline: float) -> None:  # never done: returns at the deadline it is given
+        seen.append(deadline)
+        time.sleep(max(deadline - time.monotonic(), 0.0))
+
+    handle.drive_with(drive)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="still running"):
+        handle.wait(0.02)
+    assert handle.state is TransferState.PENDING and seen[0] <= started + 0.05
+    with pytest.raises(TimeoutError, match="deadline"):
+        handle.wait()
+    assert handle.state is TransferState.FAILED and time.monotonic() - started < 1.0

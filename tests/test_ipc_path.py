@@ -190,3 +190,72 @@ def test_cut_long_ranges_into_pieces_keeping_alignment() -> None:
     assert s.tolist() == [0, 1000, 263144, 525288] and d.tolist() == [5, 3, 262147, 524291]
     short = pieces(src, dst, np.array([10, 20], np.int64), piece=262144)
     assert [a.tolist() for a in short] == [[0, 1000], [5, 3], [10, 20]]
+
+
+class _FakeLane:
+    """Stands in for a CUDA lane: an event is done once `done` holds it."""
+
+    def __init__(self) -> None:
+        self.done: set[int] = set()
+        self.released: list[int] = []
+        self.looks: list[str] = []
+
+    def event_wait(self, event: int, deadline: float) -> bool:
+        self.looks.append(threading.current_thread().name)
+        while event not in self.done:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0005)
+        return True
+
+    def event_done(self, event: int) -> bool:
+        self.looks.append(threading.current_thread().name)
+        return event in self.done
+
+    def release_event(self, event: int) -> None:
+        self.released.append(event)
+
+
+def test_cuda_ipc_requests_complete_on_the_waiting_thread_once() -> None:
+    from hmc.agent._transfer import TransferHandle
+    from hmc.transport._cuda_ipc import _Pending, _Waiter
+
+    lane, waiter = _FakeLane(), _Waiter(interval=0.05)
+    handle = TransferHandle("ipc", 8, time.monotonic() + 5)
+    outcomes: list[BaseException | None] = []
+
+    def on_done(error: BaseException | None) -> None:
+        outcomes.append(error)
+        handle.finish(error)
+
+    pending = _Pending(lane, 1, handle.deadline, on_done, lambda: None)  # type: ignore[arg-type]
+    handle.drive_with(pending.drive)
+    waiter.watch(pending)
+    assert not handle.done()
+    threading.Timer(0.01, lambda: lane.done.add(1)).start()
+    handle.wait()
+    assert handle.state.value == "done" and outcomes == [None] and lane.released == [1]
+    assert lane.looks[-1] == threading.current_thread().name
+    time.sleep(0.12)  # the backstop sees it settled and drops it, completing nothing twice
+    waiter.close()
+    assert outcomes == [None] and lane.released == [1]
+
+
+def test_cuda_ipc_backstop_completes_requests_nobody_waits_on() -> None:
+    from hmc.transport._cuda_ipc import _Pending, _Waiter
+
+    lane, waiter = _FakeLane(), _Waiter(interval=0.001)
+    outcomes: list[BaseException | None] = []
+    late: list[bool] = []
+    pending = _Pending(lane, 2, time.monotonic() + 0.01, outcomes.append, lambda: late.append(True))  # type: ignore[arg-type]
+    waiter.watch(pending)
+    time.sleep(0.05)
+    assert late == [True] and not outcomes  # past its deadline: expired once, still watched
+    lane.done.add(2)
+    limit = time.monotonic() + 2
+    while not outcomes and time.monotonic() < limit:
+        time.sleep(0.002)
+    waiter.close()
+    assert outcomes == [None] and lane.released == [2] and pending.settled
+    pending.drive(time.monotonic() + 1)  # a late wait finds it settled
+    assert outcomes == [None]

@@ -6,6 +6,12 @@ cheap: slots, and a pre-acquired `_thread` lock as its completion latch
 (released once, on finish) instead of a `threading.Event`; handles of transfers
 that finished inline carry no latch at all.
 
+A transport that can tell completion by looking at the device (a CUDA event)
+hands the handle a `drive` callable (`drive_with`): `wait()` and `done()` then
+poll it on the caller's thread, so the transfer completes there without a
+hand-off to another thread; the transport keeps a slow backstop for handles
+nobody waits on.
+
 Deadlines: `wait()` with no timeout waits until the transfer's deadline; when it
 passes, the transfer is failed with TimeoutError and its `on_cancel` hook runs
 so the transport drops it. `wait(timeout)` shorter than the deadline raises
@@ -111,7 +117,7 @@ class NotificationInbox:
 class TransferHandle:
     """One transfer's progress: wait on it, poll it, or cancel it."""
 
-    __slots__ = ("_id", "state", "path", "bytes_total", "bytes_done", "error", "deadline", "_latch", "on_cancel")
+    __slots__ = ("_id", "state", "path", "bytes_total", "bytes_done", "error", "deadline", "_latch", "on_cancel", "_drive")
 
     def __init__(self, path: str, bytes_total: int, deadline: float, transfer_id: str | None = None) -> None:
         self._id: str | int = transfer_id if transfer_id is not None else next(_SEQUENCE)
@@ -123,6 +129,7 @@ class TransferHandle:
         self.error: BaseException | None = None
         self.on_cancel: Callable[[], None] | None = None
         """Run (once) when the transfer is cancelled or expires, so the transport drops it."""
+        self._drive: Callable[[float], None] | None = None
         self._latch: _thread.LockType | None = _thread.allocate_lock()
         self._latch.acquire()
 
@@ -143,14 +150,24 @@ class TransferHandle:
 
     def done(self) -> bool:
         """True once the transfer finished, failed or was cancelled (never blocks)."""
+        if self.state in _FINAL:
+            return True
+        drive = self._drive
+        if drive is not None:
+            drive(0.0)  # one look at the device; finishes the transfer if it is done
         return self.state in _FINAL
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until finished; raise the transfer's typed error, or TimeoutError (see module doc)."""
         latch = self._latch
         if latch is not None:
-            until_deadline = self.deadline - time.monotonic()
+            now = time.monotonic()
+            until_deadline = self.deadline - now
             limit = until_deadline if timeout is None else min(timeout, until_deadline)
+            drive = self._drive
+            if drive is not None and self.state not in _FINAL:
+                drive(now + limit)  # the transport completes it on this thread (no hand-off to another one)
+                limit = limit - (time.monotonic() - now)
             if latch.acquire(timeout=max(limit, 0.0)):
                 latch.release()
             elif timeout is not None and timeout < until_deadline:
@@ -163,6 +180,15 @@ class TransferHandle:
     def cancel(self) -> None:
         """Stop the transfer if it is still running (no effect once finished)."""
         self._stop(CancelledError(f"transfer {self.id} was cancelled"), TransferState.CANCELLED)
+
+    def drive_with(self, drive: Callable[[float], None]) -> None:
+        """Let `wait()`/`done()` complete the transfer on the caller's thread.
+
+        `drive(deadline)` polls the transport's completion (returning at the latest
+        at `deadline`, a monotonic time; a past one means a single look) and finishes
+        the transfer when it is done. Any thread may call it, more than once.
+        """
+        self._drive = drive
 
     def _stop(self, error: BaseException, state: TransferState) -> None:
         if self._settle(error, state):
@@ -197,6 +223,7 @@ class TransferHandle:
             settled = self._settle(error, TransferState.FAILED)
         if settled:
             self.on_cancel = None
+            self._drive = None
 
     def _settle(self, error: BaseException | None, state: TransferState) -> bool:
         with _TRANSITION:
@@ -221,6 +248,7 @@ class _FinishedHandle(TransferHandle):
     deadline = 0.0  # type: ignore[assignment]
     on_cancel = None  # type: ignore[assignment]
     _latch = None  # type: ignore[assignment]
+    _drive = None  # type: ignore[assignment]
 
     @property  # type: ignore[override]
     def bytes_done(self) -> int:
@@ -244,6 +272,9 @@ class NotifyStep:
 
     def add_bytes(self, nbytes: int) -> None:
         self.handle.add_bytes(nbytes)
+
+    def drive_with(self, drive: Callable[[float], None]) -> None:
+        self.handle.drive_with(drive)
 
     def finish(self, error: BaseException | None = None) -> None:
         if error is not None or self.handle.cancelled:

@@ -353,6 +353,11 @@ class Lane:
         check((status,))
         return True
 
+    def event_wait(self, event: Any, deadline: float) -> bool:
+        """Poll until the work before `event` finished (True) or `deadline` passed (False; a past one: one look)."""
+        with self._contexts.use(self.ordinal):
+            return spin_until(lambda: driver.cuEventQuery(event)[0], deadline)
+
     def release_event(self, event: Any) -> None:
         with self._contexts.use(self.ordinal):
             check(driver.cuEventDestroy(event))

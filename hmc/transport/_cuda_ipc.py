@@ -28,9 +28,13 @@ page-locked bounce buffer and the host-memory ipc transport (cross-memory
 attach), one chunk at a time.
 
 Completion. Requests up to `sync_bytes` are waited for on the caller's thread,
-polling the stream; larger ones go to the "hmc-cuda-ipc-wait" thread, which
-polls their CUDA events. A request whose deadline passes first fails with
-TimeoutError; its buffers stay counted as in use until the GPU is done.
+polling the stream, before post() returns. Larger ones record a CUDA event and
+hand the transfer handle a `drive` (`TransferHandle.drive_with`): the thread
+that calls wait() or done() polls the event itself and completes the request
+(no hand-off to another thread). The "hmc-cuda-ipc-wait" thread is only the
+backstop for requests nobody waits on: it looks at their events once a
+millisecond. A request whose deadline passes first fails with TimeoutError; its
+buffers stay counted as in use until the GPU is done.
 
 Ordering: as with any one-sided path, the caller makes sure the bytes it writes
 are ready (their producing stream synchronized) before write(); the bytes of a
@@ -113,6 +117,10 @@ class _Use:
         self.inflight.pop()
         if self.revoked and not self.inflight:
             self._close_once()
+
+    def leave_closed(self) -> None:
+        """After an inlined leave() (the pop done by the caller) found the resource revoked and idle."""
+        self._close_once()
 
     def revoke(self, deadline: float) -> None:
         """No new copies; close now if idle, else wait (bounded) for the last copy to close it."""
@@ -197,22 +205,81 @@ class _Latch:
 
 
 class _Pending:
-    __slots__ = ("deadline", "event", "lane", "late", "on_done", "on_late")
+    """A request's CUDA event, completed once: by whoever waits on it (`drive`) or by the backstop thread (`poll`)."""
+
+    __slots__ = ("_lock", "deadline", "event", "lane", "late", "on_done", "on_late", "settled")
 
     def __init__(self, lane: Lane, event: Any, deadline: float, on_done: Callable[[BaseException | None], None], on_late: Callable[[], None]) -> None:
         self.lane, self.event, self.deadline = lane, event, deadline
         self.on_done, self.on_late = on_done, on_late
         self.late = False
+        self.settled = False
+        self._lock = threading.Lock()  # one thread at a time looks at the event; the one that sees it done settles
+
+    def drive(self, deadline: float) -> None:
+        """Poll the event on the caller's thread until it is done (then complete the request) or `deadline` passed."""
+        if self.settled:
+            return
+        with self._lock:
+            if self.settled:
+                return
+            error: BaseException | None = None
+            try:
+                done = self.lane.event_wait(self.event, deadline)
+            except HMCError as exc:
+                done, error = True, exc
+            if not done:
+                return
+            self.settled = True
+        self._settle(error)
+
+    def poll(self, now: float) -> bool:
+        """One look (the backstop thread): True once settled, by this call or another thread."""
+        if self.settled:
+            return True
+        if not self._lock.acquire(blocking=False):  # a waiter is polling it: leave it to them
+            return False
+        try:
+            if self.settled:
+                return True
+            error: BaseException | None = None
+            try:
+                done = self.lane.event_done(self.event)
+            except HMCError as exc:
+                done, error = True, exc
+            if done:
+                self.settled = True
+        finally:
+            self._lock.release()
+        if done:
+            self._settle(error)
+            return True
+        if not self.late and now > self.deadline:
+            self.late = True
+            self.on_late()
+        return False
+
+    def _settle(self, error: BaseException | None) -> None:
+        try:
+            self.lane.release_event(self.event)
+        except HMCError as exc:
+            _log.debug("destroying a CUDA event failed: %s", exc)
+        self.on_done(error)
 
 
 class _Waiter:
-    """The "hmc-cuda-ipc-wait" thread: polls the events of requests in flight and completes them."""
+    """The "hmc-cuda-ipc-wait" thread: the backstop completing requests nobody waits on (or that outlive their wait).
 
-    def __init__(self) -> None:
+    It looks at each pending event once a millisecond: rarely enough not to compete
+    with the callers that poll their own transfers (`_Pending.drive`).
+    """
+
+    def __init__(self, interval: float = 0.001) -> None:
         self._cond = threading.Condition()  # guards _pending, _thread and _closed
         self._pending: list[_Pending] = []
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._interval = interval
 
     def watch(self, item: _Pending) -> None:
         with self._cond:
@@ -220,41 +287,25 @@ class _Waiter:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="hmc-cuda-ipc-wait", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            elif len(self._pending) == 1:
+                self._cond.notify()
 
     def _run(self) -> None:
-        busy_since = 0.0
         while True:
             with self._cond:
                 while not self._pending and not self._closed:
                     self._cond.wait()
-                    busy_since = 0.0
                 if not self._pending:
                     return
+            time.sleep(self._interval)
+            with self._cond:
                 items = list(self._pending)
             now = time.monotonic()
-            busy_since = busy_since or now
-            for item in items:
-                self._poll(item, now)
-            time.sleep(0 if now - busy_since < 0.02 else 0.0002)
-
-    def _poll(self, item: _Pending, now: float) -> None:
-        error: BaseException | None = None
-        try:
-            done = item.lane.event_done(item.event)
-        except HMCError as exc:
-            done, error = True, exc
-        if done:
-            with self._cond:
-                self._pending.remove(item)
-            try:
-                item.lane.release_event(item.event)
-            except HMCError as exc:
-                _log.debug("destroying a CUDA event failed: %s", exc)
-            item.on_done(error)
-        elif not item.late and now > item.deadline:
-            item.late = True
-            item.on_late()
+            settled = [item for item in items if item.poll(now)]
+            if settled:
+                with self._cond:
+                    for item in settled:
+                        self._pending.remove(item)
 
     def close(self) -> None:
         """Stop once nothing is pending (joined with a bound: a hung GPU leaves a daemon thread behind)."""
@@ -397,7 +448,11 @@ class CudaIpcTransport(Transport):
             _leave(uses)
             raise
         if not sync:
-            self._waiter.watch(_Pending(lane, event, request.deadline, _finisher(request, uses), _expirer(request)))
+            pending = _Pending(lane, event, request.deadline, _finisher(request, uses), _expirer(request))
+            drive_with = getattr(request.completion, "drive_with", None)
+            if drive_with is not None:
+                drive_with(pending.drive)
+            self._waiter.watch(pending)
         elif finished:
             _leave(uses)
             request.completion.finish()
@@ -454,16 +509,35 @@ class CudaIpcTransport(Transport):
         if mapping is None or mapping.key != remote.access_key:
             return None
         base, lane, _, local_use = self._local_side(local, device)
-        remote_base, timeout = mapping.address, self._timeout_s
+        remote_base, timeout, use = mapping.address, self._timeout_s, mapping.use
         one = self._one
+        if local_use is None:  # device memory on both sides (the common case): no second use to hold
+            copy_now, inflight, monotonic = lane.copy_now, use.inflight, time.monotonic
+
+            def one(lane: Lane, use: _Use, local_use: _Use | None, dst: int, src: int, length: int, timeout: float) -> None:
+                inflight.append(None)  # use.enter(), inlined
+                if use.revoked:
+                    use.leave()
+                    raise BufferWithdrawnError("the buffer was withdrawn")
+                try:
+                    finished = copy_now(dst, src, length, monotonic() + timeout)
+                except HMCError:
+                    use.leave()
+                    raise
+                if not finished:
+                    self._linger(lane, (use,))
+                    raise TimeoutError("ipc copy missed its deadline")
+                inflight.pop()  # use.leave(), inlined
+                if use.revoked and not inflight:
+                    use.leave_closed()
 
         def write(local_offset: int, remote_offset: int, length: int) -> None:
             if mapping.read_only:
                 raise AccessDeniedError(f"buffer {remote.id} is read-only: its owner grants reads only")
-            one(lane, mapping.use, local_use, remote_base + remote_offset, base + local_offset, length, timeout)
+            one(lane, use, local_use, remote_base + remote_offset, base + local_offset, length, timeout)
 
         def read(local_offset: int, remote_offset: int, length: int) -> None:
-            one(lane, mapping.use, local_use, base + local_offset, remote_base + remote_offset, length, timeout)
+            one(lane, use, local_use, base + local_offset, remote_base + remote_offset, length, timeout)
 
         return InlineCopy(write=write, read=read, local_size=local.size, remote_size=mapping.size)
 
