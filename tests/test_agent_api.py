@@ -129,6 +129,21 @@ def test_a_forced_path_the_pair_negotiates_anyway_takes_the_fast_path(agent: Age
     assert agent.write(mine, dst, 0, 0, 4096).path == "local"
 
 
+def test_a_forced_path_works_where_policy_leaves_the_pair_no_path_of_its_own(make_agent: Callable[..., Agent]) -> None:
+    from hmc.errors import NoPathError
+
+    a, b = make_agent(()), make_agent()  # a's policy allows no path at all
+    mine = a.register(np.arange(4096, dtype=np.uint8))
+    theirs = b.register(np.zeros(4096, np.uint8))
+    with pytest.raises(NoPathError):
+        a.path_to(mine, theirs.descriptor)
+    for _ in range(3):  # the first one sets up the forced path's route, the others take it
+        handle = a.write(mine, theirs.descriptor, 0, 0, 4096, path="ipc")
+        handle.wait()
+        assert handle.path == "ipc"
+    assert np.array_equal(theirs.numpy(), mine.numpy())
+
+
 @pytest.mark.parametrize("path", ["ipc", "staged", "local"])
 def test_writes_into_read_only_memory_are_refused_before_any_byte_lands(
     agent: Agent, make_agent: Callable[..., Agent], path: str, rng: np.random.Generator

@@ -325,7 +325,7 @@ class Agent:
             and (descriptor.id if path is None else (descriptor.id, path)) not in local.inline_routes
         ):
             keys: list[Any] = [] if path is None else [(descriptor.id, path)]
-            if path is None or self._choose(local, descriptor, None).path is choice.path:  # the pair's own path: unforced calls too
+            if path is None or self._own_path(local, descriptor) is choice.path:  # the pair's own path: unforced calls too
                 keys.append(descriptor.id)
             self._learn_route(transport, local, descriptor, choice.path.value, keys)
         return handle
@@ -340,6 +340,13 @@ class Agent:
             known_gone = descriptor.id in self._withdrawn_remote
         if known_gone or (descriptor.owner.id == self.id and self._buffers.withdrawn(descriptor.id)):
             raise BufferWithdrawnError(f"buffer {descriptor.id} was withdrawn by its owner")
+
+    def _own_path(self, local: ConnBuffer, descriptor: common_pb2.BufferDescriptor) -> PathName | None:
+        """The path the pair negotiates without `path=` (None when policy leaves it none)."""
+        try:
+            return self._choose(local, descriptor, None).path
+        except HMCError:
+            return None
 
     def _learn_route(self, transport: Transport, local: ConnBuffer, descriptor: common_pb2.BufferDescriptor, path: str, keys: list[Any]) -> None:
         try:
