@@ -35,6 +35,7 @@ from hmc.errors import AccessDeniedError, HMCError, OutOfRangeError, ProtocolErr
 from hmc.memory import MemoryKind
 from hmc.transport._channel import Channel
 from hmc.transport._ranges import RangeList
+from hmc.transport._staged_shm import OwnerSegments
 from hmc.transport._wire import FrameStream, accept_handshake, error_reply
 from hmc.v1 import common_pb2, peer_pb2
 
@@ -42,6 +43,8 @@ __all__ = ["PeerServer"]
 
 _log = logging.getLogger(__name__)
 _HANDSHAKE_S = 10.0
+_SHM_COPY_S = 30.0
+"""Bound on one ring slot's copy on the owner (a GPU that takes longer fails that chunk)."""
 _JOIN_S = 2.0
 
 
@@ -157,10 +160,21 @@ class PeerServer:
     # -- data -------------------------------------------------------------------
 
     def _serve_data(self, stream: FrameStream) -> None:
+        segments = OwnerSegments()  # shared rings this connection's initiator names (device memory, same host)
+        try:
+            self._serve_frames(stream, segments)
+        finally:
+            segments.close()
+
+    def _serve_frames(self, stream: FrameStream, segments: OwnerSegments) -> None:
         while True:
             frame = stream.recv()
             kind = frame.WhichOneof("kind")
-            if kind == "write":
+            if kind == "write" and frame.write.HasField("shm"):
+                reply = self._shm_copy(frame.write, "dst_offsets", segments, write=True)
+            elif kind == "read" and frame.read.HasField("shm"):
+                reply = self._shm_copy(frame.read, "src_offsets", segments, write=False)
+            elif kind == "write":
                 reply = self._receive_write(stream, frame.write)
             elif kind == "read":
                 reply = self._send_read(stream, frame)
@@ -172,6 +186,26 @@ class PeerServer:
                 stream.send_serialized(_OK_FRAME)
             else:
                 stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=reply))
+
+    def _shm_copy(self, request: peer_pb2.DataWrite | peer_pb2.DataRead, field: str, segments: OwnerSegments, *, write: bool) -> peer_pb2.PeerReply:
+        """A staged chunk through a shared ring slot: copy the slot into the buffer (write) or the buffer into it."""
+        side = _Side(request.ranges, field)
+        slot = segments.slot(request.shm, side.total)  # a malformed slot is a ProtocolError: the connection ends
+        try:
+            buffer = self._buffers.acquire(request.buffer_id, request.access_key)
+        except HMCError as exc:
+            return error_reply(exc)
+        try:
+            if write and buffer.region.readonly:
+                raise AccessDeniedError(f"buffer {buffer.id} is read-only")
+            side.check(buffer.size)
+            offsets, lengths = (side.offsets, side.lengths) if side.ranges is None else (side.ranges.dst.tolist(), side.ranges.lengths.tolist())
+            segments.copy(buffer.region, list(offsets), list(lengths), slot, to_slot=not write, deadline=time.monotonic() + _SHM_COPY_S)
+        except HMCError as exc:
+            return error_reply(exc)
+        finally:
+            self._buffers.release(buffer.id)
+        return _OK
 
     def _receive_write(self, stream: FrameStream, request: peer_pb2.DataWrite) -> peer_pb2.PeerReply:
         side = _Side(request.ranges, "dst_offsets")

@@ -6,8 +6,9 @@ workloads and timing, and records what it returns next to them; the ratio checks
 of issue 3 (`_gpu_run.gpu_checks`) read rows with system "hmc" and path "ipc" or
 "staged". While `hmc.transport`'s CUDA ipc mover declares no CUDA memory,
 `unavailable_reason()` says so and the benchmark records HMC as skipped. A path
-that refuses device memory (staged, until its pinned-ring pipeline exists)
-gives no rows; the other paths are still measured.
+that refuses device memory gives no rows (staged moves it between processes
+of one host through its shared pinned ring, not yet between hosts); the other
+paths are still measured.
 
 What it measures once the paths exist (GPU0 -> GPU1, WRITE): an initiator Agent
 (embedded, no hmcd) in this process with a torch tensor on cuda:0 registered as

@@ -56,6 +56,7 @@ from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutErro
 from hmc.memory import DeviceKind, MemoryKind
 from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport
 from hmc.transport._ranges import RangeList
+from hmc.transport._staged_shm import ShmStaging, same_host
 from hmc.transport._wire import FrameStream, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
@@ -334,13 +335,18 @@ class StagedTransport(Transport):
         self._freed = threading.Condition(self._lock)  # a round-trip connection was given back
         self._closed = False
         self.capabilities = Capabilities(path=PathName.STAGED, memory_kinds=memory_kinds | {DeviceKind.HOST}, detail=f"tcp x{self._streams}")
+        self._shm = ShmStaging(connect)
+        """Device memory between processes of one host: a shared pinned ring (see _staged_shm)."""
 
     def post(self, request: TransferRequest) -> None:
         # Ranges were checked against the descriptor by the agent; the owner checks them again on receipt.
         if request.local.region.kind is MemoryKind.DEVICE or request.remote.device.kind not in _HOST_KINDS:
+            if same_host(request.remote.owner):
+                self._shm.post(request)
+                return
             request.completion.finish(
                 UnsupportedError(
-                    "the staged path cannot move device memory yet (the pinned-ring pipeline is not built): "
+                    "the staged path cannot move device memory between hosts yet (no TCP pinned-ring pipeline): "
                     f"{request.local.region.device.name} -> {request.remote.device.name or 'host'}"
                 )
             )
@@ -492,6 +498,7 @@ class StagedTransport(Transport):
             pipe = self._pipes.pop(agent.id, None)
         if pipe is not None:
             self._close_pipe(pipe)
+        self._shm.forget_peer(agent)
 
     def close(self) -> None:
         with self._lock:
@@ -499,6 +506,7 @@ class StagedTransport(Transport):
             pipes, self._pipes = list(self._pipes.values()), {}
         for pipe in pipes:
             self._close_pipe(pipe)
+        self._shm.close()
 
     def _close_pipe(self, pipe: _Pipe) -> None:
         """Close a pipe that is out of `_pipes` (round-trip connections in use close when given back)."""

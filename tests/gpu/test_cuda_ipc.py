@@ -23,7 +23,7 @@ import pytest
 from hmc import memory
 from hmc.agent import Agent, ConnBuffer
 from hmc.config import Config
-from hmc.errors import AccessDeniedError, BufferWithdrawnError, UnsupportedError
+from hmc.errors import AccessDeniedError, BufferWithdrawnError
 from hmc.memory import DeviceKind
 from hmc.memory._cuda import CudaBackend
 from hmc.testing import PeerProcess, TransportPair, check_transport, ranges_digest
@@ -323,24 +323,29 @@ def test_a_wrong_access_key_is_refused(gpu_agent: Agent, gpu_peer: PeerProcess, 
 def test_vendor_override_picks_staged(gpu_config: Config, gpu_agent: Agent) -> None:
     """A peer declares its cuda:1 as AMD (vendor_override, as HMC_DEVICE_VENDOR_OVERRIDE="cuda:1=amd" would):
     negotiation refuses vendor IPC for the now cross-vendor pair and picks staged, what a real NVIDIA-AMD pair
-    gets. The staged path cannot move device memory yet (its pinned-ring pipeline is not built), so the
-    transfers in both directions raise UnsupportedError saying so; this test asserts the negotiated path, the
-    reasons, and that error, and that nothing was written.
+    gets. The staged path moves the device memory through its shared pinned ring (tests/gpu/test_cuda_staged.py
+    covers it in depth); this test asserts the negotiated path, the reasons, and one write each way.
     """
     with PeerProcess(gpu_config.replace(vendor_override={"cuda:1": "amd"}), timeout=120.0) as amd:
         remote = amd.register(1 << 20, fill=POISON, device="cuda:1")
         assert remote.device.vendor == common_pb2.VENDOR_AMD and remote.device.physical_vendor == common_pb2.VENDOR_NVIDIA
-        with gpu_buffer(gpu_agent, random_bytes(1 << 20, 7)) as local:
+        data = random_bytes(1 << 20, 7)
+        with gpu_buffer(gpu_agent, data) as local:
             choice = gpu_agent.path_to(local, remote)
             assert choice.path is PathName.STAGED, choice
             reasons = dict(choice.rejected)
             assert reasons[PathName.IPC] == "cross-vendor pair (amd vs nvidia): vendor IPC cannot map the other vendor's memory"
             assert "different agents" in reasons[PathName.LOCAL]
-            with pytest.raises(UnsupportedError, match="cannot move device memory yet"):
-                gpu_agent.write(local, remote, 0, 0, 4096).wait()
-            with pytest.raises(UnsupportedError, match="cannot move device memory yet"):
-                amd.transfer("write", remote.id, local.descriptor, 0, 0, 4096)
-        assert np.all(np.frombuffer(amd.contents(remote.id), np.uint8) == POISON)
+            handle = gpu_agent.write(local, remote, 0, 0, 4096)
+            handle.wait()
+            assert handle.path == "staged"
+            expected = np.full(1 << 20, POISON, np.uint8)
+            expected[:4096] = data[:4096]
+            assert_bytes_equal(np.frombuffer(amd.contents(remote.id), np.uint8), expected, "staged write")
+            assert amd.transfer("write", remote.id, local.descriptor, 0, 8192, 4096) == "staged"
+            mine = data.copy()
+            mine[8192:12288] = data[:4096]
+            assert_bytes_equal(host_copy(local), mine, "staged write by the peer")
         amd.unregister(remote.id)
 
 

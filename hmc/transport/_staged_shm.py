@@ -1,0 +1,507 @@
+"""The `staged` path for device memory between two processes of one host: a shared pinned ring.
+
+device -> pinned ring -> device. The initiator creates a ring of `slots` slots of
+`slot_bytes` each (3 x 64 MiB) in a file under /dev/shm (the temporary directory
+where /dev/shm is too small, as in containers), maps it and pins it (cuMemHostRegister);
+the owner maps the same file (and pins it where it has CUDA) on the first frame
+naming it, once per data connection. The wire is the ring; the data connection
+only carries slot hand-offs: DataWrite / DataRead frames whose `shm` field names
+the slot, and the owner's replies.
+
+WRITE: for chunk i the initiator queues its ranges' copies (device to host, one
+cuMemcpyAsync per range, concatenated) into slot i % slots, then waits for chunk
+i-1's copy and sends DataWrite(shm=slot of i-1): its copy engine always has the
+next chunk queued. The owner copies the slot into its buffer, waits, and replies.
+The initiator reuses a slot only after its reply came back, so its device-to-host
+copies overlap the owner's host-to-device copies of earlier chunks.
+READ: the initiator asks for the first `slots` chunks at once; the owner copies
+each into its slot and replies; the initiator queues slot i's copy into its
+memory, then waits for slot i-1's and asks for chunk i-1 + slots there.
+
+Either side's memory may be host memory (copied with memmove) or CUDA device
+memory. Every wait (socket and GPU) is bounded by the request's deadline; a
+broken connection fails the transfer, and a transfer that does not end cleanly
+drops its connection (the ring is kept for the next one).
+
+Concurrency: one transfer at a time per peer owns that peer's connection and
+ring (`_Link.lock`, waited for within the request's deadline); each transfer
+runs on a thread of its own ("hmc-staged-shm").
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import logging
+import mmap
+import os
+import re
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutError, UnsupportedError
+from hmc.memory import DeviceKind, MemoryKind
+from hmc.transport._base import TransferOp, TransferRequest
+from hmc.transport._ranges import RangeList
+from hmc.transport._wire import FrameStream, raise_for_reply
+from hmc.v1 import common_pb2, peer_pb2
+
+__all__ = ["OwnerSegments", "ShmStaging", "same_host", "shm_available"]
+
+_log = logging.getLogger(__name__)
+_SHM_DIR = "/dev/shm"
+_PREFIX = "hmc-staged-"
+_SEGMENT = re.compile(r"hmc-staged-[0-9a-f]{32}")
+_MAX_SEGMENTS = 4
+"""Segments one owner connection keeps mapped (an initiator uses one per connection)."""
+
+Connect = Callable[[common_pb2.AgentInfo, float], FrameStream]
+
+
+def _ring_dirs() -> tuple[str, ...]:
+    """Where rings may live: /dev/shm, else (a container's small /dev/shm) the temporary directory."""
+    return (_SHM_DIR, tempfile.gettempdir())
+
+
+def _ring_dir(size: int) -> str:
+    """The first ring directory with room for `size` bytes (twice over: two agents may hold rings)."""
+    for directory in _ring_dirs():
+        try:
+            stat = os.statvfs(directory)
+        except OSError:
+            continue
+        if os.access(directory, os.W_OK) and stat.f_bavail * stat.f_frsize >= 2 * size:
+            return directory
+    raise UnsupportedError(f"no room for a {size >> 20} MiB staging ring in {' or '.join(_ring_dirs())}")
+
+
+def shm_available() -> bool:
+    return any(os.path.isdir(d) and os.access(d, os.W_OK) for d in _ring_dirs())
+
+
+def same_host(agent: common_pb2.AgentInfo) -> bool:
+    """True when `agent` runs on this host and a shared ring can be made here."""
+    from hmc.control._inventory import host_id
+
+    return bool(agent.host_id) and agent.host_id == host_id() and shm_available()
+
+
+def _cuda() -> Any:
+    """The CUDA backend, or None."""
+    try:
+        from hmc.memory import backend_for
+
+        return backend_for(DeviceKind.CUDA)
+    except HMCError:
+        return None
+
+
+def _driver() -> Any:
+    from hmc.memory._cuda_driver import driver
+
+    return driver
+
+
+def _check(result: Any) -> Any:
+    from hmc.memory._cuda_driver import check
+
+    return check(result)
+
+
+class _Mapping:
+    """A /dev/shm file mapped here, pinned where CUDA is present."""
+
+    def __init__(self, path: str, size: int, *, create: bool) -> None:
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.posix_fallocate(fd, 0, size)  # ENOSPC now rather than SIGBUS on first touch
+            elif os.fstat(fd).st_size < size:
+                raise ProtocolError(f"shared ring {os.path.basename(path)} is smaller than announced")
+            self._mmap = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.size = size
+        self._array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.address = int(self._array.ctypes.data)
+        self._pinned = False
+        self._backend = _cuda()
+        if self._backend is not None:
+            driver = _driver()
+            with self._backend.contexts.use_any():
+                _check(driver.cuMemHostRegister(self.address, size, driver.CU_MEMHOSTREGISTER_PORTABLE))
+            self._pinned = True
+
+    def close(self) -> None:
+        if self._pinned:
+            self._pinned = False
+            driver = _driver()
+            try:
+                with self._backend.contexts.use_any():
+                    _check(driver.cuMemHostUnregister(self.address))
+            except HMCError as exc:
+                _log.debug("unpinning a shared ring failed: %s", exc)
+        self._array = None  # type: ignore[assignment]
+        self._mmap.close()
+
+
+def _done(deadline: float) -> None:
+    """The wait of a copy that already finished (host memory, copied on the spot)."""
+
+
+class _Copier:
+    """Copies between a region's ranges and a contiguous slot, waiting within a deadline."""
+
+    def __init__(self) -> None:
+        self._backend: Any = None  # resolved on the first device copy (a process may never touch CUDA)
+        self._streams: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def _stream(self, device: Any) -> Any:
+        with self._lock:
+            stream = self._streams.get(device.index)
+            if stream is None:
+                stream = self._streams[device.index] = self._backend.stream(device)
+            return stream
+
+    def copy(self, region: Any, offsets: list[int], lengths: list[int], slot: int, *, to_slot: bool, deadline: float) -> None:
+        self.start(region, offsets, lengths, slot, to_slot=to_slot)(deadline)
+
+    def start(self, region: Any, offsets: list[int], lengths: list[int], slot: int, *, to_slot: bool) -> Callable[[float], None]:
+        """Queue the copy (device memory: on this GPU's stream, behind the ones queued before); returns the wait for it."""
+        base = region.address
+        if region.kind is not MemoryKind.DEVICE:
+            position = slot
+            for offset, length in zip(offsets, lengths):
+                if to_slot:
+                    ctypes.memmove(position, base + offset, length)
+                else:
+                    ctypes.memmove(base + offset, position, length)
+                position += length
+            return _done
+        if self._backend is None:
+            self._backend = _cuda()
+        if self._backend is None:
+            raise UnsupportedError(f"{region.device.name} memory without a CUDA backend in this process")
+        from hmc.transport._cuda_copy import spin_until
+
+        driver = _driver()
+        stream = self._stream(region.device)
+        handle = stream.handle
+        position = slot
+        contexts, ordinal = self._backend.contexts, region.device.index
+        with contexts.use(ordinal):
+            for offset, length in zip(offsets, lengths):
+                if to_slot:
+                    _check(driver.cuMemcpyAsync(position, base + offset, length, handle))
+                else:
+                    _check(driver.cuMemcpyAsync(base + offset, position, length, handle))
+                position += length
+            event = _check(driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+            _check(driver.cuEventRecord(event, handle))
+
+        def wait(deadline: float) -> None:
+            try:
+                if not spin_until(lambda: driver.cuEventQuery(event)[0], deadline):
+                    raise TimeoutError("a staging copy did not finish before the deadline")
+            finally:
+                with contexts.use(ordinal):
+                    _check(driver.cuEventDestroy(event))
+
+        return wait
+
+    def close(self) -> None:
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.close()
+
+
+# -- owner side -----------------------------------------------------------------
+
+
+class OwnerSegments:
+    """The rings one data connection's initiator named, mapped on first use (owner side)."""
+
+    def __init__(self) -> None:
+        self._mappings: collections.OrderedDict[str, _Mapping] = collections.OrderedDict()
+        self._copier: _Copier | None = None
+
+    def slot(self, shm: peer_pb2.ShmSlot, nbytes: int) -> int:
+        """The address of `nbytes` at the slot; ProtocolError when the slot is malformed."""
+        directory, name = os.path.split(shm.segment)
+        if not _SEGMENT.fullmatch(name) or directory not in _ring_dirs():
+            raise ProtocolError(f"{shm.segment!r} is not a staging ring")
+        if shm.offset + nbytes > shm.segment_bytes:
+            raise ProtocolError("a staging slot reaches past its ring")
+        mapping = self._mappings.get(shm.segment)
+        if mapping is None or mapping.size != shm.segment_bytes:
+            try:
+                mapping = _Mapping(shm.segment, shm.segment_bytes, create=False)
+            except OSError as exc:
+                raise ProtocolError(f"cannot map staging ring {shm.segment}: {exc}") from exc
+            old = self._mappings.pop(shm.segment, None)
+            if old is not None:
+                old.close()
+            self._mappings[shm.segment] = mapping
+            while len(self._mappings) > _MAX_SEGMENTS:
+                self._mappings.popitem(last=False)[1].close()
+        return mapping.address + shm.offset
+
+    def copy(self, region: Any, offsets: list[int], lengths: list[int], slot: int, *, to_slot: bool, deadline: float) -> None:
+        if self._copier is None:
+            self._copier = _Copier()
+        self._copier.copy(region, offsets, lengths, slot, to_slot=to_slot, deadline=deadline)
+
+    def close(self) -> None:
+        for mapping in self._mappings.values():
+            mapping.close()
+        self._mappings.clear()
+        if self._copier is not None:
+            self._copier.close()
+
+
+# -- initiator side -------------------------------------------------------------
+
+
+class _Link:
+    """One peer's ring (a file named `name`, a full path) and data connection."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ring: _Mapping | None = None
+        self.name = ""
+        self.stream: FrameStream | None = None
+        self.closed = False
+
+    def drop_stream(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+
+    def close(self) -> None:
+        self.closed = True
+        self.drop_stream()
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+            with contextlib.suppress(OSError):
+                os.unlink(self.name)
+
+
+def _pack(ranges: RangeList, slot_bytes: int) -> list[tuple[list[int], list[int], list[int]]]:
+    """Chunks of at most `slot_bytes`: (local offsets, remote offsets, lengths), long ranges cut."""
+    chunks: list[tuple[list[int], list[int], list[int]]] = []
+    src, dst, lengths = ranges.src.tolist(), ranges.dst.tolist(), ranges.lengths.tolist()
+    current: tuple[list[int], list[int], list[int]] = ([], [], [])
+    filled = 0
+    for s, d, n in zip(src, dst, lengths):
+        while n > 0:
+            take = min(n, slot_bytes - filled)
+            current[0].append(s)
+            current[1].append(d)
+            current[2].append(take)
+            filled += take
+            s, d, n = s + take, d + take, n - take
+            if filled == slot_bytes:
+                chunks.append(current)
+                current, filled = ([], [], []), 0
+    if filled:
+        chunks.append(current)
+    return chunks
+
+
+def _range_list(offsets: list[int], lengths: list[int], field: str) -> common_pb2.RangeList:
+    return common_pb2.RangeList(**{field: np.asarray(offsets, dtype="<i8").tobytes(), "lengths": np.asarray(lengths, dtype="<i8").tobytes()})
+
+
+class ShmStaging:
+    """Initiator side: moves requests that touch device memory through a shared pinned ring."""
+
+    def __init__(self, connect: Connect, *, slots: int = 3, slot_bytes: int = 64 << 20) -> None:
+        self._connect = connect
+        self._slots = max(2, slots)
+        self._slot_bytes = slot_bytes
+        self._lock = threading.Lock()  # guards _links, _closed
+        self._links: dict[str, _Link] = {}
+        self._closed = False
+        self._copier = _Copier()
+
+    def post(self, request: TransferRequest) -> None:
+        """Start the transfer on a thread of its own; its completion reports the outcome."""
+        if not request.ranges.total:
+            request.completion.finish()
+            return
+        request.completion.set_running()
+        threading.Thread(target=self._run, args=(request,), name="hmc-staged-shm", daemon=True).start()
+
+    def _run(self, request: TransferRequest) -> None:
+        owner = request.remote.owner
+        with self._lock:
+            if self._closed:
+                request.completion.finish(BrokenResourceError("the staged path is closed"))
+                return
+            link = self._links.setdefault(owner.id, _Link())
+        if not link.lock.acquire(timeout=max(request.deadline - _now(), 0.0)):
+            request.completion.finish(TimeoutError(f"the staging ring to agent {owner.id} stayed busy until the deadline"))
+            return
+        try:
+            if link.closed:
+                raise BrokenResourceError(f"agent {owner.id} went away")
+            self._prepare(link, owner, request.deadline)
+            if request.op is TransferOp.WRITE:
+                self._write(link, request)
+            else:
+                self._read(link, request)
+        except HMCError as exc:
+            link.drop_stream()
+            request.completion.finish(exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - the driver's own failures must still finish the request
+            link.drop_stream()
+            request.completion.finish(BrokenResourceError(f"staging failed: {exc}"))
+            return
+        finally:
+            link.lock.release()
+        request.completion.finish()
+
+    def _prepare(self, link: _Link, owner: common_pb2.AgentInfo, deadline: float) -> None:
+        if link.ring is None:
+            size = self._slots * self._slot_bytes
+            link.name = os.path.join(_ring_dir(size), f"{_PREFIX}{uuid.uuid4().hex}")
+            try:
+                link.ring = _Mapping(link.name, size, create=True)
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    os.unlink(link.name)
+                raise UnsupportedError(f"cannot make a staging ring at {link.name}: {exc}") from exc
+        if link.stream is None or link.stream.broken:
+            link.drop_stream()
+            link.stream = self._connect(owner, deadline)
+
+    def _shm(self, link: _Link, slot: int) -> peer_pb2.ShmSlot:
+        assert link.ring is not None
+        return peer_pb2.ShmSlot(segment=link.name, segment_bytes=link.ring.size, offset=slot * self._slot_bytes)
+
+    def _reply(self, stream: FrameStream, deadline: float) -> None:
+        answer = stream.recv(deadline)
+        if answer.WhichOneof("kind") != "reply":
+            raise ProtocolError(f"expected a reply on a data connection, got {answer.WhichOneof('kind')}")
+        raise_for_reply(answer.reply)
+
+    def _write(self, link: _Link, request: TransferRequest) -> None:
+        """Chunk i is copied into its slot while chunk i-1's copy finishes and is handed off (the copy engine never idles)."""
+        stream, ring = link.stream, link.ring
+        assert stream is not None and ring is not None
+        remote, region, deadline, completion = request.remote, request.local.region, request.deadline, request.completion
+        inflight: collections.deque[int] = collections.deque()  # bytes of chunks handed off, reply pending
+        pending: tuple[Callable[[float], None], peer_pb2.PeerFrame, int] | None = None  # copied into its slot, not handed off
+
+        def hand_off() -> None:
+            nonlocal pending
+            assert pending is not None
+            wait, frame, nbytes = pending
+            pending = None
+            wait(deadline)
+            stream.send(frame, deadline=deadline)
+            inflight.append(nbytes)
+
+        try:
+            for index, (local, far, lengths) in enumerate(_pack(request.ranges, self._slot_bytes)):
+                if len(inflight) + (pending is not None) == self._slots:  # slot `index % slots` is still the owner's
+                    self._reply(stream, deadline)
+                    completion.add_bytes(inflight.popleft())
+                if completion.cancelled:
+                    raise BrokenResourceError("transfer cancelled")
+                slot = index % self._slots
+                wait = self._copier.start(region, local, lengths, ring.address + slot * self._slot_bytes, to_slot=True)
+                write = peer_pb2.DataWrite(buffer_id=remote.id, access_key=remote.access_key, ranges=_range_list(far, lengths, "dst_offsets"), shm=self._shm(link, slot))
+                if pending is not None:
+                    hand_off()
+                pending = (wait, peer_pb2.PeerFrame(write=write), sum(lengths))
+            if pending is not None:
+                hand_off()
+        finally:
+            if pending is not None:  # never leave a queued copy running into a ring the next transfer reuses
+                with contextlib.suppress(HMCError):
+                    pending[0](deadline)
+        while inflight:
+            self._reply(stream, deadline)
+            completion.add_bytes(inflight.popleft())
+
+    def _read(self, link: _Link, request: TransferRequest) -> None:
+        """The owner fills slots ahead; chunk i is copied out while chunk i-1's copy finishes and its slot is asked again."""
+        stream, ring = link.stream, link.ring
+        assert stream is not None and ring is not None
+        remote, region, deadline, completion = request.remote, request.local.region, request.deadline, request.completion
+        chunks = _pack(request.ranges.swapped(), self._slot_bytes)  # (local dst, remote src, lengths)
+
+        def ask(index: int) -> None:
+            _, far, lengths = chunks[index]
+            read = peer_pb2.DataRead(buffer_id=remote.id, access_key=remote.access_key, ranges=_range_list(far, lengths, "src_offsets"), shm=self._shm(link, index % self._slots))
+            stream.send(peer_pb2.PeerFrame(read=read), deadline=deadline)
+
+        def finish(index: int, wait: Callable[[float], None]) -> None:
+            wait(deadline)
+            completion.add_bytes(sum(chunks[index][2]))
+            if index + self._slots < len(chunks):
+                ask(index + self._slots)
+
+        for index in range(min(self._slots, len(chunks))):
+            ask(index)
+        pending: tuple[int, Callable[[float], None]] | None = None
+        try:
+            for index, (local, _, lengths) in enumerate(chunks):
+                self._reply(stream, deadline)
+                if completion.cancelled:
+                    raise BrokenResourceError("transfer cancelled")
+                slot = ring.address + (index % self._slots) * self._slot_bytes
+                wait = self._copier.start(region, local, lengths, slot, to_slot=False)
+                if pending is not None:
+                    previous, pending = pending, None
+                    finish(*previous)
+                pending = (index, wait)
+            if pending is not None:
+                previous, pending = pending, None
+                finish(*previous)
+        finally:
+            if pending is not None:
+                with contextlib.suppress(HMCError):
+                    pending[1](deadline)
+
+    def forget_peer(self, agent: common_pb2.AgentInfo) -> None:
+        with self._lock:
+            link = self._links.pop(agent.id, None)
+        if link is not None:
+            self._close_link(link)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            self._close_link(link)
+        self._copier.close()
+
+    @staticmethod
+    def _close_link(link: _Link) -> None:
+        if link.stream is not None:
+            link.stream.shutdown()  # a transfer blocked on it fails now
+        if link.lock.acquire(timeout=5.0):
+            try:
+                link.close()
+            finally:
+                link.lock.release()
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()
