@@ -218,7 +218,7 @@ class _FakeLane:
 
 def test_cuda_ipc_requests_complete_on_the_waiting_thread_once() -> None:
     from hmc.agent._transfer import TransferHandle
-    from hmc.transport._cuda_ipc import _Pending, _Waiter
+    from hmc.transport._cuda_ipc_completion import _Pending, _Waiter
 
     lane, waiter = _FakeLane(), _Waiter(interval=0.05)
     handle = TransferHandle("ipc", 8, time.monotonic() + 5)
@@ -242,7 +242,7 @@ def test_cuda_ipc_requests_complete_on_the_waiting_thread_once() -> None:
 
 
 def test_cuda_ipc_backstop_completes_requests_nobody_waits_on() -> None:
-    from hmc.transport._cuda_ipc import _Pending, _Waiter
+    from hmc.transport._cuda_ipc_completion import _Pending, _Waiter
 
     lane, waiter = _FakeLane(), _Waiter(interval=0.001)
     outcomes: list[BaseException | None] = []

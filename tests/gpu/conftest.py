@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
 import pytest
 
 from hmc import memory
+from hmc.agent import Agent
+from hmc.config import Config
 from hmc.errors import UnsupportedError
 from hmc.memory import Device, DeviceKind
 from hmc.memory._cuda import CudaBackend
@@ -53,3 +56,10 @@ def cuda_backend() -> CudaBackend:
 @pytest.fixture
 def cuda0() -> Device:
     return memory.get_device("cuda:0")
+
+
+@pytest.fixture(scope="module")
+def gpu_agent(gpu_config: Config) -> Iterator[Agent]:
+    """An Agent without a daemon, on the test module's own `gpu_config` (each module defines one)."""
+    with Agent(gpu_config, daemon=False) as agent:
+        yield agent

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from hmc import memory
-from hmc.agent import Agent, ConnBuffer
+from hmc.agent import Agent
 from hmc.config import Config
 from hmc.errors import AccessDeniedError, BufferWithdrawnError
 from hmc.memory import DeviceKind
@@ -30,37 +30,24 @@ from hmc.testing import PeerProcess, TransportPair, check_transport, ranges_dige
 from hmc.transport._base import PathName
 from hmc.v1 import common_pb2
 
+from ._support import (
+    ODD_CASES,
+    POISON,
+    assert_bytes_equal,
+    gpu_buffer,
+    host_copy,
+    peer_initiates_both_directions,
+    random_bytes,
+    scatter,
+    write_then_read,
+)
+
 pytestmark = [pytest.mark.cuda, pytest.mark.multi_gpu(2), pytest.mark.timeout(300)]
 
-POISON = 0xA5
-HOST_POISON = 0x3C
 KV_TOTAL = 256 << 20
 
 # (length, remote offset, local offset, slack after the remote range; 0 touches the last byte)
-CASES = [
-    (1, 0, 0, 0),
-    (3, 1, 5, 2),
-    (4095, 7, 0, 0),
-    (4096, 4093, 1, 9),
-    (65537, 0, 3, 0),
-    ((3 << 20) + 13, 17, 4091, 5),
-]
-
-
-def random_bytes(n: int, seed: int) -> np.ndarray:
-    return np.frombuffer(np.random.default_rng(seed).bytes(n), np.uint8).copy()
-
-
-def host_copy(buffer: ConnBuffer) -> np.ndarray:
-    out = np.full(buffer.size, HOST_POISON, np.uint8)
-    memory.copy(out, buffer.region)
-    return out
-
-
-def assert_bytes_equal(actual: np.ndarray, expected: np.ndarray, what: str = "") -> None:
-    assert actual.shape == expected.shape
-    differ = np.flatnonzero(actual != expected)
-    assert differ.size == 0, f"{what}: {differ.size} of {actual.size} bytes differ, first at {differ[:3].tolist()}"
+CASES = ODD_CASES
 
 
 def disjoint_ranges(rng: np.random.Generator, count: int, space: int, longest: int) -> tuple[np.ndarray, np.ndarray]:
@@ -78,12 +65,6 @@ def gpu_config(tmp_path_factory: pytest.TempPathFactory) -> Config:
 
 
 @pytest.fixture(scope="module")
-def gpu_agent(gpu_config: Config) -> Iterator[Agent]:
-    with Agent(gpu_config, daemon=False) as agent:
-        yield agent
-
-
-@pytest.fixture(scope="module")
 def gpu_peer(gpu_config: Config) -> Iterator[PeerProcess]:
     with PeerProcess(gpu_config, timeout=120.0) as peer:
         yield peer
@@ -94,24 +75,6 @@ def backend() -> CudaBackend:
     found = memory.backend_for(DeviceKind.CUDA)
     assert isinstance(found, CudaBackend)
     return found
-
-
-@contextlib.contextmanager
-def gpu_buffer(agent: Agent, data: np.ndarray | int, device: str = "cuda:0", size: int | None = None) -> Iterator[ConnBuffer]:
-    """A ConnBuffer of device memory here, holding `data` (or every byte set to it)."""
-    nbytes = size if isinstance(data, int) else data.size
-    region = memory.allocate(nbytes or 1, device)
-    if isinstance(data, int):
-        memory.fill(region, data)
-    else:
-        memory.copy(region, data)
-    buffer = agent.register(region)
-    try:
-        yield buffer
-    finally:
-        with contextlib.suppress(Exception):
-            agent.unregister(buffer)
-        region.free()
 
 
 def test_ipc_declares_cuda_and_is_negotiated_between_the_gpus(gpu_agent: Agent, gpu_peer: PeerProcess) -> None:
@@ -129,22 +92,7 @@ def test_ipc_declares_cuda_and_is_negotiated_between_the_gpus(gpu_agent: Agent, 
 def test_write_then_read_odd_sizes_unaligned_offsets(
     gpu_agent: Agent, gpu_peer: PeerProcess, length: int, remote_offset: int, local_offset: int, slack: int
 ) -> None:
-    remote_size = remote_offset + length + slack
-    data = random_bytes(local_offset + length + 3, length)
-    remote = gpu_peer.register(remote_size, fill=POISON, device="cuda:1")
-    with gpu_buffer(gpu_agent, data) as local:
-        handle = gpu_agent.write(local, remote, local_offset, remote_offset, length)
-        handle.wait()
-        assert handle.path == "ipc"
-        expected = np.full(remote_size, POISON, np.uint8)
-        expected[remote_offset : remote_offset + length] = data[local_offset : local_offset + length]
-        assert_bytes_equal(np.frombuffer(gpu_peer.contents(remote.id), np.uint8), expected, "write")
-        memory.fill(local.region, POISON)
-        gpu_agent.read(local, remote, remote_offset, local_offset, length).wait()
-        mine = np.full(local.size, POISON, np.uint8)
-        mine[local_offset : local_offset + length] = data[local_offset : local_offset + length]
-        assert_bytes_equal(host_copy(local), mine, "read")
-    gpu_peer.unregister(remote.id)
+    write_then_read(gpu_agent, gpu_peer, "ipc", length, remote_offset, local_offset, slack)
 
 
 def test_batches_of_odd_unaligned_ranges_both_ways(gpu_agent: Agent, gpu_peer: PeerProcess) -> None:
@@ -159,37 +107,20 @@ def test_batches_of_odd_unaligned_ranges_both_ways(gpu_agent: Agent, gpu_peer: P
         dst[last], lengths[last] = size - 777, 777  # still inside the last slot: this range ends at the buffer's end
         src = rng.integers(0, size - lengths)
         gpu_agent.write(local, remote, src, dst, lengths).wait()
-        expected = np.full(size, POISON, np.uint8)
-        for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist()):
-            expected[d : d + n] = data[s : s + n]
+        expected = scatter(np.full(size, POISON, np.uint8), data, src, dst, lengths)
         assert_bytes_equal(np.frombuffer(gpu_peer.contents(remote.id), np.uint8), expected, "batched write")
         memory.fill(local.region, POISON)
         back = rng.permutation(dst.size)
         local_dst, local_lengths = disjoint_ranges(rng, dst.size, size, 20011)
         n = np.minimum(lengths[back], local_lengths)
         gpu_agent.read(local, remote, dst[back], local_dst, n).wait()
-        mine = np.full(size, POISON, np.uint8)
-        for s, d, k in zip(dst[back].tolist(), local_dst.tolist(), n.tolist()):
-            mine[d : d + k] = expected[s : s + k]
+        mine = scatter(np.full(size, POISON, np.uint8), expected, dst[back], local_dst, n)
         assert_bytes_equal(host_copy(local), mine, "batched read")
     gpu_peer.unregister(remote.id)
 
 
 def test_the_peer_initiates_both_directions(gpu_agent: Agent, gpu_peer: PeerProcess) -> None:
-    size = (1 << 20) + 3
-    data = random_bytes(size, 11)
-    theirs = gpu_peer.register(size, device="cuda:1")
-    gpu_peer.fill(theirs.id, data.tobytes())
-    with gpu_buffer(gpu_agent, POISON, size=size) as mine:
-        assert gpu_peer.transfer("write", theirs.id, mine.descriptor, [0, 5000, size - 1], [3, 9000, size - 1], [4000, 70001, 1]) == "ipc"
-        expected = np.full(size, POISON, np.uint8)
-        expected[3:4003], expected[9000:79001], expected[-1] = data[:4000], data[5000:75001], data[-1]
-        assert_bytes_equal(host_copy(mine), expected, "peer write")
-        fresh = random_bytes(size, 12)
-        memory.copy(mine.region, fresh)
-        assert gpu_peer.transfer("read", theirs.id, mine.descriptor, 0, 0, size) == "ipc"
-        assert gpu_peer.contents(theirs.id) == fresh.tobytes()
-    gpu_peer.unregister(theirs.id)
+    peer_initiates_both_directions(gpu_agent, gpu_peer, (1 << 20) + 3, "ipc")
 
 
 @pytest.mark.parametrize(("count", "block"), [(4096, 64 << 10), (16384, 16 << 10)])
@@ -272,15 +203,12 @@ def test_device_memory_here_to_host_memory_there(gpu_agent: Agent, gpu_peer: Pee
         assert handle.path == "ipc"
         expected = np.full(size, POISON, np.uint8)
         expected[: size - 1] = data[1:]
-        for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist()):
-            expected[d : d + n] = data[s : s + n]
+        scatter(expected, data, src, dst, lengths)
         assert_bytes_equal(np.frombuffer(gpu_peer.contents(remote.id), np.uint8), expected, "write into host memory")
         memory.fill(local.region, POISON)
         gpu_agent.read(local, remote, dst, src, lengths).wait()
         gpu_agent.read(local, remote, size - 1, size - 1, 1).wait()
-        mine = np.full(size, POISON, np.uint8)
-        for s, d, n in zip(dst.tolist(), src.tolist(), lengths.tolist()):
-            mine[d : d + n] = expected[s : s + n]
+        mine = scatter(np.full(size, POISON, np.uint8), expected, dst, src, lengths)
         mine[-1] = expected[-1]
         assert_bytes_equal(host_copy(local), mine, "read from host memory")
     gpu_peer.unregister(remote.id)

@@ -24,22 +24,12 @@ from hmc.memory import Device, DeviceKind, MemoryKind, MemoryRegion, Vendor
 from hmc.memory._cuda import CudaBackend
 from hmc.v1 import common_pb2
 
+from ._support import HOST_POISON, ODD_CASES, POISON, assert_bytes_equal
+
 pytestmark = pytest.mark.cuda
 
-POISON = 0xA5
-"""What device destinations hold before a copy."""
-HOST_POISON = 0x3C
-"""What host buffers hold before a copy back, different so a missing copy shows."""
-
 # (size, dst_offset, src_offset, slack after the destination range; 0 touches the last byte)
-CASES = [
-    (1, 0, 0, 0),
-    (3, 1, 5, 2),
-    (4095, 7, 0, 0),
-    (4096, 4093, 1, 9),
-    (65537, 0, 3, 0),
-    ((3 << 20) + 13, 17, 4091, 5),
-]
+CASES = ODD_CASES
 
 
 def random_bytes(n: int, seed: int) -> np.ndarray:
@@ -50,12 +40,6 @@ def read_back(region: MemoryRegion) -> np.ndarray:
     host = np.full(region.size, HOST_POISON, np.uint8)
     memory.copy(host, region)
     return host
-
-
-def assert_bytes_equal(actual: np.ndarray, expected: np.ndarray) -> None:
-    assert actual.shape == expected.shape
-    differ = np.flatnonzero(actual != expected)
-    assert differ.size == 0, f"{differ.size} of {actual.size} bytes differ, first at {differ[0]}"
 
 
 def cuda_devices() -> list[Device]:

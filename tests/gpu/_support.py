@@ -1,0 +1,114 @@
+"""Helpers shared by the GPU transfer tests: poison bytes, random data, byte-exact comparisons, device buffers registered with an agent, and the transfer checks every path between two GPUs passes."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
+
+from hmc import memory
+from hmc.agent import Agent, ConnBuffer
+from hmc.testing import PeerProcess
+from hmc.transport._base import PathName
+
+POISON = 0xA5
+"""What device destinations hold before a copy."""
+HOST_POISON = 0x3C
+"""What host buffers hold before a copy back, different so a missing copy shows."""
+
+# (length, destination offset, source offset, slack after the destination range; 0 touches the last byte)
+ODD_CASES = [
+    (1, 0, 0, 0),
+    (3, 1, 5, 2),
+    (4095, 7, 0, 0),
+    (4096, 4093, 1, 9),
+    (65537, 0, 3, 0),
+    ((3 << 20) + 13, 17, 4091, 5),
+]
+"""Odd sizes, unaligned offsets and ranges touching the last byte."""
+
+
+def random_bytes(n: int, seed: int) -> np.ndarray:
+    return np.frombuffer(np.random.default_rng(seed).bytes(n), np.uint8).copy()
+
+
+def host_copy(buffer: ConnBuffer) -> np.ndarray:
+    out = np.full(buffer.size, HOST_POISON, np.uint8)
+    memory.copy(out, buffer.region)
+    return out
+
+
+def assert_bytes_equal(actual: np.ndarray, expected: np.ndarray, what: str = "") -> None:
+    assert actual.shape == expected.shape
+    differ = np.flatnonzero(actual != expected)
+    assert differ.size == 0, f"{what}: {differ.size} of {actual.size} bytes differ, first at {differ[:3].tolist()}"
+
+
+def scatter(into: np.ndarray, data: np.ndarray, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """What a batched copy of `data`'s ranges into `into` leaves there (range by range, in order): `into`, updated."""
+    for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist()):
+        into[d : d + n] = data[s : s + n]
+    return into
+
+
+@contextlib.contextmanager
+def gpu_buffer(agent: Agent, data: np.ndarray | int, device: str = "cuda:0", size: int | None = None) -> Iterator[ConnBuffer]:
+    """A ConnBuffer of device memory here, holding `data` (or every byte set to it)."""
+    nbytes = size if isinstance(data, int) else data.size
+    region = memory.allocate(nbytes or 1, device)
+    if isinstance(data, int):
+        memory.fill(region, data)
+    else:
+        memory.copy(region, data)
+    buffer = agent.register(region)
+    try:
+        yield buffer
+    finally:
+        with contextlib.suppress(Exception):
+            agent.unregister(buffer)
+        region.free()
+
+
+def write_then_read(
+    agent: Agent, peer: PeerProcess, path: str, length: int, remote_offset: int, local_offset: int, slack: int, *, negotiated: PathName | None = None
+) -> None:
+    """One range written into the peer's cuda:1 buffer on `path` and read back, every byte of both buffers compared.
+
+    With `negotiated`, also asserts that path negotiation picks it before the write.
+    """
+    remote_size = remote_offset + length + slack
+    data = random_bytes(local_offset + length + 3, length)
+    remote = peer.register(remote_size, fill=POISON, device="cuda:1")
+    with gpu_buffer(agent, data) as local:
+        if negotiated is not None:
+            assert agent.path_to(local, remote).path is negotiated
+        handle = agent.write(local, remote, local_offset, remote_offset, length)
+        handle.wait()
+        assert handle.path == path
+        expected = np.full(remote_size, POISON, np.uint8)
+        expected[remote_offset : remote_offset + length] = data[local_offset : local_offset + length]
+        assert_bytes_equal(np.frombuffer(peer.contents(remote.id), np.uint8), expected, "write")
+        memory.fill(local.region, POISON)
+        agent.read(local, remote, remote_offset, local_offset, length).wait()
+        mine = np.full(local.size, POISON, np.uint8)
+        mine[local_offset : local_offset + length] = data[local_offset : local_offset + length]
+        assert_bytes_equal(host_copy(local), mine, "read")
+    peer.unregister(remote.id)
+
+
+def peer_initiates_both_directions(agent: Agent, peer: PeerProcess, size: int, path: str) -> None:
+    """The peer writes three ranges (one the last byte) into a device buffer here, then reads a whole fresh one back, on `path`."""
+    data = random_bytes(size, 11)
+    theirs = peer.register(size, device="cuda:1")
+    peer.fill(theirs.id, data.tobytes())
+    with gpu_buffer(agent, POISON, size=size) as mine:
+        assert peer.transfer("write", theirs.id, mine.descriptor, [0, 5000, size - 1], [3, 9000, size - 1], [4000, 70001, 1]) == path
+        expected = np.full(size, POISON, np.uint8)
+        expected[3:4003], expected[9000:79001], expected[-1] = data[:4000], data[5000:75001], data[-1]
+        assert_bytes_equal(host_copy(mine), expected, "peer write")
+        fresh = random_bytes(size, 12)
+        memory.copy(mine.region, fresh)
+        assert peer.transfer("read", theirs.id, mine.descriptor, 0, 0, size) == path
+        assert peer.contents(theirs.id) == fresh.tobytes()
+    peer.unregister(theirs.id)
