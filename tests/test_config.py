@@ -72,3 +72,10 @@ def test_config_is_frozen() -> None:
     with pytest.raises(AttributeError):
         config.node = "x"  # type: ignore[misc]
     assert config.replace(node="y").node == "y"
+
+
+def test_shipped_example_configs_load() -> None:
+    root = Path(__file__).resolve().parent.parent
+    for file in [root / "deploy" / "hmcd.toml", *sorted((root / "examples").rglob("*.toml"))]:
+        config = Config.load(file, env={})
+        assert config.node, file
