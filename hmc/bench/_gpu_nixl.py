@@ -22,6 +22,8 @@ import numpy as np
 
 from hmc.bench._child import MESSAGE_TIMEOUT_S, RUN_TIMEOUT_S, receive, send_error
 from hmc.bench._gpu_common import apply_env, gpu_row, pattern, poison, sizes_of
+from hmc.bench._nixl import new_agent
+from hmc.bench._nixl import nixl_available as host_nixl_available
 from hmc.bench._timing import Timing, measure
 from hmc.bench._workloads import SEED, Workload, make_ranges
 from hmc.errors import TimeoutError
@@ -30,44 +32,15 @@ __all__ = ["nixl_available", "nixl_initiator", "nixl_target"]
 
 STARTUP_TIMEOUT_S = 180.0
 INSTALL_HINT = "pip install --no-deps nixl-cu13==1.5.1 nixl==1.5.1"
-_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
-
-
-def _import_nixl() -> Any:
-    """NIXL's `_api` module: the meta package first, then the wheels directly."""
-    import importlib
-
-    errors = []
-    for name in _MODULES:
-        try:
-            return importlib.import_module(name)
-        except ImportError as exc:
-            errors.append(f"{name}: {exc}")
-    raise ImportError("; ".join(errors))
 
 
 def nixl_available() -> tuple[bool, str]:
-    """(True, 'nixl <version>') when NIXL's Python API imports here, else (False, why + how to install)."""
-    import importlib.metadata
-
-    try:
-        _import_nixl()
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
-        return False, f"NIXL is not importable ({type(exc).__name__}: {exc}); install it with: {INSTALL_HINT}"
-    for dist in ("nixl-cu13", "nixl", "nixl-cu12"):
-        try:
-            return True, f"{dist} {importlib.metadata.version(dist)}"
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return True, "nixl (unknown version)"
+    """Whether NIXL imports here, with the GPU wheel's install hint."""
+    return host_nixl_available(INSTALL_HINT)
 
 
 def _agent(name: str, tensors: Sequence[Any]) -> tuple[Any, Any]:
-    import os
-
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    api = _import_nixl()
-    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    agent = new_agent(name)
     return agent, agent.register_memory(list(tensors))
 
 

@@ -38,15 +38,16 @@ from hmc.bench._workloads import POISON, SEED, Workload, make_ranges, random_byt
 from hmc.errors import TimeoutError, UnavailableError
 from hmc.testing import ranges_digest
 
-__all__ = ["INSTALL_HINT", "NIXL_SYSTEMS", "nixl_available", "nixl_rows"]
+__all__ = ["INSTALL_HINT", "NIXL_SYSTEMS", "import_nixl", "new_agent", "nixl_available", "nixl_rows"]
 
 INSTALL_HINT = "pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1"
 NIXL_SYSTEMS: dict[str, dict[str, str]] = {"nixl": {}, "nixl-tcp": {"UCX_TLS": "tcp"}}
 """System name -> environment of both NIXL processes."""
 _MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+_DISTRIBUTIONS = ("nixl", "nixl-cu12", "nixl-cu13")
 
 
-def _import_nixl() -> ModuleType:
+def import_nixl() -> ModuleType:
     """NIXL's `_api` module: the meta package first, then the wheels directly."""
     errors = []
     for name in _MODULES:
@@ -57,28 +58,33 @@ def _import_nixl() -> ModuleType:
     raise ImportError("; ".join(errors))
 
 
-def nixl_available() -> tuple[bool, str]:
+def nixl_available(install_hint: str = INSTALL_HINT) -> tuple[bool, str]:
     """(True, 'nixl <version>') when NIXL's Python API imports here, else (False, why + how to install)."""
     try:
-        _import_nixl()
+        import_nixl()
     except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
-        return False, f"NIXL is not importable ({type(exc).__name__}: {exc}); install it with: {INSTALL_HINT}"
-    for dist in ("nixl", "nixl-cu12", "nixl-cu13"):
+        return False, f"NIXL is not importable ({type(exc).__name__}: {exc}); install it with: {install_hint}"
+    for dist in _DISTRIBUTIONS:
         try:
-            return True, f"nixl {importlib.metadata.version(dist)}"
+            return True, f"{dist} {importlib.metadata.version(dist)}"
         except importlib.metadata.PackageNotFoundError:
             pass
     return True, "nixl (unknown version)"
 
 
-def _agent(name: str, env: dict[str, str], buffers: Sequence[np.ndarray]) -> tuple[Any, Any, ModuleType]:
-    """Apply `env` (before NIXL and UCX load in this process), make an agent, register `buffers`."""
-    os.environ.update(env)
+def new_agent(name: str, env: dict[str, str] | None = None) -> Any:
+    """A UCX agent without NIXL's progress thread; `env` is applied before NIXL and UCX load here."""
+    os.environ.update(env or {})
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    api = _import_nixl()
-    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    api = import_nixl()
+    return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+
+
+def _agent(name: str, env: dict[str, str], buffers: Sequence[np.ndarray]) -> tuple[Any, Any]:
+    """A new agent with `buffers` registered as host memory."""
+    agent = new_agent(name, env)
     regs = np.array([(b.ctypes.data, b.nbytes, 0) for b in buffers], dtype=np.uint64)
-    return agent, agent.register_memory(regs, "DRAM"), api
+    return agent, agent.register_memory(regs, "DRAM")
 
 
 def _descs(base: int, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -93,7 +99,7 @@ def _target(conn: Connection, env: dict[str, str], size: int) -> None:
     """Child: the passive agent, with a random source (for READ) and a poisoned destination."""
     try:
         src, dst = random_bytes(size, SEED + 1), np.full(size, POISON, dtype=np.uint8)
-        agent, regs, _ = _agent("hmc-bench-target", env, [src, dst])
+        agent, regs = _agent("hmc-bench-target", env, [src, dst])
         conn.send(("md", agent.get_agent_metadata(), src.ctypes.data, dst.ctypes.data))
         while True:
             deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -118,7 +124,7 @@ def _initiator(conn: Connection, out: Connection, system: str, env: dict[str, st
     try:
         size = max(w.total_size for w in workloads)
         src, dst = random_bytes(size, SEED), np.empty(size, dtype=np.uint8)
-        agent, regs, _ = _agent("hmc-bench-initiator", env, [src, dst])
+        agent, regs = _agent("hmc-bench-initiator", env, [src, dst])
         _, metadata, remote_src, remote_dst = receive(conn, "md", 120.0)
         peer = agent.add_remote_agent(metadata)
         path = " ".join(["UCX"] + [f"{k}={v}" for k, v in sorted(env.items())]) if env else "UCX (defaults)"
