@@ -136,45 +136,38 @@ class ErrorBoundary(grpc.aio.ServerInterceptor):
                 return handler._replace(**{attr: self._wrap(method, behavior)})
         return handler
 
+    @contextlib.asynccontextmanager
+    async def _served(self, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """Run one call: translate what it raises into a status and report that status once."""
+        status = "OK"
+        try:
+            yield
+        except grpc.aio.AbortError:
+            status = _status_name(context)
+            raise
+        except asyncio.CancelledError:
+            status = "CANCELLED"
+            raise
+        except Exception as exc:
+            error = _typed(method, exc)
+            status = grpc_status(error.code).name
+            await abort(context, error)
+        finally:
+            self._observe(method, status)
+
     def _wrap(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
         if inspect.isasyncgenfunction(behavior):
 
             async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                status = "OK"
-                try:
+                async with self._served(method, context):
                     async for item in behavior(request, context):
                         yield item
-                except grpc.aio.AbortError:
-                    status = _status_name(context)
-                    raise
-                except asyncio.CancelledError:
-                    status = "CANCELLED"
-                    raise
-                except Exception as exc:
-                    error = _typed(method, exc)
-                    status = grpc_status(error.code).name
-                    await abort(context, error)
-                finally:
-                    self._observe(method, status)
 
             return streaming
 
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            status = "OK"
-            try:
+            async with self._served(method, context):
                 return await behavior(request, context)
-            except grpc.aio.AbortError:
-                status = _status_name(context)
-                raise
-            except asyncio.CancelledError:
-                status = "CANCELLED"
-                raise
-            except Exception as exc:
-                error = _typed(method, exc)
-                status = grpc_status(error.code).name
-                await abort(context, error)
-            finally:
-                self._observe(method, status)
 
         return unary
 
