@@ -20,13 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from hmc.bench._child import MESSAGE_TIMEOUT_S, RUN_TIMEOUT_S, receive, send_error
+from hmc.bench._child import RUN_TIMEOUT_S, receive, send_error
 from hmc.bench._gpu_common import apply_env, gpu_row, pattern, poison, sizes_of
-from hmc.bench._nixl import new_agent
+from hmc.bench._nixl import new_agent, reposter
 from hmc.bench._nixl import nixl_available as host_nixl_available
 from hmc.bench._timing import Timing, measure
 from hmc.bench._workloads import SEED, Workload, make_ranges
-from hmc.errors import TimeoutError
 
 __all__ = ["nixl_available", "nixl_initiator", "nixl_target"]
 
@@ -124,17 +123,7 @@ def _one(agent: Any, peer: Any, conn: Connection, w: Workload, timing: Timing, l
         agent.get_xfer_descs(_descs(remote[0], do, ln, remote[1]), remote[2]),
         peer,
     )
-    transfer, check = agent.transfer, agent.check_xfer_state
-
-    def step() -> None:
-        state = transfer(handle)
-        deadline = time.perf_counter() + MESSAGE_TIMEOUT_S
-        while state == "PROC":
-            if time.perf_counter() > deadline:
-                raise TimeoutError(f"nixl WRITE {w.name}: transfer not done within {MESSAGE_TIMEOUT_S:.0f} s")
-            state = check(handle)
-        if state != "DONE":
-            raise RuntimeError(f"nixl WRITE {w.name}: transfer state {state}")
+    step = reposter(agent, handle, f"nixl WRITE {w.name}")
 
     try:
         times = measure(step, timing)

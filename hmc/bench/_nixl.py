@@ -38,7 +38,7 @@ from hmc.bench._workloads import POISON, SEED, Workload, make_ranges, random_byt
 from hmc.errors import TimeoutError, UnavailableError
 from hmc.testing import ranges_digest
 
-__all__ = ["INSTALL_HINT", "NIXL_SYSTEMS", "import_nixl", "new_agent", "nixl_available", "nixl_rows"]
+__all__ = ["INSTALL_HINT", "NIXL_SYSTEMS", "import_nixl", "new_agent", "nixl_available", "nixl_rows", "reposter"]
 
 INSTALL_HINT = "pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1"
 NIXL_SYSTEMS: dict[str, dict[str, str]] = {"nixl": {}, "nixl-tcp": {"UCX_TLS": "tcp"}}
@@ -85,6 +85,23 @@ def _agent(name: str, env: dict[str, str], buffers: Sequence[np.ndarray]) -> tup
     agent = new_agent(name, env)
     regs = np.array([(b.ctypes.data, b.nbytes, 0) for b in buffers], dtype=np.uint64)
     return agent, agent.register_memory(regs, "DRAM")
+
+
+def reposter(agent: Any, handle: Any, label: str) -> Callable[[], None]:
+    """One timed iteration: repost the prepared request and poll it to DONE (bounded)."""
+    transfer, check = agent.transfer, agent.check_xfer_state
+
+    def step() -> None:
+        state = transfer(handle)
+        deadline = time.perf_counter() + MESSAGE_TIMEOUT_S
+        while state == "PROC":
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"{label}: transfer not done within {MESSAGE_TIMEOUT_S:.0f} s")
+            state = check(handle)
+        if state != "DONE":
+            raise RuntimeError(f"{label}: transfer state {state}")
+
+    return step
 
 
 def _descs(base: int, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -150,17 +167,7 @@ def _one(agent: Any, peer: Any, conn: Connection, system: str, path: str, op: st
     else:
         local, remote = _descs(dst.ctypes.data, do, ln), _descs(remote_src, so, ln)
     handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), peer)
-    transfer, check = agent.transfer, agent.check_xfer_state
-
-    def step() -> None:
-        state = transfer(handle)
-        deadline = time.perf_counter() + MESSAGE_TIMEOUT_S
-        while state == "PROC":
-            if time.perf_counter() > deadline:
-                raise TimeoutError(f"nixl {op} {w.name}: transfer not done within {MESSAGE_TIMEOUT_S:.0f} s")
-            state = check(handle)
-        if state != "DONE":
-            raise RuntimeError(f"nixl {op} {w.name}: transfer state {state}")
+    step = reposter(agent, handle, f"nixl {op} {w.name}")
 
     times = measure(step, timing)
     agent.release_xfer_handle(handle)
