@@ -119,6 +119,15 @@ class DaemonSet:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+def start_peered(daemons: DaemonSet, a: str, b: str, token: str) -> tuple[Hmcd, Hmcd]:
+    """Two hmcd with a token, the first listing the second as its static peer, once the first sees it up."""
+    node_b = daemons.start(b, token=token)
+    node_a = daemons.start(a, token=token, static_peers=(node_b.tcp_address,))
+    with node_a.client() as client:
+        wait_until(lambda: [p.up for p in client.node_info().peers] == [True], what=f"{a} to see {b} up")
+    return node_a, node_b
+
+
 def daemon_set() -> Iterator[DaemonSet]:
     daemons = DaemonSet()
     try:

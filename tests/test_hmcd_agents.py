@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from control_fixtures import REPO, DaemonSet, Hmcd, clean_env, daemon_set, wait_until
+from control_fixtures import REPO, DaemonSet, Hmcd, clean_env, daemon_set, start_peered
 
 from hmc.config import PathPolicy
 from hmc.errors import BufferWithdrawnError
@@ -75,16 +75,18 @@ def daemons() -> Iterator[DaemonSet]:
 
 
 @pytest.fixture(scope="module")
-def node_b(daemons: DaemonSet) -> Hmcd:
-    return daemons.start("e2e-b", token=TOKEN)
+def nodes(daemons: DaemonSet) -> tuple[Hmcd, Hmcd]:
+    return start_peered(daemons, "e2e-a", "e2e-b", TOKEN)
 
 
 @pytest.fixture(scope="module")
-def node_a(daemons: DaemonSet, node_b: Hmcd) -> Hmcd:
-    node_a = daemons.start("e2e-a", token=TOKEN, static_peers=(node_b.tcp_address,))
-    with node_a.client() as client:
-        wait_until(lambda: [p.up for p in client.node_info().peers] == [True], what="node-a to see node-b")
-    return node_a
+def node_a(nodes: tuple[Hmcd, Hmcd]) -> Hmcd:
+    return nodes[0]
+
+
+@pytest.fixture(scope="module")
+def node_b(nodes: tuple[Hmcd, Hmcd]) -> Hmcd:
+    return nodes[1]
 
 
 def test_migrate_between_agent_processes_verifies_every_byte(node_a: Hmcd) -> None:

@@ -6,7 +6,7 @@ import socket
 from collections.abc import Iterator
 
 import pytest
-from control_fixtures import PEER_CHECK_INTERVAL_S, DaemonSet, FakeAgent, Hmcd, daemon_set, wait_until
+from control_fixtures import PEER_CHECK_INTERVAL_S, DaemonSet, FakeAgent, Hmcd, daemon_set, start_peered, wait_until
 
 from hmc.control import Client
 from hmc.errors import UnknownBufferError
@@ -21,16 +21,18 @@ def daemons() -> Iterator[DaemonSet]:
 
 
 @pytest.fixture(scope="module")
-def node_b(daemons: DaemonSet) -> Hmcd:
-    return daemons.start("node-b", token=TOKEN)
+def nodes(daemons: DaemonSet) -> tuple[Hmcd, Hmcd]:
+    return start_peered(daemons, "node-a", "node-b", TOKEN)
 
 
 @pytest.fixture(scope="module")
-def node_a(daemons: DaemonSet, node_b: Hmcd) -> Hmcd:
-    node_a = daemons.start("node-a", token=TOKEN, static_peers=(node_b.tcp_address,))
-    with node_a.client() as client:
-        wait_until(lambda: [p.up for p in client.node_info().peers] == [True], what="node-a to see node-b up")
-    return node_a
+def node_a(nodes: tuple[Hmcd, Hmcd]) -> Hmcd:
+    return nodes[0]
+
+
+@pytest.fixture(scope="module")
+def node_b(nodes: tuple[Hmcd, Hmcd]) -> Hmcd:
+    return nodes[1]
 
 
 @pytest.fixture(scope="module")
