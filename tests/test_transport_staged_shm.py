@@ -8,15 +8,20 @@ against a real owner process. tests/gpu/test_cuda_staged.py runs it with CUDA me
 from __future__ import annotations
 
 import glob
+import threading
+from typing import Any
 
 import numpy as np
 import pytest
 
 import hmc.transport._staged as staged
+import hmc.transport._staged_shm as staged_shm
 from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
-from hmc.errors import OutOfRangeError
+from hmc.errors import AccessDeniedError, OutOfRangeError
 from hmc.testing import PeerProcess
+from hmc.transport._wire import error_reply
+from hmc.v1 import peer_pb2
 from hmc.v1.common_pb2 import BufferDescriptor
 
 POISON = 0xA5
@@ -30,7 +35,7 @@ def ring_only(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("ring_only")
 def test_ring_write_and_read_every_byte(config: Config, peer: PeerProcess, rng: np.random.Generator) -> None:
-    size = (200 << 20) + 3  # four chunks for three 64 MiB slots: the ring wraps
+    size = (200 << 20) + 3  # 13 chunks for eight 16 MiB slots: the ring wraps
     remote = peer.register(size, fill=POISON)
     before = set(glob.glob("/dev/shm/hmc-staged-*"))
     with Agent(config.replace(policy=STAGED), daemon=False) as a:
@@ -68,3 +73,43 @@ def _grown(descriptor: BufferDescriptor) -> BufferDescriptor:
     bigger.CopyFrom(descriptor)
     bigger.size = descriptor.size + 64
     return bigger
+
+
+class _Replies:
+    """A stand-in data connection recording the owner's replies: (request id, error code)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, int]] = []
+
+    def send(self, frame: peer_pb2.PeerFrame, deadline: float | None = None) -> None:
+        self.sent.append((frame.request_id, frame.reply.error.code))
+
+    def send_serialized(self, body: bytes) -> None:
+        self.send(peer_pb2.PeerFrame.FromString(body))
+
+
+def test_owner_queues_copies_and_replies_in_frame_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slot copy still running holds back the replies behind it; the buffer is released once its copy finished."""
+    gates = [threading.Event(), threading.Event()]
+
+    def start(self: Any, region: Any, offsets: list[int], lengths: list[int], slot: int, *, to_slot: bool) -> Any:
+        gate = gates[slot]
+        return lambda deadline: gate.wait(5.0)
+
+    monkeypatch.setattr(staged_shm._Copier, "start", start)
+    stream = _Replies()
+    owner = staged_shm.OwnerSegments(stream)  # type: ignore[arg-type]
+    released: list[int] = []
+    owner.start(1, None, [0], [8], 0, to_slot=False, release=lambda: released.append(1))
+    owner.start(2, None, [0], [8], 1, to_slot=False, release=lambda: released.append(2))
+    owner.reply(3, error_reply(AccessDeniedError("refused")))
+    assert stream.sent == [] and released == []
+    gates[1].set()  # the second copy finishing first changes nothing: replies keep frame order
+    gates[0].set()
+    owner.drain()
+    assert [request_id for request_id, _ in stream.sent] == [1, 2, 3]
+    assert stream.sent[0][1] == 0 and stream.sent[2][1] != 0
+    assert released == [1, 2]
+    owner.reply(4, error_reply(AccessDeniedError("refused")))  # nothing queued: sent at once
+    assert stream.sent[-1][0] == 4
+    owner.close()

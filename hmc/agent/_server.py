@@ -21,6 +21,7 @@ connection ("hmc-peer-<addr>"), all daemon threads joined (bounded) on close.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -43,8 +44,6 @@ __all__ = ["PeerServer"]
 
 _log = logging.getLogger(__name__)
 _HANDSHAKE_S = 10.0
-_SHM_COPY_S = 30.0
-"""Bound on one ring slot's copy on the owner (a GPU that takes longer fails that chunk)."""
 _JOIN_S = 2.0
 
 
@@ -160,7 +159,7 @@ class PeerServer:
     # -- data -------------------------------------------------------------------
 
     def _serve_data(self, stream: FrameStream) -> None:
-        segments = OwnerSegments()  # shared rings this connection's initiator names (device memory, same host)
+        segments = OwnerSegments(stream)  # shared rings this connection's initiator names (device memory, same host)
         try:
             self._serve_frames(stream, segments)
         finally:
@@ -171,10 +170,13 @@ class PeerServer:
             frame = stream.recv()
             kind = frame.WhichOneof("kind")
             if kind == "write" and frame.write.HasField("shm"):
-                reply = self._shm_copy(frame.write, "dst_offsets", segments, write=True)
-            elif kind == "read" and frame.read.HasField("shm"):
-                reply = self._shm_copy(frame.read, "src_offsets", segments, write=False)
-            elif kind == "write":
+                self._shm_copy(frame.request_id, frame.write, "dst_offsets", segments, write=True)
+                continue
+            if kind == "read" and frame.read.HasField("shm"):
+                self._shm_copy(frame.request_id, frame.read, "src_offsets", segments, write=False)
+                continue
+            segments.drain()  # replies go out in frame order
+            if kind == "write":
                 reply = self._receive_write(stream, frame.write)
             elif kind == "read":
                 reply = self._send_read(stream, frame)
@@ -187,25 +189,26 @@ class PeerServer:
             else:
                 stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=reply))
 
-    def _shm_copy(self, request: peer_pb2.DataWrite | peer_pb2.DataRead, field: str, segments: OwnerSegments, *, write: bool) -> peer_pb2.PeerReply:
-        """A staged chunk through a shared ring slot: copy the slot into the buffer (write) or the buffer into it."""
+    def _shm_copy(self, request_id: int, request: peer_pb2.DataWrite | peer_pb2.DataRead, field: str, segments: OwnerSegments, *, write: bool) -> None:
+        """A staged chunk through a shared ring slot: queue the copy of the slot into the buffer (write) or the
+        buffer into it; `segments` replies once it finished, in frame order, and releases the buffer then."""
         side = _Side(request.ranges, field)
         slot = segments.slot(request.shm, side.total)  # a malformed slot is a ProtocolError: the connection ends
         try:
             buffer = self._buffers.acquire(request.buffer_id, request.access_key)
         except HMCError as exc:
-            return error_reply(exc)
+            segments.reply(request_id, error_reply(exc))
+            return
         try:
             if write and buffer.region.readonly:
                 raise AccessDeniedError(f"buffer {buffer.id} is read-only")
             side.check(buffer.size)
             offsets, lengths = (side.offsets, side.lengths) if side.ranges is None else (side.ranges.dst.tolist(), side.ranges.lengths.tolist())
-            segments.copy(buffer.region, list(offsets), list(lengths), slot, to_slot=not write, deadline=time.monotonic() + _SHM_COPY_S)
         except HMCError as exc:
-            return error_reply(exc)
-        finally:
             self._buffers.release(buffer.id)
-        return _OK
+            segments.reply(request_id, error_reply(exc))
+            return
+        segments.start(request_id, buffer.region, list(offsets), list(lengths), slot, to_slot=not write, release=functools.partial(self._buffers.release, buffer.id))
 
     def _receive_write(self, stream: FrameStream, request: peer_pb2.DataWrite) -> peer_pb2.PeerReply:
         side = _Side(request.ranges, "dst_offsets")

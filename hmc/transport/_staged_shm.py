@@ -1,31 +1,39 @@
 """The `staged` path for device memory between two processes of one host: a shared pinned ring.
 
 device -> pinned ring -> device. The initiator creates a ring of `slots` slots of
-`slot_bytes` each (3 x 64 MiB) in a file under /dev/shm (the temporary directory
+`slot_bytes` each (8 x 16 MiB) in a file under /dev/shm (the temporary directory
 where /dev/shm is too small, as in containers), maps it and pins it (cuMemHostRegister);
 the owner maps the same file (and pins it where it has CUDA) on the first frame
 naming it, once per data connection. The wire is the ring; the data connection
 only carries slot hand-offs: DataWrite / DataRead frames whose `shm` field names
-the slot, and the owner's replies.
+the slot, and the owner's replies, in frame order.
 
-WRITE: for chunk i the initiator queues its ranges' copies (device to host, one
-cuMemcpyAsync per range, concatenated) into slot i % slots, then waits for chunk
-i-1's copy and sends DataWrite(shm=slot of i-1): its copy engine always has the
-next chunk queued. The owner copies the slot into its buffer, waits, and replies.
-The initiator reuses a slot only after its reply came back, so its device-to-host
-copies overlap the owner's host-to-device copies of earlier chunks.
-READ: the initiator asks for the first `slots` chunks at once; the owner copies
-each into its slot and replies; the initiator queues slot i's copy into its
-memory, then waits for slot i-1's and asks for chunk i-1 + slots there.
+Both sides keep their copy engine fed. WRITE: the initiator queues the device-to-host
+copies (one cuMemcpyAsync per range, concatenated) of a chunk into every free slot
+at once, hands off the oldest chunk whose copy finished (DataWrite naming the slot),
+and collects the replies that arrived meanwhile (select on the socket, no wait),
+waiting for one only when no copy is queued. The owner queues each hand-off's
+host-to-device copy on its GPU's stream the moment the frame arrives (behind the
+earlier ones) and replies from a completion thread once the copy finished; a slot
+is reused only after its reply. So the initiator's GPU copies chunk k+1 out while
+the owner's GPU copies chunk k in, each over its own PCIe link. READ: the initiator
+asks for the first `slots` chunks at once; the owner queues their device-to-host
+copies back to back and replies as each finishes; the initiator queues the copy out
+of every slot whose reply arrived, waits for the oldest, and asks for the chunk
+`slots` further there. Small slots keep the pipeline's fill and drain (one slot's
+copy) short; eight of them absorb the hand-off latency.
 
 Either side's memory may be host memory (copied with memmove) or CUDA device
-memory. Every wait (socket and GPU) is bounded by the request's deadline; a
-broken connection fails the transfer, and a transfer that does not end cleanly
-drops its connection (the ring is kept for the next one).
+memory. Every wait (socket and GPU) is bounded by the request's deadline, the
+owner's by `_OWNER_COPY_S` per slot; a broken connection fails the transfer, and a
+transfer that does not end cleanly drops its connection and its ring (the owner
+may still be copying into it; the next transfer makes a new one).
 
 Concurrency: one transfer at a time per peer owns that peer's connection and
 ring (`_Link.lock`, waited for within the request's deadline); each transfer
-runs on a thread of its own ("hmc-staged-shm").
+runs on a thread of its own ("hmc-staged-shm"). On the owner, the connection's
+thread queues copies and one completion thread per connection sends the replies
+(`OwnerSegments._cond` guards the queue).
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutErro
 from hmc.memory import DeviceKind, MemoryKind
 from hmc.transport._base import TransferOp, TransferRequest
 from hmc.transport._ranges import RangeList
-from hmc.transport._wire import FrameStream, raise_for_reply
+from hmc.transport._wire import FrameStream, error_reply, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
 __all__ = ["OwnerSegments", "ShmStaging", "same_host", "shm_available"]
@@ -60,6 +68,13 @@ _PREFIX = "hmc-staged-"
 _SEGMENT = re.compile(r"hmc-staged-[0-9a-f]{32}")
 _MAX_SEGMENTS = 4
 """Segments one owner connection keeps mapped (an initiator uses one per connection)."""
+_OWNER_COPY_S = 30.0
+"""Bound on one slot's copy on the owner (a GPU that takes longer fails that chunk)."""
+_OWNER_DEPTH = 64
+"""Slot copies one owner connection keeps queued (an initiator hands off at most its ring's slot count)."""
+_JOIN_S = 2.0
+_OK = peer_pb2.PeerReply()
+_OK_FRAME = peer_pb2.PeerFrame(reply=_OK).SerializeToString()
 
 Connect = Callable[[common_pb2.AgentInfo, float], FrameStream]
 
@@ -227,12 +242,38 @@ class _Copier:
 # -- owner side -----------------------------------------------------------------
 
 
-class OwnerSegments:
-    """The rings one data connection's initiator named, mapped on first use (owner side)."""
+class _Queued:
+    """One slot hand-off the owner answers in frame order: a copy to wait for, or a reply ready to send."""
 
-    def __init__(self) -> None:
+    __slots__ = ("deadline", "release", "reply", "request_id", "wait")
+
+    def __init__(self, request_id: int, wait: Callable[[float], None], reply: peer_pb2.PeerReply | None, release: Callable[[], None] | None) -> None:
+        self.request_id = request_id
+        self.wait = wait
+        self.reply = reply
+        self.release = release
+        self.deadline = _now() + _OWNER_COPY_S
+
+
+class OwnerSegments:
+    """Owner side of one data connection: the rings its initiator named (mapped on first use) and the slot copies in flight.
+
+    A slot's copy is queued on the GPU's stream as soon as its frame arrives, behind
+    the copies of earlier frames, so the copy engine never waits for a reply to go out
+    or the next frame to be read. A completion thread ("hmc-staged-shm-owner") waits
+    for the copies in frame order and sends each reply (the initiator matches replies
+    by order); a reply that needs no copy (a refusal, host memory copied on the spot)
+    is sent by the caller when nothing is queued before it.
+    """
+
+    def __init__(self, stream: FrameStream) -> None:
+        self._stream = stream
         self._mappings: collections.OrderedDict[str, _Mapping] = collections.OrderedDict()
         self._copier: _Copier | None = None
+        self._cond = threading.Condition()  # guards _queue, _thread, _closed
+        self._queue: collections.deque[_Queued] = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._closed = False
 
     def slot(self, shm: peer_pb2.ShmSlot, nbytes: int) -> int:
         """The address of `nbytes` at the slot; ProtocolError when the slot is malformed."""
@@ -249,18 +290,100 @@ class OwnerSegments:
                 raise ProtocolError(f"cannot map staging ring {shm.segment}: {exc}") from exc
             old = self._mappings.pop(shm.segment, None)
             if old is not None:
+                self.drain()  # a copy still queued may touch the old mapping
                 old.close()
             self._mappings[shm.segment] = mapping
             while len(self._mappings) > _MAX_SEGMENTS:
+                self.drain()
                 self._mappings.popitem(last=False)[1].close()
         return mapping.address + shm.offset
 
-    def copy(self, region: Any, offsets: list[int], lengths: list[int], slot: int, *, to_slot: bool, deadline: float) -> None:
+    def start(
+        self, request_id: int, region: Any, offsets: list[int], lengths: list[int], slot: int, *, to_slot: bool, release: Callable[[], None]
+    ) -> None:
+        """Queue the copy between `slot` and the region's ranges; its reply follows once it finished, then `release()` runs."""
         if self._copier is None:
             self._copier = _Copier()
-        self._copier.copy(region, offsets, lengths, slot, to_slot=to_slot, deadline=deadline)
+        try:
+            wait = self._copier.start(region, offsets, lengths, slot, to_slot=to_slot)
+        except HMCError as exc:
+            release()
+            self.reply(request_id, error_reply(exc))
+            return
+        if wait is _done:
+            release()
+            self.reply(request_id, _OK)
+            return
+        self._push(_Queued(request_id, wait, None, release))
+
+    def reply(self, request_id: int, reply: peer_pb2.PeerReply) -> None:
+        """Send `reply` after the replies of the copies queued before it."""
+        with self._cond:
+            if self._queue:
+                self._push_locked(_Queued(request_id, _done, reply, None))
+                return
+        self._send(request_id, reply)
+
+    def _push(self, item: _Queued) -> None:
+        with self._cond:
+            self._push_locked(item)
+
+    def _push_locked(self, item: _Queued) -> None:
+        if not self._cond.wait_for(lambda: len(self._queue) < _OWNER_DEPTH, max(item.deadline - _now(), 0.0)):
+            raise TimeoutError("the owner's staging copies did not drain before the deadline")
+        self._queue.append(item)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._complete, name="hmc-staged-shm-owner", daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
+
+    def _complete(self) -> None:
+        """Wait for each queued copy in order and send its reply; exits once closed and drained."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return
+                item = self._queue[0]
+            reply = item.reply
+            if reply is None:
+                try:
+                    item.wait(item.deadline)
+                    reply = _OK
+                except Exception as exc:  # noqa: BLE001 - a driver failure still answers its chunk
+                    reply = error_reply(exc)
+                finally:
+                    assert item.release is not None
+                    item.release()
+            self._send(item.request_id, reply)
+            with self._cond:
+                self._queue.popleft()
+                self._cond.notify_all()
+
+    def _send(self, request_id: int, reply: peer_pb2.PeerReply) -> None:
+        try:
+            if reply is _OK and not request_id:
+                self._stream.send_serialized(_OK_FRAME)
+            else:
+                self._stream.send(peer_pb2.PeerFrame(request_id=request_id, reply=reply))
+        except HMCError as exc:  # the connection broke: the server's receive loop ends it
+            _log.debug("a staging reply was not sent: %s", exc)
+
+    def drain(self) -> None:
+        """Wait until every queued copy finished and its reply went out (each copy is bounded by its deadline)."""
+        with self._cond:
+            last = self._queue[-1].deadline if self._queue else 0.0
+            if not self._cond.wait_for(lambda: not self._queue, max(last - _now(), 0.0) + _JOIN_S):
+                raise TimeoutError("the owner's staging copies did not finish before their deadline")
 
     def close(self) -> None:
+        """Let the queued copies finish (bounded), then unmap the rings."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(_OWNER_COPY_S + _JOIN_S)
         for mapping in self._mappings.values():
             mapping.close()
         self._mappings.clear()
@@ -286,14 +409,18 @@ class _Link:
             self.stream.close()
             self.stream = None
 
-    def close(self) -> None:
-        self.closed = True
+    def drop(self) -> None:
+        """After a failed transfer: the connection, and the ring (the owner may still be copying into it)."""
         self.drop_stream()
         if self.ring is not None:
             self.ring.close()
             self.ring = None
             with contextlib.suppress(OSError):
                 os.unlink(self.name)
+
+    def close(self) -> None:
+        self.closed = True
+        self.drop()
 
 
 def _pack(ranges: RangeList, slot_bytes: int) -> list[tuple[list[int], list[int], list[int]]]:
@@ -325,7 +452,7 @@ def _range_list(offsets: list[int], lengths: list[int], field: str) -> common_pb
 class ShmStaging:
     """Initiator side: moves requests that touch device memory through a shared pinned ring."""
 
-    def __init__(self, connect: Connect, *, slots: int = 3, slot_bytes: int = 64 << 20) -> None:
+    def __init__(self, connect: Connect, *, slots: int = 8, slot_bytes: int = 16 << 20) -> None:
         self._connect = connect
         self._slots = max(2, slots)
         self._slot_bytes = slot_bytes
@@ -361,11 +488,11 @@ class ShmStaging:
             else:
                 self._read(link, request)
         except HMCError as exc:
-            link.drop_stream()
+            link.drop()
             request.completion.finish(exc)
             return
         except Exception as exc:  # noqa: BLE001 - the driver's own failures must still finish the request
-            link.drop_stream()
+            link.drop()
             request.completion.finish(BrokenResourceError(f"staging failed: {exc}"))
             return
         finally:
@@ -397,47 +524,45 @@ class ShmStaging:
         raise_for_reply(answer.reply)
 
     def _write(self, link: _Link, request: TransferRequest) -> None:
-        """Chunk i is copied into its slot while chunk i-1's copy finishes and is handed off (the copy engine never idles)."""
+        """Every free slot gets its chunk's copy queued at once; the oldest finished copy is handed off first,
+        replies are collected as they come (a reply is waited for only when no copy is queued)."""
         stream, ring = link.stream, link.ring
         assert stream is not None and ring is not None
         remote, region, deadline, completion = request.remote, request.local.region, request.deadline, request.completion
+        chunks = _pack(request.ranges, self._slot_bytes)
+        queued: collections.deque[tuple[Callable[[float], None], peer_pb2.PeerFrame, int]] = collections.deque()  # copying into slots
         inflight: collections.deque[int] = collections.deque()  # bytes of chunks handed off, reply pending
-        pending: tuple[Callable[[float], None], peer_pb2.PeerFrame, int] | None = None  # copied into its slot, not handed off
-
-        def hand_off() -> None:
-            nonlocal pending
-            assert pending is not None
-            wait, frame, nbytes = pending
-            pending = None
-            wait(deadline)
-            stream.send(frame, deadline=deadline)
-            inflight.append(nbytes)
-
+        started = 0
         try:
-            for index, (local, far, lengths) in enumerate(_pack(request.ranges, self._slot_bytes)):
-                if len(inflight) + (pending is not None) == self._slots:  # slot `index % slots` is still the owner's
+            while started < len(chunks) or queued or inflight:
+                while inflight and stream.readable():  # replies already here free their slots
                     self._reply(stream, deadline)
                     completion.add_bytes(inflight.popleft())
                 if completion.cancelled:
                     raise BrokenResourceError("transfer cancelled")
-                slot = index % self._slots
-                wait = self._copier.start(region, local, lengths, ring.address + slot * self._slot_bytes, to_slot=True)
-                write = peer_pb2.DataWrite(buffer_id=remote.id, access_key=remote.access_key, ranges=_range_list(far, lengths, "dst_offsets"), shm=self._shm(link, slot))
-                if pending is not None:
-                    hand_off()
-                pending = (wait, peer_pb2.PeerFrame(write=write), sum(lengths))
-            if pending is not None:
-                hand_off()
+                while started < len(chunks) and len(queued) + len(inflight) < self._slots:
+                    local, far, lengths = chunks[started]
+                    slot = started % self._slots
+                    wait = self._copier.start(region, local, lengths, ring.address + slot * self._slot_bytes, to_slot=True)
+                    write = peer_pb2.DataWrite(buffer_id=remote.id, access_key=remote.access_key, ranges=_range_list(far, lengths, "dst_offsets"), shm=self._shm(link, slot))
+                    queued.append((wait, peer_pb2.PeerFrame(write=write), sum(lengths)))
+                    started += 1
+                if queued:
+                    wait, frame, nbytes = queued.popleft()
+                    wait(deadline)
+                    stream.send(frame, deadline=deadline)
+                    inflight.append(nbytes)
+                elif inflight:
+                    self._reply(stream, deadline)
+                    completion.add_bytes(inflight.popleft())
         finally:
-            if pending is not None:  # never leave a queued copy running into a ring the next transfer reuses
+            while queued:  # never leave a queued copy running into a ring the next transfer reuses
                 with contextlib.suppress(HMCError):
-                    pending[0](deadline)
-        while inflight:
-            self._reply(stream, deadline)
-            completion.add_bytes(inflight.popleft())
+                    queued.popleft()[0](deadline)
 
     def _read(self, link: _Link, request: TransferRequest) -> None:
-        """The owner fills slots ahead; chunk i is copied out while chunk i-1's copy finishes and its slot is asked again."""
+        """The owner fills up to `slots` slots ahead; each reply that arrived gets its copy out of the slot queued,
+        the oldest copy is waited for, and its slot asked for the next chunk."""
         stream, ring = link.stream, link.ring
         assert stream is not None and ring is not None
         remote, region, deadline, completion = request.remote, request.local.region, request.deadline, request.completion
@@ -448,33 +573,31 @@ class ShmStaging:
             read = peer_pb2.DataRead(buffer_id=remote.id, access_key=remote.access_key, ranges=_range_list(far, lengths, "src_offsets"), shm=self._shm(link, index % self._slots))
             stream.send(peer_pb2.PeerFrame(read=read), deadline=deadline)
 
-        def finish(index: int, wait: Callable[[float], None]) -> None:
-            wait(deadline)
-            completion.add_bytes(sum(chunks[index][2]))
-            if index + self._slots < len(chunks):
-                ask(index + self._slots)
-
-        for index in range(min(self._slots, len(chunks))):
+        asked = min(self._slots, len(chunks))
+        for index in range(asked):
             ask(index)
-        pending: tuple[int, Callable[[float], None]] | None = None
+        copying: collections.deque[tuple[int, Callable[[float], None]]] = collections.deque()  # slot -> memory copies queued
+        answered = 0
         try:
-            for index, (local, _, lengths) in enumerate(chunks):
-                self._reply(stream, deadline)
-                if completion.cancelled:
-                    raise BrokenResourceError("transfer cancelled")
-                slot = ring.address + (index % self._slots) * self._slot_bytes
-                wait = self._copier.start(region, local, lengths, slot, to_slot=False)
-                if pending is not None:
-                    previous, pending = pending, None
-                    finish(*previous)
-                pending = (index, wait)
-            if pending is not None:
-                previous, pending = pending, None
-                finish(*previous)
+            for _ in range(len(chunks)):
+                while answered < asked and (not copying or stream.readable()):
+                    self._reply(stream, deadline)
+                    if completion.cancelled:
+                        raise BrokenResourceError("transfer cancelled")
+                    local, _, lengths = chunks[answered]
+                    slot = ring.address + (answered % self._slots) * self._slot_bytes
+                    copying.append((answered, self._copier.start(region, local, lengths, slot, to_slot=False)))
+                    answered += 1
+                index, wait = copying.popleft()
+                wait(deadline)
+                completion.add_bytes(sum(chunks[index][2]))
+                if asked < len(chunks):
+                    ask(asked)
+                    asked += 1
         finally:
-            if pending is not None:
+            while copying:
                 with contextlib.suppress(HMCError):
-                    pending[1](deadline)
+                    copying.popleft()[1](deadline)
 
     def forget_peer(self, agent: common_pb2.AgentInfo) -> None:
         with self._lock:

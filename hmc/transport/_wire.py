@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import struct
 import threading
@@ -127,6 +128,15 @@ class FrameStream:
         except DecodeError as exc:
             raise self._protocol_error(f"undecodable frame from {self.peer}") from exc
         return frame
+
+    def readable(self) -> bool:
+        """True when a receive would not block: bytes (a frame's start) wait, or the stream is broken."""
+        if self._broken is not None:
+            return True
+        try:
+            return bool(select.select([self._rx], [], [], 0)[0])
+        except (OSError, ValueError):  # closed meanwhile: a receive fails at once
+            return True
 
     def recv_into(self, views: Sequence[memoryview], deadline: float | None = None) -> None:
         """Fill `views` in order with the payload that follows (scatter receive, zero copy)."""

@@ -42,7 +42,7 @@ CASES = [
     (4095, 7, 0, 0),
     (65537, 0, 3, 0),
     ((3 << 20) + 13, 17, 4091, 5),
-    ((200 << 20) + 7, 3, 1, 0),  # four chunks for three 64 MiB ring slots: the ring wraps
+    ((200 << 20) + 7, 3, 1, 0),  # 13 chunks for eight 16 MiB ring slots: the ring wraps
 ]
 
 
