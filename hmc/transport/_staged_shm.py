@@ -29,9 +29,11 @@ owner's by `_OWNER_COPY_S` per slot; a broken connection fails the transfer, and
 transfer that does not end cleanly drops its connection and its ring (the owner
 may still be copying into it; the next transfer makes a new one).
 
-Concurrency: one transfer at a time per peer owns that peer's connection and
-ring (`_Link.lock`, waited for within the request's deadline); each transfer
-runs on a thread of its own ("hmc-staged-shm"). On the owner, the connection's
+Concurrency: each peer's transfers run one after another on that peer's worker
+thread ("hmc-staged-shm", started on first use, stopped when the peer is
+forgotten), which owns the peer's connection and ring (`_Link.lock` keeps close
+from pulling them away mid-transfer); a transfer still queued at its deadline
+fails without running. On the owner, the connection's
 thread queues copies and one completion thread per connection sends the replies
 (`OwnerSegments._cond` guards the queue).
 """
@@ -41,9 +43,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import functools
 import logging
 import mmap
 import os
+import queue
 import re
 import tempfile
 import threading
@@ -100,11 +104,17 @@ def shm_available() -> bool:
     return any(os.path.isdir(d) and os.access(d, os.W_OK) for d in _ring_dirs())
 
 
-def same_host(agent: common_pb2.AgentInfo) -> bool:
-    """True when `agent` runs on this host and a shared ring can be made here."""
+@functools.cache
+def _ring_host() -> str:
+    """This host's id where a shared ring can be made here, else "" (asked once: every transfer checks it)."""
     from hmc.control._inventory import host_id
 
-    return bool(agent.host_id) and agent.host_id == host_id() and shm_available()
+    return host_id() if shm_available() else ""
+
+
+def same_host(agent: common_pb2.AgentInfo) -> bool:
+    """True when `agent` runs on this host and a shared ring can be made here."""
+    return bool(agent.host_id) and agent.host_id == _ring_host()
 
 
 def _cuda() -> Any:
@@ -395,7 +405,7 @@ class OwnerSegments:
 
 
 class _Link:
-    """One peer's ring (a file named `name`, a full path) and data connection."""
+    """One peer's ring (a file named `name`, a full path), data connection, and the worker that runs its transfers."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -403,6 +413,9 @@ class _Link:
         self.name = ""
         self.stream: FrameStream | None = None
         self.closed = False
+        self.requests: queue.SimpleQueue[TransferRequest | None] = queue.SimpleQueue()
+        """Transfers waiting for the worker; None stops it."""
+        self.worker: threading.Thread | None = None
 
     def drop_stream(self) -> None:
         if self.stream is not None:
@@ -462,20 +475,38 @@ class ShmStaging:
         self._copier = _Copier()
 
     def post(self, request: TransferRequest) -> None:
-        """Start the transfer on a thread of its own; its completion reports the outcome."""
+        """Queue the transfer for its peer's worker thread (started on first use); its completion reports the outcome."""
         if not request.ranges.total:
             request.completion.finish()
             return
         request.completion.set_running()
-        threading.Thread(target=self._run, args=(request,), name="hmc-staged-shm", daemon=True).start()
-
-    def _run(self, request: TransferRequest) -> None:
-        owner = request.remote.owner
         with self._lock:
             if self._closed:
                 request.completion.finish(BrokenResourceError("the staged path is closed"))
                 return
-            link = self._links.setdefault(owner.id, _Link())
+            link = self._links.setdefault(request.remote.owner.id, _Link())
+            link.requests.put(request)  # under _lock: a link popped by forget_peer/close gets its None after this
+            if link.worker is None:
+                link.worker = threading.Thread(target=self._serve, args=(link,), name="hmc-staged-shm", daemon=True)
+                link.worker.start()
+
+    def _serve(self, link: _Link) -> None:
+        """The link's worker: runs its transfers one after another; once stopped, fails those still queued."""
+        while (request := link.requests.get()) is not None:
+            if _now() > request.deadline:
+                request.completion.finish(TimeoutError("the transfer waited for its staging ring past its deadline"))
+            else:
+                self._run(link, request)
+        while True:
+            try:
+                left = link.requests.get_nowait()
+            except queue.Empty:
+                return
+            if left is not None:
+                left.completion.finish(BrokenResourceError("the staged path to this agent was closed"))
+
+    def _run(self, link: _Link, request: TransferRequest) -> None:
+        owner = request.remote.owner
         if not link.lock.acquire(timeout=max(request.deadline - _now(), 0.0)):
             request.completion.finish(TimeoutError(f"the staging ring to agent {owner.id} stayed busy until the deadline"))
             return
@@ -615,6 +646,7 @@ class ShmStaging:
 
     @staticmethod
     def _close_link(link: _Link) -> None:
+        link.requests.put(None)
         if link.stream is not None:
             link.stream.shutdown()  # a transfer blocked on it fails now
         if link.lock.acquire(timeout=5.0):
