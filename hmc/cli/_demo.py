@@ -6,6 +6,13 @@ path, whether it is available (and why not), the path negotiation would pick for
 the pair, GB/s, and whether every byte arrived (BLAKE2b of the destination,
 computed where the destination lives, against the source's).
 
+Where CUDA devices exist it then does the same for device memory: cuda:0 here to
+cuda:1 in the child (cuda:0 there on a one-GPU machine), over every path but
+`local`, each forced as for host memory (so `staged` runs through its pinned
+ring although the pair would get `ipc`), each timed after one 4 KiB transfer
+that opens the peer's IPC handle or maps the ring. The size is cut to a quarter of the
+smaller GPU's memory where `--size` does not fit, and the report says so.
+
 Concurrency: the CLI's main thread drives everything; the child agent answers
 over a pipe (hmc.testing.PeerProcess).
 """
@@ -28,7 +35,8 @@ from hmc import memory
 from hmc.agent._buffers import ConnBuffer
 from hmc.cli._output import Progress, print_json, print_table
 from hmc.config import Config, PathPolicy
-from hmc.errors import ArgumentError, NoPathError, UnavailableError
+from hmc.errors import ArgumentError, HMCError, NoPathError, UnavailableError
+from hmc.memory import Device, DeviceKind
 from hmc.transport._base import PathName
 from hmc.transport._negotiate import Endpoint, negotiate
 
@@ -37,6 +45,7 @@ __all__ = ["parse_size", "register"]
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _FILL_CHUNK = 64 << 20
+_WARM_UP = 4096
 
 
 def parse_size(text: str) -> int:
@@ -111,7 +120,10 @@ def _forced(source: Any, target: Any, path: PathName) -> tuple[bool, str]:
     return False, dict(choice.rejected)[path]
 
 
-def _run_path(agent: Any, peer: Any, source: Any, target: Any, path: PathName, size: int, expected: bytes, timeout: float, quiet: bool) -> dict[str, Any]:
+def _run_path(
+    agent: Any, peer: Any, source: Any, target: Any, path: PathName, size: int, expected: bytes, timeout: float, quiet: bool, memory_pair: str = "host"
+) -> dict[str, Any]:
+    """One path's row; device memory gets one 4 KiB transfer first (it opens IPC handles, maps the ring), not timed."""
     from hmc.testing import ranges_digest
 
     chosen = agent.path_to(source, target)
@@ -127,11 +139,15 @@ def _run_path(agent: Any, peer: Any, source: Any, target: Any, path: PathName, s
     if not available:
         return row
     local_target = isinstance(target, ConnBuffer)
+    if memory_pair != "host":
+        agent.write(source, target, 0, 0, min(size, _WARM_UP), path=path.value, timeout=timeout).wait()
+        row["warm_up_bytes"] = min(size, _WARM_UP)
     if local_target:
         memory.fill(target.region, 0xA5)
     else:
         peer.poison(target.id, 0xA5)
-    progress = Progress(size, f"{path.value:>6}: writing", enabled=not quiet)
+    label = path.value if memory_pair == "host" else f"{memory_pair} {path.value}"
+    progress = Progress(size, f"{label:>6}: writing", enabled=not quiet)
     started = time.perf_counter()
     handle = agent.write(source, target, 0, 0, size, path=path.value, timeout=timeout)
     while not handle.done():
@@ -143,6 +159,53 @@ def _run_path(agent: Any, peer: Any, source: Any, target: Any, path: PathName, s
     digest = ranges_digest(target.numpy()) if local_target else peer.digest(target.id)
     row.update(bytes=size, seconds=round(seconds, 4), gbps=round(size / seconds / 1e9, 3), verified=digest == expected)
     return row
+
+
+def _cuda_pair() -> tuple[Device, Device] | None:
+    """(cuda:0, cuda:1), or (cuda:0, cuda:0) on a one-GPU machine; None without CUDA devices."""
+    gpus = [device for device in memory.devices() if device.kind is DeviceKind.CUDA]
+    if not gpus:
+        return None
+    return gpus[0], gpus[1] if len(gpus) > 1 else gpus[0]
+
+
+def _cuda_size(size: int, pair: tuple[Device, Device]) -> int:
+    """`size`, or a quarter of the smaller GPU's memory where that is less (both ends may share one GPU)."""
+    cap = min(device.total_memory for device in pair) // 4
+    return min(size, cap) if cap > 0 else size
+
+
+def _cuda_rows(agent: Any, peer: Any, source: Any, size: int, name: str, timeout: float, quiet: bool) -> dict[str, Any] | None:
+    """The device-memory section of the report: cuda:0 here -> cuda:1 (or cuda:0) in the child, every path but local."""
+    from hmc.testing import ranges_digest
+
+    pair = _cuda_pair()
+    if pair is None:
+        return None
+    here, there = pair
+    gpu_size = _cuda_size(size, pair)
+    section: dict[str, Any] = {"source": here.name, "target": there.name, "size_bytes": gpu_size, "paths": []}
+    if gpu_size < size:
+        section["note"] = f"{gpu_size} bytes instead of {size}: a quarter of the smaller GPU's memory"
+    memory_pair = f"{here.name}->{there.name}"
+    try:
+        with memory.allocate(gpu_size, here) as region:
+            host_bytes = source.numpy()[:gpu_size]
+            memory.copy(region, host_bytes)
+            expected = ranges_digest(host_bytes)
+            gpu_source = agent.register(region, name=f"{name}-{here.name}")
+            remote = peer.register(gpu_size, name=f"{name}-{there.name}", device=there.name)
+            try:
+                for path in PathName:
+                    if path is not PathName.LOCAL:
+                        row = _run_path(agent, peer, gpu_source, remote, path, gpu_size, expected, timeout, quiet, memory_pair)
+                        section["paths"].append(row | {"pair": f"two processes, same node, {memory_pair}"})
+            finally:
+                agent.unregister(gpu_source)
+                peer.unregister(remote.id)
+    except HMCError as exc:  # no room on the GPU, a driver failure: the host rows still stand
+        section["error"] = f"{type(exc).__name__}: {exc}"
+    return section
 
 
 def _demo(args: argparse.Namespace, config: Config) -> int:
@@ -165,26 +228,39 @@ def _demo(args: argparse.Namespace, config: Config) -> int:
                 for path in PathName:
                     target = local_target if path is PathName.LOCAL else remote
                     rows.append(_run_path(agent, peer, source, target, path, size, expected, config.timeout_s, quiet))
+                cuda = _cuda_rows(agent, peer, source, size, name, config.timeout_s, quiet)
                 agent.unregister(source)
                 agent.unregister(local_target)
-    ok = all(row["verified"] for row in rows if row["available"])
-    report = {"node": config.node, "hmcd": hmcd_state, "size_bytes": size, "paths": rows, "ok": ok}
+    every = rows + (cuda["paths"] if cuda else [])
+    ok = all(row["verified"] for row in every if row["available"]) and not (cuda and "error" in cuda)
+    report: dict[str, Any] = {"node": config.node, "hmcd": hmcd_state, "size_bytes": size, "paths": rows, "ok": ok}
+    if cuda is not None:
+        report["cuda"] = cuda
     if args.json:
         print_json(report)
-    else:
-        print(f"\nhmc demo: {size / 2**30:.2f} GiB per path, node {config.node}, hmcd {hmcd_state}")
-        table = [
-            {
-                "path": r["path"],
-                "result": (("verified" if r["verified"] else "CORRUPT") if r["available"] else "unavailable"),
-                "GB/s": r.get("gbps", "-"),
-                "negotiated for pair": r["negotiated"],
-                "why": r["why"],
-            }
-            for r in rows
-        ]
-        print_table(table)
+        return 0 if ok else 1
+    print(f"\nhmc demo: {size / 2**30:.2f} GiB per path, node {config.node}, hmcd {hmcd_state}")
+    print_table(_table(rows))
+    if cuda is not None:
+        note = f" ({cuda['note']})" if "note" in cuda else ""
+        print(f"\nCUDA device memory, {cuda['source']} -> {cuda['target']}: {cuda['size_bytes'] / 2**30:.2f} GiB per path{note}, after a 4 KiB warm-up")
+        if "error" in cuda:
+            print(f"failed: {cuda['error']}")
+        print_table(_table(cuda["paths"]))
     return 0 if ok else 1
+
+
+def _table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {
+            "path": r["path"],
+            "result": (("verified" if r["verified"] else "CORRUPT") if r["available"] else "unavailable"),
+            "GB/s": r.get("gbps", "-"),
+            "negotiated for pair": r["negotiated"],
+            "why": r["why"],
+        }
+        for r in rows
+    ]
 
 
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -192,7 +268,8 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
         "demo",
         help="move and verify bytes over every path available on this machine",
         description="Start hmcd if needed and two agents in two processes, move --size bytes over every path "
-        "(local, ipc, rdma, ucx, staged), verify every byte, and report per path the choice, the reasons and GB/s.",
+        "(local, ipc, rdma, ucx, staged), verify every byte, and report per path the choice, the reasons and GB/s; "
+        "where CUDA devices exist, the same for GPU memory (cuda:0 -> cuda:1, or cuda:0 in the other process on one GPU).",
     )
     demo.add_argument("--size", default="1GiB", help="bytes to move per path (default: 1GiB; e.g. 256MiB)")
     demo.set_defaults(run=_demo)
