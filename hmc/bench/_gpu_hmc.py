@@ -12,11 +12,14 @@ paths are still measured.
 
 What it measures once the paths exist (GPU0 -> GPU1, WRITE): an initiator Agent
 (embedded, no hmcd) in this process with a torch tensor on cuda:0 registered as
-the source; a target Agent in a spawned child with a poisoned tensor on cuda:1.
-For each path of `HMC_PATHS` and each workload: the first transfer checks the
-path the handle reports, then post + wait iterations are timed, then the target
-checks every moved byte on its device. `ipc` goes without `path=` (the agent's
-own choice for the pair); `staged` is forced with `path="staged"`.
+the source; in a spawned child, a poisoned tensor on cuda:1 registered with two
+target Agents: one as it is, one that declares cuda:1 an AMD device (vendor
+override), so negotiation refuses vendor IPC and picks `staged`, what a real
+NVIDIA-AMD pair gets. For each path of `HMC_PATHS` and each workload: the first
+transfer checks the path the handle reports, then post + wait iterations are
+timed, then the target checks every moved byte on its device. Both paths go
+without `path=`: `ipc` to the plain agent's buffer, `staged` to the overriding
+agent's.
 
 Concurrency: the caller's thread drives the agent; the target child is driven over a pipe.
 """
@@ -43,6 +46,8 @@ _log = logging.getLogger(__name__)
 HMC_PATHS = ("ipc", "staged")
 """HMC's paths measured between the GPU0 and GPU1 processes (rows: system "hmc", path as named)."""
 STARTUP_TIMEOUT_S = 180.0
+VENDOR_OVERRIDE = {"cuda:1": "amd"}
+"""The second target agent's declaration: cuda:1 is "AMD", so only staged serves the pair."""
 
 
 def unavailable_reason() -> str | None:
@@ -74,9 +79,10 @@ def _target(conn: Connection, size: int) -> None:
         poison(dst, size)
         expected = pattern(size, SEED, torch.device("cuda", 1))
         torch.cuda.synchronize()
-        with Agent(Config(), daemon=False) as agent:
+        with Agent(Config(), daemon=False) as agent, Agent(Config(vendor_override=VENDOR_OVERRIDE), daemon=False) as amd:
             buffer = agent.register(dst, name="gpu-bench-target")
-            conn.send(("descriptor", buffer.descriptor.SerializeToString()))
+            declared = amd.register(dst, name="gpu-bench-target-amd")
+            conn.send(("descriptor", buffer.descriptor.SerializeToString(), declared.descriptor.SerializeToString()))
             _serve_destination(conn, dst, expected)
     except BaseException:
         send_error(conn)
@@ -108,11 +114,12 @@ def hmc_rows(workloads: Sequence[Workload], timing: Timing, on_row: Callable[[Ro
             src = pattern(size, SEED, torch.device("cuda", 0))
             torch.cuda.synchronize()
             local = agent.register(src, name="gpu-bench-src")
-            remote = common_pb2.BufferDescriptor.FromString(receive(conn, "descriptor", STARTUP_TIMEOUT_S, procs=[proc])[1])
+            message = receive(conn, "descriptor", STARTUP_TIMEOUT_S, procs=[proc])
+            remotes = {"ipc": common_pb2.BufferDescriptor.FromString(message[1]), "staged": common_pb2.BufferDescriptor.FromString(message[2])}
             for path in HMC_PATHS:
                 for w in workloads:
                     try:
-                        rows.append(_one(agent, local, remote, conn, proc, path, w, timing))
+                        rows.append(_one(agent, local, remotes[path], conn, proc, path, w, timing))
                     except UnsupportedError as exc:  # this path cannot move device memory in this build: no rows
                         _log.warning("hmc %s measures nothing: %s", path, exc)
                         break
@@ -143,5 +150,6 @@ def _one(agent: Any, local: Any, remote: Any, conn: Connection, proc: Any, path:
     times = measure(step, timing)
     conn.send(("verify", w))
     ok = receive(conn, "verified", procs=[proc])[1]
-    detail = f"HMC agent write() + wait(), GPU0 process -> GPU1 process, path {path}" + (" (forced)" if forced else " (negotiated)")
+    declared = " (negotiated: the target declares cuda:1 AMD by vendor override)" if remote.device.vendor != local.descriptor.device.vendor else " (negotiated)"
+    detail = f"HMC agent write() + wait(), GPU0 process -> GPU1 process, path {path}" + (" (forced)" if forced else declared)
     return gpu_row("hmc", path, w, times, ok, detail)
