@@ -7,8 +7,11 @@ path (v1/worker/gpu_model_runner.py:4249) calls `send_tensor_dict`, which is `is
 waits (distributed/parallel_state.py:1109). On CPU neither reaches torch.distributed:
 `GroupCoordinator.use_cpu_custom_send_recv` (parallel_state.py:574) sends the whole dict through the SHM
 communicator (`CpuCommunicator.send_tensor_dict`, device_communicators/cpu_communicator.py:148-170)
-whenever the PP ranks share an SHM group. Replacing the two `GroupCoordinator` methods for groups named
-"pp*" therefore takes over both routes; every other group and collective stays on torch.distributed.
+whenever the PP ranks share an SHM group, else to torch.distributed (gloo for CPU tensors). On the test
+box the workers log "CPU SHM communicator disabled for group pp:0" (cpu_communicator.py:47, the branch
+taken whenever any condition of :36-44 fails), so unpatched PP runs there over gloo. Replacing the two
+`GroupCoordinator` methods for groups named "pp*" takes over both routes; every other group and
+collective (the last stage's `broadcast_tensor_dict`, barriers) stays on torch.distributed.
 
 Wire. One message is one `agent.write` of a batch of ranges (one per tensor, 64-byte aligned) from a
 registered staging slot of the sender into the same slot of the receiver's ring, with `notify=` a
@@ -122,8 +125,10 @@ def _decode(payload: bytes, expect: tuple[str, ...]) -> dict[str, Any]:
         message = msgpack.unpackb(payload, strict_map_key=False)
     except (ValueError, msgpack.UnpackException) as exc:
         raise ProtocolError(f"HMC PP: undecodable message ({len(payload)} bytes)") from exc
-    if not isinstance(message, dict) or message.get("v") != PP_PROTOCOL_VERSION:
-        raise VersionMismatchError(f"HMC PP: peer speaks protocol {message.get('v') if isinstance(message, dict) else '?'}, this rank {PP_PROTOCOL_VERSION}")
+    if not isinstance(message, dict):
+        raise ProtocolError(f"HMC PP: expected a message map, got {type(message).__name__}")
+    if message.get("v") != PP_PROTOCOL_VERSION:
+        raise VersionMismatchError(f"HMC PP: peer speaks protocol {message.get('v')}, this rank {PP_PROTOCOL_VERSION}")
     if message.get("kind") not in expect:
         raise ProtocolError(f"HMC PP: expected {'/'.join(expect)}, got {message.get('kind')!r}")
     return message
@@ -193,7 +198,6 @@ class StageLink:
         self._ctl = self._register(_CTL_BYTES, "ctl")
         self._ring, self._ring_slot = self._register(slots * slot_bytes, "ring"), slot_bytes
         self._next_ring: hmc.BufferDescriptor | None = None
-        self._next_ctl: hmc.BufferDescriptor | None = None
         self._prev_ctl: hmc.BufferDescriptor | None = None
         self._next_slot_bytes = 0
         self._staging: hmc.ConnBuffer | None = None
@@ -202,7 +206,6 @@ class StageLink:
         self._sent = 0
         self._tickets = 0
         self._arrived: dict[int, dict[str, Any]] = {}
-        self._received = 0
         self._acks: list[hmc.TransferHandle] = []
         self._on_update: Callable[[LinkStats], None] | None = None
         self._closed = False
@@ -231,7 +234,6 @@ class StageLink:
             self._prev_ctl = hmc.BufferDescriptor.FromString(_decode(prev_hello, ("hello",))["ctl"])
         if next_hello is not None:
             peer = _decode(next_hello, ("hello",))
-            self._next_ctl = hmc.BufferDescriptor.FromString(peer["ctl"])
             self._use_next_ring(hmc.BufferDescriptor.FromString(peer["ring"]), int(peer["slot_bytes"]), int(peer["slots"]))
 
     def _use_next_ring(self, ring: hmc.BufferDescriptor, slot_bytes: int, slots: int) -> None:
@@ -378,7 +380,6 @@ class StageLink:
             raw = ring[base + offset: base + offset + nbytes]
             out[key] = raw.view(dtype).reshape(shape).to(self.device, copy=True)
             received += nbytes
-        self._received += 1
         self.stats.received_messages += 1
         self.stats.received_bytes += received
         self._updated()

@@ -8,6 +8,7 @@ without the HMC transport and compares greedy tokens; each PP rank's stats file 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -173,7 +174,8 @@ def _generate(model: Path, pp: int, out: Path, log: Path, env: dict[str, str], t
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_two_pp_stages_over_hmc_give_the_one_stage_tokens(tmp_path: Path) -> None:
-    pytest.importorskip("vllm")
+    if importlib.util.find_spec("vllm") is None:  # not imported here: vLLM only runs in the subprocesses
+        pytest.skip("vLLM is not installed")
     from hmc_vllm.testing import PROMPTS, make_tiny_llama, server_env
 
     model = make_tiny_llama(tmp_path / "tiny")
@@ -193,6 +195,7 @@ def test_two_pp_stages_over_hmc_give_the_one_stage_tokens(tmp_path: Path) -> Non
     assert set(ranks) == {"pp-rank0.json", "pp-rank1.json"}, ranks
     sender, receiver = ranks["pp-rank0.json"], ranks["pp-rank1.json"]
     assert sender["sent_messages"] == receiver["received_messages"] >= 12  # one per step: a prefill and 11 decodes at least
-    assert receiver["received_bytes"] > 0 and sender["sent_bytes"] >= receiver["received_bytes"]
+    assert receiver["received_bytes"] > 0 and receiver["received_bytes"] % (2 * 64 * 4) == 0  # hidden_states + residual, fp32, hidden 64
+    assert sender["sent_bytes"] == receiver["received_bytes"]
     assert sender["paths"] and set(sender["paths"]) <= {p.value for p in hmc.PathName}, sender["paths"]
     assert "HMC PP transport installed" in (tmp_path / "pp2.log").read_text()
