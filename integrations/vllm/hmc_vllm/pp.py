@@ -86,6 +86,8 @@ PP_PROTOCOL_VERSION = 1
 STATS_ENV = "HMC_VLLM_PP_STATS"
 """A directory: each PP rank keeps `pp-rank{N}.json` there with its `LinkStats` (a test and debug aid)."""
 
+_HANDSHAKE_TIMEOUT_S = 300.0
+"""How long the first PP call of a rank waits for every rank of the group (the first stage's first forward pass included)."""
 _ALIGN = 64
 _CTL_BYTES = 64
 _LINK_ATTR = "_hmc_pp_link"
@@ -501,7 +503,8 @@ def _link_of(group: Any, stats_dir: str | None) -> StageLink:
     return link
 
 
-def _connect(group: Any, stats_dir: str | None, handshake_timeout_s: float = 300.0) -> StageLink:
+def _connect(group: Any, stats_dir: str | None) -> StageLink:
+    """Build this rank's StageLink and swap hellos with every rank of `group` over its CPU process group."""
     rank, size = group.rank_in_group, group.world_size
     link = StageLink(hmc.Agent(), rank=torch.distributed.get_rank(), device=group.device)
     atexit.register(link.close)
@@ -510,11 +513,11 @@ def _connect(group: Any, stats_dir: str | None, handshake_timeout_s: float = 300
         link.on_update(lambda stats: path.write_text(json.dumps(dataclasses.asdict(stats))))
     hellos: list[bytes | None] = [None] * size
     try:
-        torch.distributed.monitored_barrier(group=group.cpu_group, timeout=datetime.timedelta(seconds=handshake_timeout_s))
+        torch.distributed.monitored_barrier(group=group.cpu_group, timeout=datetime.timedelta(seconds=_HANDSHAKE_TIMEOUT_S))
         torch.distributed.all_gather_object(hellos, link.hello(), group=group.cpu_group)
     except RuntimeError as exc:
         link.close()
-        raise TimeoutError(f"HMC PP: handshake of {group.unique_name} failed (every rank must join within {handshake_timeout_s:g}s): {exc}") from exc
+        raise TimeoutError(f"HMC PP: handshake of {group.unique_name} failed (every rank must join within {_HANDSHAKE_TIMEOUT_S:g}s): {exc}") from exc
     try:
         link.connect(prev_hello=hellos[(rank - 1) % size], next_hello=hellos[(rank + 1) % size])
     except HMCError:
