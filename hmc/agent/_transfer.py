@@ -29,6 +29,7 @@ import dataclasses
 import enum
 import functools
 import itertools
+import os
 import queue
 import secrets
 import threading
@@ -70,6 +71,9 @@ _new = object.__new__
 def _process_token() -> str:
     """Random per-process prefix making transfer ids unique across agents."""
     return secrets.token_hex(6)
+
+
+os.register_at_fork(after_in_child=_process_token.cache_clear)  # a forked child must not reuse its parent's ids
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
