@@ -1,0 +1,61 @@
+"""Which facts two vLLM instances must agree on before KV blocks may move between them.
+
+Each side computes its factors; the prefill side ships them in kv_transfer_params and the decode side
+compares them field by field, so a refusal says exactly what differs. The attention backend and the
+GPU vendor are deliberately absent: a pair is compatible whenever the bytes of a block mean the same
+thing on both sides (same model, dtype, heads, head size, block size and block layout in bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hmc_vllm import HMC_CONNECTOR_VERSION
+
+#: Factors whose difference makes a pair incompatible, in the order refusals list them.
+FACTORS: tuple[str, ...] = (
+    "connector_version",
+    "mode",
+    "model",
+    "dtype",
+    "cache_dtype",
+    "num_layers",
+    "num_kv_heads",
+    "head_size",
+    "block_size",
+    "tp_size",
+    "block_bytes",
+    "segments",
+)
+
+
+def engine_factors(vllm_config: Any, mode: str) -> dict[str, Any]:
+    """The factors known from the engine's configuration alone (the scheduler side)."""
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    return {
+        "connector_version": HMC_CONNECTOR_VERSION,
+        "mode": mode,
+        "model": str(model.model),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "num_layers": int(model.get_num_layers(parallel)),
+        "num_kv_heads": int(model.get_num_kv_heads(parallel)),
+        "head_size": int(model.get_head_size()),
+        "block_size": int(vllm_config.cache_config.block_size),
+        "tp_size": int(parallel.tensor_parallel_size),
+    }
+
+
+def differences(local: Mapping[str, Any], peer: Mapping[str, Any]) -> list[str]:
+    """Human-readable differences, one per factor, e.g. "block_size: peer 64, here 32"."""
+    return [f"{name}: peer {peer.get(name)!r}, here {local.get(name)!r}" for name in FACTORS if local.get(name) != peer.get(name)]
+
+
+def refusal(local: Mapping[str, Any], peer: Mapping[str, Any]) -> str | None:
+    """None when compatible, else the message a refused transfer reports."""
+    diff = differences(local, peer)
+    if not diff:
+        return None
+    return "HMCConnector: incompatible KV caches (" + "; ".join(diff) + ")"

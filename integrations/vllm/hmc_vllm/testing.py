@@ -1,0 +1,166 @@
+"""Test and benchmark support: a tiny random Llama written offline, and real vLLM servers in subprocesses.
+
+Nothing here is a stand-in: the model is a real (random) Llama checkpoint with a real tokenizer,
+and `VllmServer` runs `python -m vllm.entrypoints.openai.api_server` on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+#: Prompts whose greedy continuations the end-to-end tests compare.
+PROMPTS: tuple[str, ...] = (
+    "the quick brown fox",
+    "jumps over the lazy dog 17 and the quick brown fox jumps over the lazy dog 42 the quick",
+    "dog fox dog fox the the the quick quick brown",
+    "over the lazy dog 3 over the lazy dog 4 over the lazy dog 5 over the lazy dog 6 over the lazy dog 7 over",
+)
+
+
+def make_tiny_llama(path: str | Path, *, seed: int = 0) -> Path:
+    """Write a 2-layer random Llama (hidden 64, head_dim 32, fp32) and a byte-level BPE tokenizer to `path`."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out = Path(path)
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = [f"the quick brown fox jumps over the lazy dog {i}" for i in range(200)]
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(out)
+    config = LlamaConfig(
+        vocab_size=max(fast.vocab_size, 512), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
+        bos_token_id=0, eos_token_id=1, torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_env(**extra: str) -> dict[str, str]:
+    """The environment vLLM servers run with here: CPU, small KV space, quiet, no hub access."""
+    env = dict(os.environ)
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+        # Several servers share this machine's cores: vLLM's automatic binding would pin every one
+        # of them to the same core (it assumes one instance per machine).
+        VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+    )
+    env.update(extra)
+    return env
+
+
+class VllmServer:
+    """One `vllm.entrypoints.openai.api_server` on 127.0.0.1, started and stopped by the caller."""
+
+    def __init__(
+        self, model: str | Path, *, kv_transfer_config: dict[str, Any] | None = None, port: int | None = None,
+        log: str | Path | None = None, env: dict[str, str] | None = None, extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--block-size", "32",
+            "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "8", "--seed", "0", *extra_args,
+        ]
+        if kv_transfer_config is not None:
+            args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        self.log_path = Path(log) if log else None
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - closed in stop()
+        self._log_file = out if self.log_path else None
+        self.process = subprocess.Popen(args, env=env or server_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 240.0) -> VllmServer:
+        """Block until /health answers 200; RuntimeError (with the log's tail) if the server dies or times out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM server on port {self.port} exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"vLLM server on port {self.port} not ready after {timeout:g}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines of the server's log, for failure messages."""
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to the server's whole process group (the API server and its engine core)."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, sig)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout`; always reaps the process group."""
+        try:
+            self.kill(signal.SIGTERM)
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill(signal.SIGKILL)
+            self.process.wait(timeout)
+        except ProcessLookupError:
+            pass
+        finally:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            if self._log_file is not None:
+                self._log_file.close()
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[int, dict[str, Any]]:
+    """POST a JSON body; returns (status, decoded JSON body), also for error statuses."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        payload = exc.read()
+        try:
+            return exc.code, json.loads(payload)
+        except json.JSONDecodeError:
+            return exc.code, {"error": payload.decode(errors="replace")}

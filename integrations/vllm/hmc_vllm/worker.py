@@ -1,0 +1,346 @@
+"""HMCConnector's worker half: registers the KV caches once and moves blocks as batched HMC transfers.
+
+Push (default): the decode worker sends the prefill worker a `want` message naming its blocks;
+the prefill worker writes its blocks straight into them, one agent.write per buffer pair with a
+`kv` notification that arrives after the data. Pull: the decode worker reads the blocks itself and
+sends `release`. Nothing here blocks the forward pass: all HMC work runs on the connector's own
+thread ("hmc-connector"), which takes each step's metadata from `start_load_kv`, reacts to peer
+messages as they arrive (a push starts when the `want` lands, not at the next engine step) and
+leaves its results for `get_transfer_results`. That thread, and every thread the agent starts from
+it, may run on any CPU: vLLM's CPU backend pins the worker's main thread to one core, where it
+spins between steps, and HMC's threads pinned beside it starved for seconds.
+Failures become data: a failed or late load is reported in failed_recving and its blocks in
+`block_ids_with_load_errors`; a prefill request whose lease expires or whose push fails is
+reported finished so vLLM frees its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import hmc
+from hmc.errors import HMCError
+from hmc_vllm.layout import KVLayout, block_ranges, describe, storages
+from hmc_vllm.metadata import HMCConnectorMetadata, RecvTask, SendTask, WorkerHandshake, decode, encode
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Load:
+    """A load in flight on the decode side."""
+
+    task: RecvTask
+    started: float
+    parts: int | None = None  # push: kv parts announced by the prefill side
+    landed: set[int] = field(default_factory=set)
+    handles: list[hmc.TransferHandle] = field(default_factory=list)  # pull reads, or the want message
+    peer: WorkerHandshake | None = None
+    nbytes: int = 0
+
+
+@dataclass
+class _Push:
+    """A push in flight on the prefill side."""
+
+    request_id: str
+    handles: list[hmc.TransferHandle]
+    started: float
+
+
+class HMCConnectorWorker:
+    """One vLLM worker's agent, registered KV buffers, and the transfers in flight."""
+
+    def __init__(self, engine_id: str, tp_rank: int, num_blocks: int, settings: Any) -> None:
+        self.engine_id = engine_id
+        self.tp_rank = tp_rank
+        self.num_blocks = num_blocks
+        self.settings = settings
+        self.agent: hmc.Agent | None = None
+        self.buffers: list[hmc.ConnBuffer] = []
+        self.layout: KVLayout | None = None
+        self._handshake: WorkerHandshake | None = None
+        self._held: dict[str, SendTask] = {}  # prefill: blocks held for a decode instance
+        self._wanted: dict[str, tuple[dict[str, Any], float]] = {}  # prefill: wants that came before their SendTask
+        self._pushes: dict[str, _Push] = {}
+        self._loads: dict[str, _Load] = {}  # decode: by local request id
+        self._steps: queue.SimpleQueue[HMCConnectorMetadata] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards the four result sets below, shared with the engine's thread
+        self._finished_sending: set[str] = set()
+        self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._bad_blocks: set[int] = set()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- once ------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        """Start the connector thread, which registers the KV caches (once, never per request)."""
+        ready: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, args=(kv_caches, ready), name="hmc-connector", daemon=True)
+        self._thread.start()
+        try:
+            error = ready.get(timeout=self.settings.message_timeout_s * 6)
+        except queue.Empty:
+            raise HMCError("HMCConnector: registering the KV caches did not finish in time") from None
+        if error is not None:
+            raise error
+
+    def _run(self, kv_caches: Mapping[str, Any], ready: queue.SimpleQueue[BaseException | None]) -> None:
+        _unpin()
+        try:
+            self._register(kv_caches)
+        except BaseException as exc:  # handed to the engine's thread, which raises it
+            ready.put(exc)
+            return
+        ready.put(None)
+        assert self.agent is not None
+        while not self._stop.is_set():
+            notes = self.agent.notifications(timeout=self.settings.poll_s)
+            while True:
+                try:
+                    self._take(self._steps.get_nowait())
+                except queue.Empty:
+                    break
+            for note in notes:
+                self._on_message(note.payload)
+            self._poll_pushes()
+            self._poll_loads()
+            self._expire()
+
+    def _register(self, kv_caches: Mapping[str, Any]) -> None:
+        self.agent = hmc.Agent(hmc.Config.load())
+        flat = storages(kv_caches)
+        self.layout = describe(kv_caches, flat, self.num_blocks)
+        self.buffers = [self.agent.register(b, name=f"vllm/{self.engine_id}/tp{self.tp_rank}/kv{i}") for i, b in enumerate(flat)]
+        self._handshake = WorkerHandshake(tuple(b.descriptor.SerializeToString() for b in self.buffers), self.layout)
+        _log.info(
+            "HMCConnector: %d KV buffer(s), %d segments of %d B per block, %d blocks, agent %s",
+            len(self.buffers), len(self.layout.segments), self.layout.block_bytes, self.num_blocks, self.agent.id,
+        )
+
+    def handshake(self) -> WorkerHandshake | None:
+        return self._handshake
+
+    # -- every step: start ---------------------------------------------------------------
+
+    def start_load_kv(self, meta: HMCConnectorMetadata) -> None:
+        """Hand this step's holds and loads to the connector thread (never waits)."""
+        if meta.sends or meta.recvs:
+            self._steps.put(meta)
+
+    def _take(self, meta: HMCConnectorMetadata) -> None:
+        for send in meta.sends:
+            self._held[send.request_id] = send
+            wanted = self._wanted.pop(send.request_id, None)
+            if wanted is not None:
+                self._push(send, wanted[0])
+        for task in meta.recvs:
+            self._start_load(task)
+
+    def _peer(self, task: RecvTask) -> WorkerHandshake:
+        wire = task.remote_workers.get(str(self.tp_rank))
+        if wire is None:
+            raise HMCError(f"the prefill instance has no worker of tensor-parallel rank {self.tp_rank}")
+        return WorkerHandshake.from_wire(wire)
+
+    def _start_load(self, task: RecvTask) -> None:
+        load = _Load(task, time.monotonic())
+        if task.local_blocks:
+            self._loads[task.request_id] = load
+        try:
+            if task.refused:
+                raise HMCError(task.refused)
+            load.peer = self._peer(task)
+            remote = [hmc.BufferDescriptor.FromString(b) for b in load.peer.buffers]
+            if not task.local_blocks:
+                self._message(remote[0], encode("release", req=task.remote_request_id))
+            elif self.settings.mode == "pull":
+                assert self.agent is not None and self.layout is not None
+                for (src, dst), (r_off, l_off, lengths) in block_ranges(load.peer.layout, self.layout, task.remote_blocks, task.local_blocks).items():
+                    load.handles.append(self.agent.read(self.buffers[dst], remote[src], r_off, l_off, lengths, timeout=self._remaining(task)))
+                    load.nbytes += int(lengths.sum())
+            else:
+                load.handles.append(
+                    self._message(
+                        remote[0],
+                        encode(
+                            "want", req=task.remote_request_id, dreq=task.request_id, blocks=list(task.local_blocks),
+                            rblocks=list(task.remote_blocks), peer=self._handshake.to_wire() if self._handshake else None,
+                        ),
+                    )
+                )
+        except HMCError as exc:
+            self._fail_load(task, str(exc))
+
+    def _remaining(self, task: RecvTask) -> float:
+        return max(task.deadline - time.time(), 0.001)
+
+    def _message(self, remote: hmc.BufferDescriptor, payload: bytes) -> hmc.TransferHandle:
+        """A notification to the peer that owns `remote`, riding on an empty transfer."""
+        assert self.agent is not None
+        return self.agent.write(self.buffers[0], remote, [], [], [], notify=payload, timeout=self.settings.message_timeout_s)
+
+    # -- prefill side -------------------------------------------------------------------------
+
+    def _push(self, send: SendTask, want: dict[str, Any]) -> None:
+        """Write the held blocks a `want` asked for into the decode worker's blocks."""
+        assert self.agent is not None and self.layout is not None
+        dreq = str(want.get("dreq"))
+        try:
+            peer = WorkerHandshake.from_wire(want.get("peer") or {})
+            remote = [hmc.BufferDescriptor.FromString(b) for b in peer.buffers]
+            rblocks = [int(b) for b in want.get("rblocks", ())]
+            if not set(rblocks) <= set(send.block_ids):
+                raise HMCError(f"blocks {sorted(set(rblocks) - set(send.block_ids))} are not held for request {send.request_id}")
+            self.before_push(send, rblocks)
+            groups = block_ranges(self.layout, peer.layout, rblocks, [int(b) for b in want.get("blocks", ())])
+            timeout = max(send.expiry - time.time(), self.settings.message_timeout_s)
+            handles = [
+                self.agent.write(self.buffers[src], remote[dst], s_off, d_off, lengths, notify=encode("kv", dreq=dreq, part=i, parts=len(groups)), timeout=timeout)
+                for i, ((src, dst), (s_off, d_off, lengths)) in enumerate(groups.items())
+            ]
+        except HMCError as exc:
+            _log.error("HMCConnector: push of request %s failed: %s", send.request_id, exc)
+            self._reply_error(want, str(exc))
+            self._finish_send(send.request_id)
+            return
+        self._pushes[send.request_id] = _Push(send.request_id, handles, time.monotonic())
+
+    def before_push(self, send: SendTask, block_ids: list[int]) -> None:
+        """Hook run just before blocks are pushed (the tests' negative control corrupts them here)."""
+
+    def _reply_error(self, want: Mapping[str, Any], reason: str) -> None:
+        try:
+            peer = WorkerHandshake.from_wire(want.get("peer") or {})
+            self._message(hmc.BufferDescriptor.FromString(peer.buffers[0]), encode("err", dreq=want.get("dreq"), reason=reason))
+        except HMCError as exc:
+            _log.warning("HMCConnector: could not tell the decode instance: %s", exc)
+
+    def _finish_send(self, request_id: str) -> None:
+        self._held.pop(request_id, None)
+        self._pushes.pop(request_id, None)
+        with self._lock:
+            self._finished_sending.add(request_id)
+
+    # -- every step: collect ---------------------------------------------------------------
+
+    def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last step; failed ⊆ finished_recving."""
+        with self._lock:
+            done = (self._finished_sending, self._finished_recving, self._failed_recving)
+            self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
+        return done
+
+    def block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            bad, self._bad_blocks = self._bad_blocks, set()
+        return bad
+
+    def _on_message(self, payload: bytes) -> None:
+        try:
+            message = decode(payload)
+        except HMCError as exc:
+            _log.warning("HMCConnector: ignored a notification: %s", exc)
+            return
+        kind = message["t"]
+        if kind == "want":
+            req = str(message.get("req"))
+            held = self._held.get(req)
+            if held is None:
+                self._wanted[req] = (message, time.monotonic())
+            elif req not in self._pushes:
+                self._push(held, message)
+        elif kind == "release":
+            if str(message.get("req")) in self._held:
+                self._finish_send(str(message.get("req")))
+        elif kind == "kv":
+            load = self._loads.get(str(message.get("dreq")))
+            if load is not None:
+                load.parts = int(message["parts"])
+                load.landed.add(int(message["part"]))
+        else:
+            load = self._loads.get(str(message.get("dreq")))
+            if load is not None:
+                self._fail_load(load.task, f"the prefill instance refused: {message.get('reason')}")
+
+    def _poll_pushes(self) -> None:
+        for push in list(self._pushes.values()):
+            if not all(h.done() for h in push.handles):
+                continue
+            failed = [h.error for h in push.handles if h.error is not None]
+            if failed:
+                _log.error("HMCConnector: push of request %s failed: %s", push.request_id, failed[0])
+            else:
+                _log.debug("HMCConnector: pushed request %s in %.3f ms", push.request_id, 1e3 * (time.monotonic() - push.started))
+            self._finish_send(push.request_id)
+
+    def _poll_loads(self) -> None:
+        for request_id, load in list(self._loads.items()):
+            if not all(h.done() for h in load.handles):
+                continue
+            failed = [h.error for h in load.handles if h.error is not None]
+            if failed:
+                self._fail_load(load.task, f"transfer failed: {failed[0]}")
+            elif self.settings.mode == "pull" or (load.parts is not None and len(load.landed) == load.parts):
+                self._loads.pop(request_id)
+                with self._lock:
+                    self._finished_recving.add(request_id)
+                _log.info("HMCConnector: loaded request %s (%d blocks) in %.3f ms", request_id, len(load.task.local_blocks), 1e3 * (time.monotonic() - load.started))
+                if self.settings.mode == "pull" and load.peer is not None:
+                    try:
+                        self._message(hmc.BufferDescriptor.FromString(load.peer.buffers[0]), encode("release", req=load.task.remote_request_id))
+                    except HMCError as exc:
+                        _log.warning("HMCConnector: release of request %s not delivered (its lease frees it): %s", load.task.remote_request_id, exc)
+
+    def _expire(self) -> None:
+        now, mono = time.time(), time.monotonic()
+        for request_id, held in list(self._held.items()):
+            if held.expiry <= now and request_id not in self._pushes:
+                _log.warning("HMCConnector: lease of request %s expired before a decode instance took its blocks; freeing them", request_id)
+                self._finish_send(request_id)
+        for req, (message, arrived) in list(self._wanted.items()):
+            if mono - arrived > self.settings.lease_s:
+                self._wanted.pop(req)
+                self._reply_error(message, f"request {req} is not held here (expired or unknown)")
+        for load in list(self._loads.values()):
+            if load.task.deadline <= now:
+                self._fail_load(load.task, f"no KV after {self.settings.load_timeout_s:g}s")
+
+    def _fail_load(self, task: RecvTask, reason: str) -> None:
+        load = self._loads.pop(task.request_id, None)
+        _log.error("HMCConnector: loading request %s from engine %s failed: %s", task.request_id, task.remote_engine_id, reason)
+        if load is None:  # a release (nothing parked), or reported already
+            return
+        for handle in load.handles:
+            handle.cancel()
+        with self._lock:
+            self._finished_recving.add(task.request_id)
+            self._failed_recving.add(task.request_id)
+            self._bad_blocks.update(task.local_blocks)
+
+    def close(self) -> None:
+        """Stop the connector thread and close the agent (its buffers are withdrawn)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.settings.message_timeout_s)
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
+
+
+def _unpin() -> None:
+    """Let the calling thread (and the threads it starts) run on every CPU this process may use."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except OSError as exc:
+        _log.debug("HMCConnector: connector thread keeps its CPU affinity: %s", exc)
+
