@@ -6,6 +6,7 @@ and `VllmServer` runs `python -m vllm.entrypoints.openai.api_server` on loopback
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -164,3 +165,39 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[i
             return exc.code, json.loads(payload)
         except json.JSONDecodeError:
             return exc.code, {"error": payload.decode(errors="replace")}
+
+
+class ProxyProcess:
+    """`python -m hmc_vllm.proxy` in a subprocess on 127.0.0.1, ready once its /health answers 200."""
+
+    def __init__(self, prefill: list[str], decode: list[str], *, log: str | Path | None = None, options: tuple[str, ...] = ()) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "hmc_vllm.proxy", "--prefill", *prefill, "--decode", *decode, "--port", str(self.port), *options]
+        self._log_file = open(log, "ab") if log else None  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(args, stdout=self._log_file or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 60.0) -> ProxyProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"proxy exited with {self.process.returncode}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"proxy on port {self.port} not ready after {timeout:g}s")
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+        if self._log_file is not None:
+            self._log_file.close()

@@ -65,6 +65,7 @@ class HMCConnectorWorker:
         self.settings = settings
         self.agent: hmc.Agent | None = None
         self.buffers: list[hmc.ConnBuffer] = []
+        self.kv_bytes: list[Any] = []  # the registered allocations as flat uint8 tensors, in buffer order
         self.layout: KVLayout | None = None
         self._handshake: WorkerHandshake | None = None
         self._held: dict[str, SendTask] = {}  # prefill: blocks held for a decode instance
@@ -118,9 +119,9 @@ class HMCConnectorWorker:
 
     def _register(self, kv_caches: Mapping[str, Any]) -> None:
         self.agent = hmc.Agent(hmc.Config.load())
-        flat = storages(kv_caches)
-        self.layout = describe(kv_caches, flat, self.num_blocks)
-        self.buffers = [self.agent.register(b, name=f"vllm/{self.engine_id}/tp{self.tp_rank}/kv{i}") for i, b in enumerate(flat)]
+        self.kv_bytes = storages(kv_caches)
+        self.layout = describe(kv_caches, self.kv_bytes, self.num_blocks)
+        self.buffers = [self.agent.register(b, name=f"vllm/{self.engine_id}/tp{self.tp_rank}/kv{i}") for i, b in enumerate(self.kv_bytes)]
         self._handshake = WorkerHandshake(tuple(b.descriptor.SerializeToString() for b in self.buffers), self.layout)
         _log.info(
             "HMCConnector: %d KV buffer(s), %d segments of %d B per block, %d blocks, agent %s",
