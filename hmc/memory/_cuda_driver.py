@@ -71,6 +71,21 @@ def pointer_ordinal(address: int) -> int:
     return ordinal.value
 
 
+class _Pushed:
+    """`Contexts.use()`'s block: a push on entry, a pop on exit (a class, not a generator: it sits on every copy's path)."""
+
+    __slots__ = ("_context",)
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+
+    def __enter__(self) -> None:
+        check(driver.cuCtxPushCurrent(self._context))
+
+    def __exit__(self, *exc: object) -> None:
+        check(driver.cuCtxPopCurrent())
+
+
 class Contexts:
     """The devices' primary contexts, retained on first use, and the peer links enabled so far."""
 
@@ -92,14 +107,10 @@ class Contexts:
                 self._contexts[ordinal] = context
             return context
 
-    @contextlib.contextmanager
-    def use(self, ordinal: int) -> Iterator[None]:
+    def use(self, ordinal: int) -> _Pushed:
         """Make device `ordinal`'s primary context current for the block, then restore the caller's."""
-        check(driver.cuCtxPushCurrent(self.context(ordinal)))
-        try:
-            yield
-        finally:
-            check(driver.cuCtxPopCurrent())
+        context = self._contexts.get(ordinal)  # a plain read first: retained contexts never change
+        return _Pushed(context if context is not None else self.context(ordinal))
 
     @contextlib.contextmanager
     def use_any(self) -> Iterator[None]:
@@ -186,6 +197,11 @@ class CudaStream(Stream):
     def handle(self) -> int:
         """The native CUstream handle."""
         return int(self._stream)
+
+    @property
+    def native(self) -> Any:
+        """The cuda.bindings CUstream object (driver calls take it without converting an int)."""
+        return self._stream
 
     def synchronize(self) -> None:
         with self._contexts.use(self.device.index):

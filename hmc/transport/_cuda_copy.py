@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -61,6 +62,8 @@ _BLOCK_SMALL, _BLOCK_LARGE = 256, 512
 _SMALL_PIECE = 32 << 10
 """Batches whose longest piece is at most this get 256-thread blocks (one unrolled pass moves 16 KiB), others 512."""
 _KERNEL = "hmc_copy_ranges"
+_YIELD_S = 0.02
+"""How long a wait polls with sched_yield before it sleeps between polls."""
 
 KERNEL_SOURCE = r"""
 typedef unsigned long long u64;
@@ -216,8 +219,11 @@ def pieces(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, piece: int = P
 def spin_until(query: Callable[[], Any], deadline: float) -> bool:
     """Poll a CUresult-returning query until it is not CUDA_ERROR_NOT_READY (True) or `deadline` passed (False).
 
-    Tight for the first polls (microsecond copies), then yielding the GIL each
-    poll, then sleeping 0.2 ms between polls after 20 ms (long transfers).
+    Tight for the first polls (microsecond copies), then yielding the CPU and the
+    GIL between polls (`os.sched_yield`) for 20 ms, then sleeping 0.2 ms between
+    polls (long transfers). Not `time.sleep(0)`: on the project's VMs that is a
+    timed sleep of about 60 us (timer slack; measured on the CPU machine), which
+    delayed the completion of every batch and every large copy by that much.
     """
     not_ready = driver.CUresult.CUDA_ERROR_NOT_READY
     polls = 0
@@ -235,7 +241,10 @@ def spin_until(query: Callable[[], Any], deadline: float) -> bool:
             continue
         if not started:
             started = now
-        time.sleep(0 if now - started < 0.02 else 0.0002)
+        if now - started < _YIELD_S:
+            os.sched_yield()
+        else:
+            time.sleep(0.0002)
 
 
 # -- lanes ---------------------------------------------------------------------------
@@ -274,6 +283,8 @@ class Lane:
             self._uploaded = check(driver.cuEventCreate(int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
         self._bounce_lock = threading.Lock()  # one transfer at a time uses the bounce buffer
         self._bounce: Bounce | None = None
+        self.copy_now = self._copier()
+        """copy_now(dst, src, length, deadline): one copy, waited for on this thread; True once done, False when `deadline` passed first."""
 
     @property
     def kernel_kind(self) -> str:
@@ -306,30 +317,37 @@ class Lane:
             check(driver.cuEventRecord(event, self.handle))
             return event
 
-    def copy_now(self, dst: int, src: int, length: int, deadline: float) -> bool:
-        """One copy, waited for on this thread: True once done, False when `deadline` passed first.
+    def _copier(self) -> Callable[[int, int, int, float], bool]:
+        """`copy_now`: one closure with the driver functions and handles bound (the single-range fast path, a 4 KiB write).
 
-        The single-range fast path (a 4 KiB write): the copy and stream polls, inside a push and pop
-        of the lane's context unless the caller's thread has it current already (PyTorch on this GPU).
+        The copy and stream polls run inside a push and pop of the lane's context
+        unless the caller's thread has it current already (PyTorch on this GPU).
         """
-        stream, ok, not_ready, query = self.handle, self._ok, self._not_ready, driver.cuStreamQuery
-        pushed = int(driver.cuCtxGetCurrent()[1]) != self._context_id
-        if pushed:
-            check(driver.cuCtxPushCurrent(self._context))
-        try:
-            status = driver.cuMemcpyAsync(dst, src, length, stream)[0]
-            if status != ok:
-                check((status,))
-            for _ in range(256):  # a small copy lands within these polls
-                status = query(stream)[0]
-                if status == ok:
-                    return True
-                if status != not_ready:
-                    check((status,))
-            return spin_until(lambda: query(stream)[0], deadline)
-        finally:
+        stream, ok, not_ready = self.stream.native, self._ok, self._not_ready
+        context, context_id = self._context, self._context_id
+        memcpy, query, current = driver.cuMemcpyAsync, driver.cuStreamQuery, driver.cuCtxGetCurrent
+        push, pop = driver.cuCtxPushCurrent, driver.cuCtxPopCurrent
+
+        def copy(dst: int, src: int, length: int, deadline: float) -> bool:
+            pushed = int(current()[1]) != context_id
             if pushed:
-                check(driver.cuCtxPopCurrent())
+                check(push(context))
+            try:
+                status = memcpy(dst, src, length, stream)[0]
+                if status != ok:
+                    check((status,))
+                for _ in range(256):  # a small copy lands within these polls
+                    status = query(stream)[0]
+                    if status == ok:
+                        return True
+                    if status != not_ready:
+                        check((status,))
+                return spin_until(lambda: query(stream)[0], deadline)
+            finally:
+                if pushed:
+                    check(pop())
+
+        return copy
 
     def record(self) -> Any:
         """An event marking everything queued so far (release it with release_event)."""

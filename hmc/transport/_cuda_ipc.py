@@ -280,36 +280,56 @@ class CudaIpcTransport(Transport, _MappingCache):
             return None
         base, lane, _, local_use = self._local_side(local, device)
         remote_base, timeout, use = mapping.address, self._timeout_s, mapping.use
-        one = self._one
-        if local_use is None:  # device memory on both sides (the common case): no second use to hold
-            copy_now, inflight, monotonic = lane.copy_now, use.inflight, time.monotonic
+        if local_use is None:  # device memory on both sides (the common case): one closure each, no second use to hold
+            write = self._device_copy(lane, use, base, remote_base, refuse=remote.id if mapping.read_only else None)
+            read = self._device_copy(lane, use, base, remote_base, pull=True)
+            return InlineCopy(write=write, read=read, local_size=local.size, remote_size=mapping.size)
 
-            def one(lane: Lane, use: _Use, local_use: _Use | None, dst: int, src: int, length: int, timeout: float) -> None:
-                inflight.append(None)  # use.enter(), inlined
-                if use.revoked:
-                    use.leave()
-                    raise BufferWithdrawnError("the buffer was withdrawn")
-                try:
-                    finished = copy_now(dst, src, length, monotonic() + timeout)
-                except HMCError:
-                    use.leave()
-                    raise
-                if not finished:
-                    self._linger(lane, (use,))
-                    raise TimeoutError("ipc copy missed its deadline")
-                inflight.pop()  # use.leave(), inlined
-                if use.revoked and not inflight:
-                    use.leave_closed()
-
-        def write(local_offset: int, remote_offset: int, length: int) -> None:
+        def write_one(local_offset: int, remote_offset: int, length: int) -> None:
             if mapping.read_only:
                 raise AccessDeniedError(f"buffer {remote.id} is read-only: its owner grants reads only")
-            one(lane, use, local_use, remote_base + remote_offset, base + local_offset, length, timeout)
+            self._one(lane, use, local_use, remote_base + remote_offset, base + local_offset, length, timeout)
 
-        def read(local_offset: int, remote_offset: int, length: int) -> None:
-            one(lane, use, local_use, base + local_offset, remote_base + remote_offset, length, timeout)
+        def read_one(local_offset: int, remote_offset: int, length: int) -> None:
+            self._one(lane, use, local_use, base + local_offset, remote_base + remote_offset, length, timeout)
 
-        return InlineCopy(write=write, read=read, local_size=local.size, remote_size=mapping.size)
+        return InlineCopy(write=write_one, read=read_one, local_size=local.size, remote_size=mapping.size)
+
+    def _device_copy(
+        self, lane: Lane, use: _Use, local_base: int, remote_base: int, *, pull: bool = False, refuse: str | None = None,
+    ) -> Callable[[int, int, int], None]:
+        """copy(local_offset, remote_offset, length): one copy between device memory here and a mapped peer buffer.
+
+        `_one` with `use.enter()`/`leave()` inlined and every name bound, waited for
+        on the caller's thread: the 4 KiB write's whole path below the agent. A
+        write (`pull` False) into a buffer whose grant refuses writes raises
+        AccessDeniedError naming `refuse`.
+        """
+        copy_now, inflight, monotonic, timeout, linger = lane.copy_now, use.inflight, time.monotonic, self._timeout_s, self._linger
+
+        def copy(local_offset: int, remote_offset: int, length: int) -> None:
+            if refuse is not None:
+                raise AccessDeniedError(f"buffer {refuse} is read-only: its owner grants reads only")
+            inflight.append(None)  # use.enter(), inlined
+            if use.revoked:
+                use.leave()
+                raise BufferWithdrawnError("the buffer was withdrawn")
+            try:
+                if pull:
+                    finished = copy_now(local_base + local_offset, remote_base + remote_offset, length, monotonic() + timeout)
+                else:
+                    finished = copy_now(remote_base + remote_offset, local_base + local_offset, length, monotonic() + timeout)
+            except HMCError:
+                use.leave()
+                raise
+            if not finished:
+                linger(lane, (use,))
+                raise TimeoutError("ipc copy missed its deadline")
+            inflight.pop()  # use.leave(), inlined
+            if use.revoked and not inflight:
+                use.leave_closed()
+
+        return copy
 
     def _one(self, lane: Lane, use: _Use, local_use: _Use | None, dst: int, src: int, length: int, timeout: float) -> None:
         uses = _enter(use, local_use)
