@@ -4,6 +4,7 @@ Each side computes its factors; the prefill side ships them in kv_transfer_param
 compares them field by field, so a refusal says exactly what differs. The attention backend and the
 GPU vendor are deliberately absent: a pair is compatible whenever the bytes of a block mean the same
 thing on both sides (same model, dtype, heads, head size, block size and block layout in bytes).
+The transfer mode is not a factor either: a prefill instance serves push, pull and hmcd decoders alike.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from hmc_vllm import HMC_CONNECTOR_VERSION
 #: Factors whose difference makes a pair incompatible, in the order refusals list them.
 FACTORS: tuple[str, ...] = (
     "connector_version",
-    "mode",
     "model",
     "dtype",
     "cache_dtype",
@@ -30,13 +30,12 @@ FACTORS: tuple[str, ...] = (
 )
 
 
-def engine_factors(vllm_config: Any, mode: str) -> dict[str, Any]:
+def engine_factors(vllm_config: Any) -> dict[str, Any]:
     """The factors known from the engine's configuration alone (the scheduler side)."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     return {
         "connector_version": HMC_CONNECTOR_VERSION,
-        "mode": mode,
         "model": str(model.model),
         "dtype": str(model.dtype).removeprefix("torch."),
         "cache_dtype": str(vllm_config.cache_config.cache_dtype),

@@ -2,7 +2,9 @@
 
 vLLM builds the class twice, once per role; each instance holds one half and only delegates.
 Configure through `kv_connector_extra_config`:
-  mode            "push" (default: the prefill instance writes into the decode instance's blocks) or "pull"
+  mode            "push" (default: the prefill instance writes into the decode instance's blocks), "pull",
+                  or "hmcd" (KV-cache migration: hmcd has the prefill instance's agent write the blocks;
+                  both instances' agents must be attached to hmcd, see HMC_SOCKET)
   lease_s         how long a prefill instance holds a finished request's blocks for the decode side (30)
   load_timeout_s  how long a decode instance waits for a request's blocks before failing the load (lease_s)
 HMC itself is configured as always (hmc.Config: HMC_* variables or the TOML file); with an hmcd on the
@@ -28,6 +30,10 @@ from hmc_vllm.scheduler import HMCConnectorScheduler
 from hmc_vllm.worker import HMCConnectorWorker
 
 
+#: How blocks move: the prefill side writes them, the decode side reads them, or hmcd has them written.
+MODES = ("push", "pull", "hmcd")
+
+
 @dataclass(frozen=True)
 class ConnectorSettings:
     """HMCConnector's options, read once from kv_connector_extra_config."""
@@ -41,8 +47,8 @@ class ConnectorSettings:
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
         mode = str(extra.get("mode", "push"))
-        if mode not in ("push", "pull"):
-            raise ValueError(f"HMCConnector mode must be 'push' or 'pull', not {mode!r}")
+        if mode not in MODES:
+            raise ValueError(f"HMCConnector mode must be one of {', '.join(map(repr, MODES))}, not {mode!r}")
         lease = float(extra.get("lease_s", cls.lease_s))
         return cls(mode=mode, lease_s=lease, load_timeout_s=float(extra.get("load_timeout_s", lease)))
 

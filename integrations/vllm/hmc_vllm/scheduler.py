@@ -29,7 +29,7 @@ class HMCConnectorScheduler:
         self.engine_id = engine_id
         self.settings = settings
         self.recompute_on_failure = vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"
-        self._factors = engine_factors(vllm_config, settings.mode)
+        self._factors = engine_factors(vllm_config)
         self._workers: dict[str, Any] = {}
         self._recvs: list[RecvTask] = []
         self._sends: list[SendTask] = []

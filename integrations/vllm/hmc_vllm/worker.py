@@ -3,7 +3,9 @@
 Push (default): the decode worker sends the prefill worker a `want` message naming its blocks;
 the prefill worker writes its blocks straight into them, one agent.write per buffer pair with a
 `kv` notification that arrives after the data. Pull: the decode worker reads the blocks itself and
-sends `release`. Nothing here blocks the forward pass: all HMC work runs on the connector's own
+sends `release`. Hmcd (KV-cache migration): the decode worker asks hmcd, through hmc.Client, for a
+third-party transfer; hmcd instructs the agent that owns the blocks to write them here, with the
+same `kv` notifications, and the decode worker sends `release`. Nothing here blocks the forward pass: all HMC work runs on the connector's own
 thread ("hmc-connector"), which takes each step's metadata from `start_load_kv`, reacts to peer
 messages as they arrive (a push starts when the `want` lands, not at the next engine step) and
 leaves its results for `get_transfer_results`. That thread, and every thread the agent starts from
@@ -80,6 +82,7 @@ class HMCConnectorWorker:
         self._bad_blocks: set[int] = set()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._client: hmc.Client | None = None  # hmcd mode only
 
     # -- once ------------------------------------------------------------------------
 
@@ -164,6 +167,8 @@ class HMCConnectorWorker:
             remote = [hmc.BufferDescriptor.FromString(b) for b in load.peer.buffers]
             if not task.local_blocks:
                 self._message(remote[0], encode("release", req=task.remote_request_id))
+            elif self.settings.mode == "hmcd":
+                self._migrate(load, remote)
             elif self.settings.mode == "pull":
                 assert self.agent is not None and self.layout is not None
                 for (src, dst), (r_off, l_off, lengths) in block_ranges(load.peer.layout, self.layout, task.remote_blocks, task.local_blocks).items():
@@ -181,6 +186,18 @@ class HMCConnectorWorker:
                 )
         except HMCError as exc:
             self._fail_load(task, str(exc))
+
+    def _migrate(self, load: _Load, remote: list[hmc.BufferDescriptor]) -> None:
+        """Ask hmcd to have the prefill instance's agent write the blocks here (a third-party transfer)."""
+        assert self.agent is not None and self.layout is not None and load.peer is not None
+        if self._client is None:
+            self._client = hmc.Client(config=self.agent.config)
+        task = load.task
+        groups = block_ranges(load.peer.layout, self.layout, task.remote_blocks, task.local_blocks)
+        for i, ((src, dst), (s_off, d_off, lengths)) in enumerate(groups.items()):
+            notify = encode("kv", dreq=task.request_id, part=i, parts=len(groups))
+            self._client.submit(remote[src], self.buffers[dst].descriptor, s_off, d_off, lengths, notify=notify, timeout=self._remaining(task))
+            load.nbytes += int(lengths.sum())
 
     def _remaining(self, task: RecvTask) -> float:
         return max(task.deadline - time.time(), 0.001)
@@ -296,7 +313,7 @@ class HMCConnectorWorker:
                 with self._lock:
                     self._finished_recving.add(request_id)
                 _log.info("HMCConnector: loaded request %s (%d blocks) in %.3f ms", request_id, len(load.task.local_blocks), 1e3 * (time.monotonic() - load.started))
-                if self.settings.mode == "pull" and load.peer is not None:
+                if self.settings.mode != "push" and load.peer is not None:
                     try:
                         self._message(hmc.BufferDescriptor.FromString(load.peer.buffers[0]), encode("release", req=load.task.remote_request_id))
                     except HMCError as exc:
@@ -333,6 +350,9 @@ class HMCConnectorWorker:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.settings.message_timeout_s)
+        if self._client is not None:
+            self._client.close()
+            self._client = None
         if self.agent is not None:
             self.agent.close()
             self.agent = None

@@ -122,7 +122,7 @@ def test_messages_round_trip_and_garbage_is_a_protocol_error() -> None:
 def test_settings_defaults_and_bad_mode() -> None:
     settings = ConnectorSettings.from_extra({"lease_s": 5})
     assert (settings.mode, settings.lease_s, settings.load_timeout_s) == ("push", 5.0, 5.0)
-    with pytest.raises(ValueError, match="push' or 'pull"):
+    with pytest.raises(ValueError, match="one of 'push', 'pull', 'hmcd'"):
         ConnectorSettings.from_extra({"mode": "teleport"})
 
 
