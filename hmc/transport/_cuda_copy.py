@@ -63,7 +63,7 @@ _SMALL_PIECE = 32 << 10
 """Batches whose longest piece is at most this get 256-thread blocks (one unrolled pass moves 16 KiB), others 512."""
 _KERNEL = "hmc_copy_ranges"
 _YIELD_S = 0.02
-"""How long a wait polls with sched_yield before it sleeps between polls."""
+"""How long the ipc path's waits poll with sched_yield before they nap between polls (`spin_until`)."""
 
 KERNEL_SOURCE = r"""
 typedef unsigned long long u64;
@@ -216,14 +216,17 @@ def pieces(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, piece: int = P
     return src[index] + shift, dst[index] + shift, np.minimum(lengths[index] - shift, piece)
 
 
-def spin_until(query: Callable[[], Any], deadline: float) -> bool:
+def spin_until(query: Callable[[], Any], deadline: float, *, yield_s: float = 0.0) -> bool:
     """Poll a CUresult-returning query until it is not CUDA_ERROR_NOT_READY (True) or `deadline` passed (False).
 
-    Tight for the first polls (microsecond copies), then yielding the CPU and the
-    GIL between polls (`os.sched_yield`) for 20 ms, then sleeping 0.2 ms between
-    polls (long transfers). Not `time.sleep(0)`: on the project's VMs that is a
-    timed sleep of about 60 us (timer slack; measured on the CPU machine), which
-    delayed the completion of every batch and every large copy by that much.
+    Tight for the first polls (microsecond copies); then, for `yield_s` seconds,
+    yielding the CPU and the GIL between polls (`os.sched_yield`); then
+    `time.sleep(0)` between polls for 20 ms, then 0.2 ms. `time.sleep(0)` is a
+    timed sleep of about 55 us on the project's VMs (timer slack; measured on
+    2x H200): the ipc path, whose caller waits for each batch or large copy,
+    yields instead (2x H200: KV 64 KiB 283 -> 315 GB/s, 1 GiB 0.956x -> 0.988x
+    peer copy). The staged ring keeps napping: a thread spinning on the GIL
+    starves its other threads (staged 1 GiB fell from 0.94x to 0.82x pinned D2H).
     """
     not_ready = driver.CUresult.CUDA_ERROR_NOT_READY
     polls = 0
@@ -241,10 +244,11 @@ def spin_until(query: Callable[[], Any], deadline: float) -> bool:
             continue
         if not started:
             started = now
-        if now - started < _YIELD_S:
+        elapsed = now - started
+        if elapsed < yield_s:
             os.sched_yield()
         else:
-            time.sleep(0.0002)
+            time.sleep(0 if elapsed < yield_s + 0.02 else 0.0002)
 
 
 # -- lanes ---------------------------------------------------------------------------
@@ -283,8 +287,11 @@ class Lane:
             self._uploaded = check(driver.cuEventCreate(int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
         self._bounce_lock = threading.Lock()  # one transfer at a time uses the bounce buffer
         self._bounce: Bounce | None = None
-        self.copy_now = self._copier()
+        self.copy_now = self._copier(driver.cuMemcpyAsync)
         """copy_now(dst, src, length, deadline): one copy, waited for on this thread; True once done, False when `deadline` passed first."""
+        self.copy_device_now = self._copier(driver.cuMemcpyDtoDAsync)
+        """copy_now for two device pointers (this GPU's, a peer's): cuMemcpyDtoDAsync, as UCX's cuda_ipc does, skips
+        the unified-address lookup of cuMemcpyAsync; where the driver refuses it, the copy is retried with cuMemcpyAsync."""
 
     @property
     def kernel_kind(self) -> str:
@@ -317,15 +324,16 @@ class Lane:
             check(driver.cuEventRecord(event, self.handle))
             return event
 
-    def _copier(self) -> Callable[[int, int, int, float], bool]:
+    def _copier(self, memcpy: Callable[..., tuple[Any, ...]]) -> Callable[[int, int, int, float], bool]:
         """`copy_now`: one closure with the driver functions and handles bound (the single-range fast path, a 4 KiB write).
 
-        The copy and stream polls run inside a push and pop of the lane's context
-        unless the caller's thread has it current already (PyTorch on this GPU).
+        The copy (`memcpy`, else cuMemcpyAsync where `memcpy` fails) and stream polls
+        run inside a push and pop of the lane's context unless the caller's thread
+        has it current already (PyTorch on this GPU).
         """
         stream, ok, not_ready = self.stream.native, self._ok, self._not_ready
         context, context_id = self._context, self._context_id
-        memcpy, query, current = driver.cuMemcpyAsync, driver.cuStreamQuery, driver.cuCtxGetCurrent
+        generic, query, current = driver.cuMemcpyAsync, driver.cuStreamQuery, driver.cuCtxGetCurrent
         push, pop = driver.cuCtxPushCurrent, driver.cuCtxPopCurrent
 
         def copy(dst: int, src: int, length: int, deadline: float) -> bool:
@@ -334,6 +342,8 @@ class Lane:
                 check(push(context))
             try:
                 status = memcpy(dst, src, length, stream)[0]
+                if status != ok and memcpy is not generic:
+                    status = generic(dst, src, length, stream)[0]
                 if status != ok:
                     check((status,))
                 for _ in range(256):  # a small copy lands within these polls
@@ -342,7 +352,7 @@ class Lane:
                         return True
                     if status != not_ready:
                         check((status,))
-                return spin_until(lambda: query(stream)[0], deadline)
+                return spin_until(lambda: query(stream)[0], deadline, yield_s=_YIELD_S)
             finally:
                 if pushed:
                     check(pop())
@@ -360,7 +370,7 @@ class Lane:
         """Poll until everything queued on the stream finished (True) or `deadline` passed (False)."""
         stream = self.handle
         with self._contexts.use(self.ordinal):
-            return spin_until(lambda: driver.cuStreamQuery(stream)[0], deadline)
+            return spin_until(lambda: driver.cuStreamQuery(stream)[0], deadline, yield_s=_YIELD_S)
 
     def event_done(self, event: Any) -> bool:
         """True once the work before `event` finished (DeviceError if it failed)."""
@@ -374,7 +384,7 @@ class Lane:
     def event_wait(self, event: Any, deadline: float) -> bool:
         """Poll until the work before `event` finished (True) or `deadline` passed (False; a past one: one look)."""
         with self._contexts.use(self.ordinal):
-            return spin_until(lambda: driver.cuEventQuery(event)[0], deadline)
+            return spin_until(lambda: driver.cuEventQuery(event)[0], deadline, yield_s=_YIELD_S)
 
     def release_event(self, event: Any) -> None:
         with self._contexts.use(self.ordinal):
