@@ -354,3 +354,24 @@ def test_worker_needs_its_peer_of_the_same_tensor_parallel_rank(pair: Any) -> No
     d.start_load_kv(HMCConnectorMetadata(recvs=[task]))
     _, _, failed = collect(d, lambda s, r, f: "d-7" in f, timeout=2)
     assert failed == {"d-7"}
+
+
+# -- registration -----------------------------------------------------------------------------------
+
+
+def test_plugin_registers_once_and_both_ways_find_the_connector() -> None:
+    from importlib.metadata import entry_points
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from hmc_vllm.connector import HMCConnector
+    from hmc_vllm.plugin import register
+
+    [plugin] = [e for e in entry_points(group="vllm.general_plugins") if e.value == "hmc_vllm.plugin:register"]
+    assert plugin.load() is register
+    register()
+    register()  # vLLM runs every plugin in every process, some more than once
+    assert KVConnectorFactory.get_connector_class_by_name("HMCConnector") is HMCConnector
+    by_path = KVTransferConfig(kv_connector="HMCConnector", kv_role="kv_both", kv_connector_module_path="hmc_vllm.connector")
+    assert KVConnectorFactory.get_connector_class(by_path) is HMCConnector
