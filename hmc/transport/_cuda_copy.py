@@ -225,8 +225,9 @@ def spin_until(query: Callable[[], Any], deadline: float, *, yield_s: float = 0.
     timed sleep of about 55 us on the project's VMs (timer slack; measured on
     2x H200): the ipc path, whose caller waits for each batch or large copy,
     yields instead (2x H200: KV 64 KiB 283 -> 315 GB/s, 1 GiB 0.956x -> 0.988x
-    peer copy). The staged ring keeps napping: a thread spinning on the GIL
-    starves its other threads (staged 1 GiB fell from 0.94x to 0.82x pinned D2H).
+    peer copy). The staged ring keeps napping, as before: its threads share the
+    GIL, and with yields it was no faster (1 GiB 0.82x pinned D2H, with naps 0.84x
+    on the same kind of host).
     """
     not_ready = driver.CUresult.CUDA_ERROR_NOT_READY
     polls = 0
@@ -287,11 +288,8 @@ class Lane:
             self._uploaded = check(driver.cuEventCreate(int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
         self._bounce_lock = threading.Lock()  # one transfer at a time uses the bounce buffer
         self._bounce: Bounce | None = None
-        self.copy_now = self._copier(driver.cuMemcpyAsync)
+        self.copy_now = self._copier()
         """copy_now(dst, src, length, deadline): one copy, waited for on this thread; True once done, False when `deadline` passed first."""
-        self.copy_device_now = self._copier(driver.cuMemcpyDtoDAsync)
-        """copy_now for two device pointers (this GPU's, a peer's): cuMemcpyDtoDAsync, as UCX's cuda_ipc does, skips
-        the unified-address lookup of cuMemcpyAsync; where the driver refuses it, the copy is retried with cuMemcpyAsync."""
 
     @property
     def kernel_kind(self) -> str:
@@ -324,16 +322,18 @@ class Lane:
             check(driver.cuEventRecord(event, self.handle))
             return event
 
-    def _copier(self, memcpy: Callable[..., tuple[Any, ...]]) -> Callable[[int, int, int, float], bool]:
+    def _copier(self) -> Callable[[int, int, int, float], bool]:
         """`copy_now`: one closure with the driver functions and handles bound (the single-range fast path, a 4 KiB write).
 
-        The copy (`memcpy`, else cuMemcpyAsync where `memcpy` fails) and stream polls
-        run inside a push and pop of the lane's context unless the caller's thread
-        has it current already (PyTorch on this GPU).
+        The copy (cuMemcpyAsync; cuMemcpyDtoDAsync was slower through a CUDA IPC
+        mapping on 2x H200: 4 KiB write p50 11.9 us against 7.0 for a plain
+        cudaMemcpyAsync) and the stream polls run inside a push and pop of the
+        lane's context unless the caller's thread has it current already (PyTorch
+        on this GPU).
         """
         stream, ok, not_ready = self.stream.native, self._ok, self._not_ready
         context, context_id = self._context, self._context_id
-        generic, query, current = driver.cuMemcpyAsync, driver.cuStreamQuery, driver.cuCtxGetCurrent
+        memcpy, query, current = driver.cuMemcpyAsync, driver.cuStreamQuery, driver.cuCtxGetCurrent
         push, pop = driver.cuCtxPushCurrent, driver.cuCtxPopCurrent
 
         def copy(dst: int, src: int, length: int, deadline: float) -> bool:
@@ -342,8 +342,6 @@ class Lane:
                 check(push(context))
             try:
                 status = memcpy(dst, src, length, stream)[0]
-                if status != ok and memcpy is not generic:
-                    status = generic(dst, src, length, stream)[0]
                 if status != ok:
                     check((status,))
                 for _ in range(256):  # a small copy lands within these polls
