@@ -281,9 +281,8 @@ class CudaIpcTransport(Transport, _MappingCache):
         base, lane, _, local_use = self._local_side(local, device)
         remote_base, timeout, use = mapping.address, self._timeout_s, mapping.use
         if local_use is None:  # device memory on both sides (the common case): one closure each, no second use to hold
-            device_memory = local.region.kind is MemoryKind.DEVICE
-            write = self._device_copy(lane, use, base, remote_base, device=device_memory, refuse=remote.id if mapping.read_only else None)
-            read = self._device_copy(lane, use, base, remote_base, device=device_memory, pull=True)
+            write = self._device_copy(lane, use, base, remote_base, refuse=remote.id if mapping.read_only else None)
+            read = self._device_copy(lane, use, base, remote_base, pull=True)
             return InlineCopy(write=write, read=read, local_size=local.size, remote_size=mapping.size)
 
         def write_one(local_offset: int, remote_offset: int, length: int) -> None:
@@ -297,18 +296,16 @@ class CudaIpcTransport(Transport, _MappingCache):
         return InlineCopy(write=write_one, read=read_one, local_size=local.size, remote_size=mapping.size)
 
     def _device_copy(
-        self, lane: Lane, use: _Use, local_base: int, remote_base: int, *, device: bool, pull: bool = False, refuse: str | None = None,
+        self, lane: Lane, use: _Use, local_base: int, remote_base: int, *, pull: bool = False, refuse: str | None = None,
     ) -> Callable[[int, int, int], None]:
         """copy(local_offset, remote_offset, length): one copy between device memory here and a mapped peer buffer.
 
         `_one` with `use.enter()`/`leave()` inlined and every name bound, waited for
         on the caller's thread: the 4 KiB write's whole path below the agent. A
         write (`pull` False) into a buffer whose grant refuses writes raises
-        AccessDeniedError naming `refuse`. `device`: the local memory is device
-        memory (else host memory the driver would not page-lock).
+        AccessDeniedError naming `refuse`.
         """
-        copy_now = lane.copy_device_now if device else lane.copy_now
-        inflight, monotonic, timeout, linger = use.inflight, time.monotonic, self._timeout_s, self._linger
+        copy_now, inflight, monotonic, timeout, linger = lane.copy_now, use.inflight, time.monotonic, self._timeout_s, self._linger
 
         def copy(local_offset: int, remote_offset: int, length: int) -> None:
             if refuse is not None:
