@@ -81,50 +81,41 @@ def server_env(**extra: str) -> dict[str, str]:
     return env
 
 
-class VllmServer:
-    """One `vllm.entrypoints.openai.api_server` on 127.0.0.1, started and stopped by the caller."""
+class Service:
+    """A loopback HTTP service in its own process group (logging to `log`), ready once /health answers 200."""
 
-    def __init__(
-        self, model: str | Path, *, kv_transfer_config: dict[str, Any] | None = None, port: int | None = None,
-        log: str | Path | None = None, env: dict[str, str] | None = None, extra_args: tuple[str, ...] = (),
-    ) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        args = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--block-size", "32",
-            "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "8", "--seed", "0", *extra_args,
-        ]
-        if kv_transfer_config is not None:
-            args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    def __init__(self, name: str, args: list[str], port: int, *, log: str | Path | None = None, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
         self.log_path = Path(log) if log else None
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - closed in stop()
-        self._log_file = out if self.log_path else None
-        self.process = subprocess.Popen(args, env=env or server_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self._log_file = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 - closed in stop()
+        out = self._log_file or subprocess.DEVNULL
+        self.process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def wait_ready(self, timeout: float = 240.0) -> VllmServer:
-        """Block until /health answers 200; RuntimeError (with the log's tail) if the server dies or times out."""
+    def wait_ready(self, timeout: float = 240.0) -> Service:
+        """Block until /health answers 200; RuntimeError (with the log's tail) if the process dies or times out."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM server on port {self.port} exited with {self.process.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(f"{self.name} on port {self.port} exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as reply:
                     if reply.status == 200:
                         return self
             except (urllib.error.URLError, OSError):
                 pass
-            time.sleep(0.5)
-        raise RuntimeError(f"vLLM server on port {self.port} not ready after {timeout:g}s:\n{self.log_tail()}")
+            time.sleep(0.3)
+        raise RuntimeError(f"{self.name} on port {self.port} not ready after {timeout:g}s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 40) -> str:
-        """The last lines of the server's log, for failure messages."""
+        """The last lines of the log, for failure messages."""
         if self.log_path is None or not self.log_path.exists():
             return "(no log)"
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Send `sig` to the server's whole process group (the API server and its engine core)."""
+        """Send `sig` to the whole process group (for vLLM: the API server, its engine core and workers)."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, sig)
 
@@ -139,18 +130,43 @@ class VllmServer:
         except ProcessLookupError:
             pass
         finally:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             if self._log_file is not None:
                 self._log_file.close()
 
-    def __enter__(self) -> VllmServer:
+    def __enter__(self) -> Service:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class VllmServer(Service):
+    """One `vllm.entrypoints.openai.api_server` on the tiny model's settings (CPU, fp32, block 32, eager)."""
+
+    def __init__(
+        self, model: str | Path, *, kv_transfer_config: dict[str, Any] | None = None, port: int | None = None,
+        log: str | Path | None = None, env: dict[str, str] | None = None, extra_args: tuple[str, ...] = (),
+    ) -> None:
+        port = port or free_port()
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--block-size", "32",
+            "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "8", "--seed", "0", *extra_args,
+        ]
+        if kv_transfer_config is not None:
+            args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        super().__init__("vLLM server", args, port, log=log, env=env or server_env())
+
+
+class ProxyProcess(Service):
+    """`python -m hmc_vllm.proxy` in front of the given prefill and decode instances."""
+
+    def __init__(self, prefill: list[str], decode: list[str], *, log: str | Path | None = None, options: tuple[str, ...] = ()) -> None:
+        port = free_port()
+        args = [sys.executable, "-m", "hmc_vllm.proxy", "--prefill", *prefill, "--decode", *decode, "--port", str(port), *options]
+        super().__init__("proxy", args, port, log=log)
 
 
 def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[int, dict[str, Any]]:
@@ -165,39 +181,3 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[i
             return exc.code, json.loads(payload)
         except json.JSONDecodeError:
             return exc.code, {"error": payload.decode(errors="replace")}
-
-
-class ProxyProcess:
-    """`python -m hmc_vllm.proxy` in a subprocess on 127.0.0.1, ready once its /health answers 200."""
-
-    def __init__(self, prefill: list[str], decode: list[str], *, log: str | Path | None = None, options: tuple[str, ...] = ()) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "hmc_vllm.proxy", "--prefill", *prefill, "--decode", *decode, "--port", str(self.port), *options]
-        self._log_file = open(log, "ab") if log else None  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(args, stdout=self._log_file or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout: float = 60.0) -> ProxyProcess:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"proxy exited with {self.process.returncode}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as reply:
-                    if reply.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"proxy on port {self.port} not ready after {timeout:g}s")
-
-    def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
-        if self._log_file is not None:
-            self._log_file.close()

@@ -34,6 +34,10 @@ from hmc_vllm.metadata import HMCConnectorMetadata, RecvTask, SendTask, WorkerHa
 
 _log = logging.getLogger(__name__)
 
+#: How long a `want` for a request this prefill worker does not hold waits for the scheduler's hold
+#: (which follows within an engine step) before the decode side is told the blocks will not come.
+UNKNOWN_WANT_S = 5.0
+
 
 @dataclass
 class _Load:
@@ -45,7 +49,6 @@ class _Load:
     landed: set[int] = field(default_factory=set)
     handles: list[hmc.TransferHandle] = field(default_factory=list)  # pull reads, or the want message
     peer: WorkerHandshake | None = None
-    nbytes: int = 0
 
 
 @dataclass
@@ -108,17 +111,23 @@ class HMCConnectorWorker:
         ready.put(None)
         assert self.agent is not None
         while not self._stop.is_set():
-            notes = self.agent.notifications(timeout=self.settings.poll_s)
-            while True:
-                try:
-                    self._take(self._steps.get_nowait())
-                except queue.Empty:
-                    break
-            for note in notes:
-                self._on_message(note.payload)
-            self._poll_pushes()
-            self._poll_loads()
-            self._expire()
+            try:
+                self._turn(self.agent.notifications(timeout=self.settings.poll_s))
+            except Exception:  # a bug here must not stop the thread that enforces every deadline
+                _log.exception("HMCConnector: connector thread error (continuing)")
+
+    def _turn(self, notes: list[hmc.Notification]) -> None:
+        """One round of the connector thread: new steps, peer messages, then handles and deadlines."""
+        while True:
+            try:
+                self._take(self._steps.get_nowait())
+            except queue.Empty:
+                break
+        for note in notes:
+            self._on_message(note.payload)
+        self._poll_pushes()
+        self._poll_loads()
+        self._expire()
 
     def _register(self, kv_caches: Mapping[str, Any]) -> None:
         self.agent = hmc.Agent(hmc.Config.load())
@@ -173,7 +182,6 @@ class HMCConnectorWorker:
                 assert self.agent is not None and self.layout is not None
                 for (src, dst), (r_off, l_off, lengths) in block_ranges(load.peer.layout, self.layout, task.remote_blocks, task.local_blocks).items():
                     load.handles.append(self.agent.read(self.buffers[dst], remote[src], r_off, l_off, lengths, timeout=self._remaining(task)))
-                    load.nbytes += int(lengths.sum())
             else:
                 load.handles.append(
                     self._message(
@@ -197,7 +205,6 @@ class HMCConnectorWorker:
         for i, ((src, dst), (s_off, d_off, lengths)) in enumerate(groups.items()):
             notify = encode("kv", dreq=task.request_id, part=i, parts=len(groups))
             self._client.submit(remote[src], self.buffers[dst].descriptor, s_off, d_off, lengths, notify=notify, timeout=self._remaining(task))
-            load.nbytes += int(lengths.sum())
 
     def _remaining(self, task: RecvTask) -> float:
         return max(task.deadline - time.time(), 0.001)
@@ -326,7 +333,7 @@ class HMCConnectorWorker:
                 _log.warning("HMCConnector: lease of request %s expired before a decode instance took its blocks; freeing them", request_id)
                 self._finish_send(request_id)
         for req, (message, arrived) in list(self._wanted.items()):
-            if mono - arrived > self.settings.lease_s:
+            if mono - arrived > min(self.settings.lease_s, UNKNOWN_WANT_S):
                 self._wanted.pop(req)
                 self._reply_error(message, f"request {req} is not held here (expired or unknown)")
         for load in list(self._loads.values()):

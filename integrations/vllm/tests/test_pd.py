@@ -145,6 +145,20 @@ def test_prefill_blocks_are_released_after_the_transfer(cluster: Cluster) -> Non
     assert _kv_usage(cluster.prefill) == 0
 
 
+def test_a_load_that_cannot_succeed_fails_the_request_instead_of_hanging(cluster: Cluster) -> None:
+    """Params of a request whose blocks the prefill already released: the decode load fails as data."""
+    status, prefilled = post_json(cluster.prefill.url + "/v1/completions", {**_body(cluster, PROMPTS[2]), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    assert status == 200
+    params = prefilled["kv_transfer_params"]
+    assert _text(cluster.decode.url, {**_body(cluster, PROMPTS[2]), "kv_transfer_params": params})  # consumes the blocks
+    started = time.monotonic()
+    status, reply = post_json(cluster.decode.url + "/v1/completions", {**_body(cluster, PROMPTS[2]), "kv_transfer_params": dict(params)}, timeout=60)
+    assert status >= 500 and time.monotonic() - started < 20, (status, reply)  # kv_load_failure_policy "fail"
+    assert cluster.decode.log_path is not None
+    assert "is not held here" in cluster.decode.log_path.read_text(errors="replace")
+    assert _text(cluster.proxy.url, _body(cluster, PROMPTS[2])) == _text(cluster.single.url, _body(cluster, PROMPTS[2]))
+
+
 def test_decode_killed_mid_request_frees_prefill_blocks_and_the_rest_keep_serving(cluster: Cluster) -> None:
     """D is frozen while P holds the request's blocks, then killed: the proxy answers 502, P's lease frees them."""
     cluster.doomed.kill(signal.SIGSTOP)
