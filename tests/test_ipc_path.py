@@ -15,7 +15,7 @@ from hmc.agent._buffers import ConnBuffer
 from hmc.agent._server import _grant_handles
 from hmc.config import Config
 from hmc.control._inventory import transports
-from hmc.errors import UnsupportedError
+from hmc.errors import BrokenResourceError, UnsupportedError
 from hmc.memory import Device, DeviceKind, MemoryKind, MemoryRegion, Vendor
 from hmc.memory._host import HOST_DEVICE
 from hmc.transport._base import Capabilities, PathName, TransferOp, TransferRequest, Transport
@@ -170,16 +170,21 @@ def test_the_grant_of_device_memory_carries_its_cuda_ipc_handle() -> None:
     assert not _grant_handles(_local()).HasField("cuda_ipc")
 
 
-def test_staged_declares_device_memory_but_refuses_it_until_the_pinned_ring_exists() -> None:
-    def connect(*_: Any) -> Any:
-        raise AssertionError("a refused request must not connect")
+def test_staged_declares_device_memory_and_takes_it_to_another_host_over_the_tcp_ring() -> None:
+    unreachable = BrokenResourceError("the owner cannot be reached")
+    asked: list[str] = []
+
+    def connect(owner: common_pb2.AgentInfo, deadline: float) -> Any:
+        asked.append(threading.current_thread().name)
+        raise unreachable
 
     staged = StagedTransport(connect, memory_kinds=frozenset({DeviceKind.CUDA}))
     assert staged.capabilities.memory_kinds == {DeviceKind.HOST, DeviceKind.CUDA}
     for local, remote in ((_local(MemoryKind.DEVICE, GPU), _remote()), (_local(), _remote(common_pb2.DEVICE_KIND_CUDA))):
         done = Done()
-        staged.post(_request(local, remote, done))
-        assert isinstance(done.error, UnsupportedError) and "pinned-ring" in str(done.error)
+        staged.post(_request(local, remote, done))  # the owner declares no host id: another host
+        assert done.finished.wait(5.0) and done.error is unreachable
+    assert asked == ["hmc-staged-tcp-ring"] * 2
     staged.close()
 
 

@@ -22,9 +22,8 @@ from hmc.errors import AccessDeniedError, OutOfRangeError
 from hmc.testing import PeerProcess
 from hmc.transport._wire import error_reply
 from hmc.v1 import peer_pb2
-from hmc.v1.common_pb2 import BufferDescriptor
+from staged_support import POISON, grown, scattered_read_every_byte, write_read_every_byte
 
-POISON = 0xA5
 STAGED = PathPolicy(allow=("staged",))
 
 
@@ -39,40 +38,13 @@ def test_ring_write_and_read_every_byte(config: Config, peer: PeerProcess, rng: 
     remote = peer.register(size, fill=POISON)
     before = set(glob.glob("/dev/shm/hmc-staged-*"))
     with Agent(config.replace(policy=STAGED), daemon=False) as a:
-        data = rng.integers(0, 256, size, dtype=np.uint8)
-        src = a.register(data)
-        handle = a.write(src, remote, 1, 0, size - 1)
-        handle.wait()
-        assert handle.path == "staged" and handle.bytes_done == size - 1
-        expected = np.full(size, POISON, np.uint8)
-        expected[: size - 1] = data[1:]
+        src, out, expected = write_read_every_byte(a, remote, size, rng)
         assert peer.contents(remote.id) == expected.tobytes()
-        out = a.register(np.full(size, 0x3C, np.uint8))
-        a.read(out, remote, 0, 0, size).wait()
-        assert np.array_equal(out.numpy(), expected)
-        count = 3001
-        slot = size // count
-        lengths = rng.integers(1, slot + 1, count)
-        offsets = np.arange(count) * slot
-        order = rng.permutation(count)
-        out.numpy()[:] = 0x3C
-        a.read(out, remote, offsets[order], offsets[order], lengths[order]).wait()
-        mine = np.full(size, 0x3C, np.uint8)
-        for o, n in zip(offsets.tolist(), lengths.tolist()):
-            mine[o : o + n] = expected[o : o + n]
-        assert np.array_equal(out.numpy(), mine)
+        scattered_read_every_byte(a, out, remote, expected, rng)
         with pytest.raises(OutOfRangeError):
-            a.write(src, _grown(remote), 0, size, 16).wait()
+            a.write(src, grown(remote), 0, size, 16).wait()
         a.write(src, remote, 0, 0, 16).wait()  # the ring still works after a refusal
     assert set(glob.glob("/dev/shm/hmc-staged-*")) <= before, "the ring outlived the agent"
-
-
-def _grown(descriptor: BufferDescriptor) -> BufferDescriptor:
-    """The descriptor claiming more bytes than the owner registered (the owner's own check refuses)."""
-    bigger = BufferDescriptor()
-    bigger.CopyFrom(descriptor)
-    bigger.size = descriptor.size + 64
-    return bigger
 
 
 class _Replies:

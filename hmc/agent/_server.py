@@ -11,7 +11,11 @@ Peers connect over TCP and say in their hello which channel they open:
   against the registered size, and the access key verified, before one byte is
   received into the buffer; a refused DataWrite's payload is drained and
   discarded and a typed error sent back. Malformed frames get a ProtocolError
-  reply and that connection (only) is closed.
+  reply and that connection (only) is closed. Device memory goes through a
+  shared ring slot the frame names (same host, `_staged_shm`) or, when the bytes
+  travel with the frame (between hosts), a pinned bounce slot of the connection
+  (`_staged_tcp_ring`); either way its copies are queued on the GPU and replied
+  to in frame order.
 
 Concurrency: one accept thread ("hmc-peer-accept") and one thread per
 connection ("hmc-peer-<addr>"), all daemon threads joined (bounded) on close.
@@ -36,7 +40,8 @@ from hmc.errors import AccessDeniedError, HMCError, OutOfRangeError, ProtocolErr
 from hmc.memory import MemoryKind
 from hmc.transport._channel import Channel
 from hmc.transport._ranges import RangeList
-from hmc.transport._staged_shm import OwnerSegments
+from hmc.transport._staged_shm import OwnerSegments, PinnedMapping
+from hmc.transport._staged_tcp_ring import BOUNCE_WAIT_S, BounceSlots
 from hmc.transport._wire import FrameStream, accept_handshake, error_reply
 from hmc.v1 import common_pb2, peer_pb2
 
@@ -159,13 +164,15 @@ class PeerServer:
     # -- data -------------------------------------------------------------------
 
     def _serve_data(self, stream: FrameStream) -> None:
-        segments = OwnerSegments(stream)  # shared rings this connection's initiator names (device memory, same host)
+        segments = OwnerSegments(stream)  # device memory's copies: shared ring slots (same host), bounce slots (between hosts)
+        bounce = BounceSlots()
         try:
-            self._serve_frames(stream, segments)
+            self._serve_frames(stream, segments, bounce)
         finally:
             segments.close()
+            bounce.close()
 
-    def _serve_frames(self, stream: FrameStream, segments: OwnerSegments) -> None:
+    def _serve_frames(self, stream: FrameStream, segments: OwnerSegments, bounce: BounceSlots) -> None:
         while True:
             frame = stream.recv()
             kind = frame.WhichOneof("kind")
@@ -175,15 +182,15 @@ class PeerServer:
             if kind == "read" and frame.read.HasField("shm"):
                 self._shm_copy(frame.request_id, frame.read, "src_offsets", segments, write=False)
                 continue
-            segments.drain()  # replies go out in frame order
             if kind == "write":
-                reply = self._receive_write(stream, frame.write)
+                reply = self._receive_write(stream, frame.request_id, frame.write, segments, bounce)
             elif kind == "read":
-                reply = self._send_read(stream, frame)
-                if reply is None:
-                    continue
+                reply = self._send_read(stream, frame, segments, bounce)
             else:
                 raise ProtocolError(f"{kind or 'empty frame'} is not a data request")
+            if reply is None:
+                continue
+            segments.drain()  # replies go out in frame order
             if reply is _OK and not frame.request_id:
                 stream.send_serialized(_OK_FRAME)
             else:
@@ -203,47 +210,70 @@ class PeerServer:
             if write and buffer.region.readonly:
                 raise AccessDeniedError(f"buffer {buffer.id} is read-only")
             side.check(buffer.size)
-            offsets, lengths = (side.offsets, side.lengths) if side.ranges is None else (side.ranges.dst.tolist(), side.ranges.lengths.tolist())
         except HMCError as exc:
             self._buffers.release(buffer.id)
             segments.reply(request_id, error_reply(exc))
             return
-        segments.start(request_id, buffer.region, list(offsets), list(lengths), slot, to_slot=not write, release=functools.partial(self._buffers.release, buffer.id))
+        offsets, lengths = side.lists()
+        segments.start(request_id, buffer.region, offsets, lengths, slot, to_slot=not write, release=functools.partial(self._buffers.release, buffer.id))
 
-    def _receive_write(self, stream: FrameStream, request: peer_pb2.DataWrite) -> peer_pb2.PeerReply:
+    def _receive_write(
+        self, stream: FrameStream, request_id: int, request: peer_pb2.DataWrite, segments: OwnerSegments, bounce: BounceSlots
+    ) -> peer_pb2.PeerReply | None:
+        """Receive a write's payload into host memory (the reply to send), or into a bounce slot whose copy into
+        device memory `segments` queues and answers (None)."""
         side = _Side(request.ranges, "dst_offsets")
         buffer = None
+        slot = None
         try:
             buffer = self._buffers.acquire(request.buffer_id, request.access_key)
             if buffer.region.readonly:
                 raise AccessDeniedError(f"buffer {buffer.id} is read-only")
-            if buffer.region.kind is MemoryKind.DEVICE:
-                raise UnsupportedError("staged writes into device memory are not supported yet")
             side.check(buffer.size)
+            if buffer.region.kind in _BOUNCED:
+                slot = _bounce_slot(bounce, side.total)
         except HMCError as exc:
             if buffer is not None:
                 self._buffers.release(buffer.id)
             stream.discard(side.total)
             return error_reply(exc)
+        if slot is None:
+            try:
+                stream.recv_into(side.views(buffer.view))
+            finally:
+                self._buffers.release(buffer.id)
+            return _OK
+        release = _releaser(self._buffers, buffer.id, bounce, slot)
         try:
-            stream.recv_into(side.views(buffer.view))
-        finally:
-            self._buffers.release(buffer.id)
-        return _OK
+            stream.recv_into([slot.view(0, side.total)], time.monotonic() + BOUNCE_WAIT_S)
+        except BaseException:
+            release()
+            raise
+        offsets, lengths = side.lists()
+        segments.start(request_id, buffer.region, offsets, lengths, slot.address, to_slot=False, release=release)
+        return None
 
-    def _send_read(self, stream: FrameStream, frame: peer_pb2.PeerFrame) -> peer_pb2.PeerReply | None:
+    def _send_read(self, stream: FrameStream, frame: peer_pb2.PeerFrame, segments: OwnerSegments, bounce: BounceSlots) -> peer_pb2.PeerReply | None:
+        """Send a read's reply and payload straight from host memory, or queue device memory's copy into a bounce
+        slot that `segments` sends once it finished; returns a refusal to send, else None."""
         side = _Side(frame.read.ranges, "src_offsets")
         try:
             buffer = self._buffers.acquire(frame.read.buffer_id, frame.read.access_key)
         except HMCError as exc:
             return error_reply(exc)
         try:
-            try:
-                if buffer.region.kind is MemoryKind.DEVICE:
-                    raise UnsupportedError("staged reads from device memory are not supported yet")
-                side.check(buffer.size)
-            except HMCError as exc:
-                return error_reply(exc)
+            side.check(buffer.size)
+            slot = _bounce_slot(bounce, side.total) if buffer.region.kind in _BOUNCED else None
+        except HMCError as exc:
+            self._buffers.release(buffer.id)
+            return error_reply(exc)
+        if slot is not None:
+            offsets, lengths = side.lists()
+            release = _releaser(self._buffers, buffer.id, bounce, slot)
+            segments.start(frame.request_id, buffer.region, offsets, lengths, slot.address, to_slot=True, release=release, payload=slot.view(0, side.total))
+            return None
+        try:
+            segments.drain()  # replies go out in frame order
             reply = peer_pb2.PeerReply(payload_bytes=side.total)
             stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=reply), side.views(buffer.view))
         finally:
@@ -263,6 +293,25 @@ class PeerServer:
             thread.join(_JOIN_S)
 
 
+def _bounce_slot(bounce: BounceSlots, nbytes: int) -> PinnedMapping:
+    """A free bounce slot for a chunk of device memory; UnsupportedError when the chunk exceeds a slot."""
+    if nbytes > bounce.slot_bytes:
+        raise UnsupportedError(f"a staged chunk of device memory holds at most {bounce.slot_bytes} bytes, not {nbytes}")
+    return bounce.take(time.monotonic() + BOUNCE_WAIT_S)
+
+
+def _releaser(buffers: BufferTable, buffer_id: str, bounce: BounceSlots, slot: PinnedMapping) -> Callable[[], None]:
+    """What runs once a bounced chunk is answered: the slot is given back and the buffer released."""
+
+    def release() -> None:
+        try:
+            bounce.give(slot)
+        finally:
+            buffers.release(buffer_id)
+
+    return release
+
+
 def _grant_handles(buffer: ConnBuffer) -> common_pb2.TransportHandles:
     """What an ipc initiator needs to reach `buffer`: pid and address (cross-memory attach, or direct
     use by an agent of this very process), and for device memory the CUDA IPC handle."""
@@ -275,6 +324,8 @@ def _grant_handles(buffer: ConnBuffer) -> common_pb2.TransportHandles:
     return handles
 
 
+_BOUNCED = frozenset({MemoryKind.DEVICE})
+"""Memory a DataWrite or DataRead without a shared slot moves through a pinned bounce slot (host memory goes straight to the socket)."""
 _MAX_RANGE = 1 << 40
 """Longest single range accepted on the wire (keeps the payload size computable without overflow)."""
 _FEW = 8
@@ -317,8 +368,14 @@ class _Side:
             if offset < 0 or offset + length > size:
                 raise OutOfRangeError(f"range #{index} [{offset}, {offset + length}) is outside the buffer of {size} bytes")
 
+    def lists(self) -> tuple[list[int], list[int]]:
+        """Offsets and lengths as lists of ints."""
+        if self.ranges is None:
+            return self.offsets, self.lengths
+        return self.ranges.dst.tolist(), self.ranges.lengths.tolist()
+
     def views(self, view: memoryview) -> list[memoryview]:
-        offsets, lengths = (self.offsets, self.lengths) if self.ranges is None else (self.ranges.dst.tolist(), self.ranges.lengths.tolist())
+        offsets, lengths = self.lists()
         return [view[o : o + n] for o, n in zip(offsets, lengths)]
 
 

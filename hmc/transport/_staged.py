@@ -13,6 +13,11 @@ key before receiving into its buffer. READ sends `DataRead`; the owner answers
 with a reply announcing `payload_bytes` and the bytes follow, received straight
 into the destination (`recvmsg_into`). No intermediate copy on either side.
 
+Device memory (at either end) takes a pinned ring instead, on a data connection
+of its own per peer: between processes of one host the ring is shared memory both
+map (`_staged_shm`); between hosts each end has its own pinned memory and the
+chunks travel over TCP (`_staged_tcp_ring`). Host memory never goes through a ring.
+
 Small transfers (up to 256 KiB) skip the streams: the caller's thread sends the
 whole request on an idle round-trip connection to the owner, whose connection
 thread answers, and reads the reply (and a read's payload) itself. No thread
@@ -52,11 +57,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutError, UnsupportedError
+from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutError
 from hmc.memory import DeviceKind, MemoryKind
 from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport
 from hmc.transport._ranges import RangeList
 from hmc.transport._staged_shm import ShmStaging, same_host
+from hmc.transport._staged_tcp_ring import TcpRingStaging
 from hmc.transport._wire import FrameStream, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
@@ -322,9 +328,8 @@ class StagedTransport(Transport):
         stall_s: float = 30.0,
         memory_kinds: frozenset[DeviceKind] = frozenset({DeviceKind.HOST}),
     ) -> None:
-        """`memory_kinds`: what to declare. Device memory is declared so that negotiation picks this path where a
-        real pair would (a cross-vendor pair, say), but is refused with UnsupportedError until the pinned-ring
-        pipeline (device -> pinned ring -> wire -> pinned ring -> device) exists."""
+        """`memory_kinds`: what to declare besides host memory (the device kinds this process can copy from and to),
+        so that negotiation picks this path where a real pair would: a cross-vendor pair, or two hosts."""
         self._connect = connect
         self._stall_s = stall_s
         self._streams = max(1, streams)
@@ -337,19 +342,13 @@ class StagedTransport(Transport):
         self.capabilities = Capabilities(path=PathName.STAGED, memory_kinds=memory_kinds | {DeviceKind.HOST}, detail=f"tcp x{self._streams}")
         self._shm = ShmStaging(connect)
         """Device memory between processes of one host: a shared pinned ring (see _staged_shm)."""
+        self._tcp_ring = TcpRingStaging(connect)
+        """Device memory between hosts: pinned rings on both ends, the bytes over TCP (see _staged_tcp_ring)."""
 
     def post(self, request: TransferRequest) -> None:
         # Ranges were checked against the descriptor by the agent; the owner checks them again on receipt.
         if request.local.region.kind is MemoryKind.DEVICE or request.remote.device.kind not in _HOST_KINDS:
-            if same_host(request.remote.owner):
-                self._shm.post(request)
-                return
-            request.completion.finish(
-                UnsupportedError(
-                    "the staged path cannot move device memory between hosts yet (no TCP pinned-ring pipeline): "
-                    f"{request.local.region.device.name} -> {request.remote.device.name or 'host'}"
-                )
-            )
+            (self._shm if same_host(request.remote.owner) else self._tcp_ring).post(request)
             return
         total = request.ranges.total
         if not total:
@@ -499,6 +498,7 @@ class StagedTransport(Transport):
         if pipe is not None:
             self._close_pipe(pipe)
         self._shm.forget_peer(agent)
+        self._tcp_ring.forget_peer(agent)
 
     def close(self) -> None:
         with self._lock:
@@ -507,6 +507,7 @@ class StagedTransport(Transport):
         for pipe in pipes:
             self._close_pipe(pipe)
         self._shm.close()
+        self._tcp_ring.close()
 
     def _close_pipe(self, pipe: _Pipe) -> None:
         """Close a pipe that is out of `_pipes` (round-trip connections in use close when given back)."""

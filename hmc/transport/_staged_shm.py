@@ -64,7 +64,7 @@ from hmc.transport._ranges import RangeList
 from hmc.transport._wire import FrameStream, error_reply, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
-__all__ = ["OwnerSegments", "ShmStaging", "same_host", "shm_available"]
+__all__ = ["SLOT_BYTES", "OwnerSegments", "PinnedMapping", "ShmStaging", "frame_of", "reply_of", "same_host", "shm_available"]
 
 _log = logging.getLogger(__name__)
 _SHM_DIR = "/dev/shm"
@@ -77,6 +77,8 @@ _OWNER_COPY_S = 30.0
 _OWNER_DEPTH = 64
 """Slot copies one owner connection keeps queued (an initiator hands off at most its ring's slot count)."""
 _JOIN_S = 2.0
+SLOT_BYTES = 16 << 20
+"""A ring slot: the most one chunk of a staged device-memory transfer holds."""
 _OK = peer_pb2.PeerReply()
 _OK_FRAME = peer_pb2.PeerFrame(reply=_OK).SerializeToString()
 
@@ -139,20 +141,23 @@ def _check(result: Any) -> Any:
     return check(result)
 
 
-class _Mapping:
-    """A /dev/shm file mapped here, pinned where CUDA is present."""
+class PinnedMapping:
+    """A /dev/shm file (`path`), or private memory (`path` None), mapped here and pinned where CUDA is present."""
 
-    def __init__(self, path: str, size: int, *, create: bool) -> None:
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                os.posix_fallocate(fd, 0, size)  # ENOSPC now rather than SIGBUS on first touch
-            elif os.fstat(fd).st_size < size:
-                raise ProtocolError(f"shared ring {os.path.basename(path)} is smaller than announced")
-            self._mmap = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+    def __init__(self, path: str | None, size: int, *, create: bool) -> None:
+        if path is None:
+            self._mmap = mmap.mmap(-1, size)
+        else:
+            flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+            fd = os.open(path, flags, 0o600)
+            try:
+                if create:
+                    os.posix_fallocate(fd, 0, size)  # ENOSPC now rather than SIGBUS on first touch
+                elif os.fstat(fd).st_size < size:
+                    raise ProtocolError(f"shared ring {os.path.basename(path)} is smaller than announced")
+                self._mmap = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
         self.size = size
         self._array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.address = int(self._array.ctypes.data)
@@ -174,7 +179,12 @@ class _Mapping:
             except HMCError as exc:
                 _log.debug("unpinning a shared ring failed: %s", exc)
         self._array = None  # type: ignore[assignment]
-        self._mmap.close()
+        with contextlib.suppress(BufferError):  # a view still referenced (a traceback's) keeps it mapped until collected
+            self._mmap.close()
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """`nbytes` of the mapping from `offset`, for sockets to send from or receive into."""
+        return memoryview(self._mmap)[offset : offset + nbytes]
 
 
 def _done(deadline: float) -> None:
@@ -253,15 +263,25 @@ class _Copier:
 
 
 class _Queued:
-    """One slot hand-off the owner answers in frame order: a copy to wait for, or a reply ready to send."""
+    """One slot hand-off the owner answers in frame order: a copy to wait for, or a reply ready to send.
 
-    __slots__ = ("deadline", "release", "reply", "request_id", "wait")
+    `payload`: what follows a successful copy's reply (a read's bytes, sent from a bounce slot)."""
 
-    def __init__(self, request_id: int, wait: Callable[[float], None], reply: peer_pb2.PeerReply | None, release: Callable[[], None] | None) -> None:
+    __slots__ = ("deadline", "payload", "release", "reply", "request_id", "wait")
+
+    def __init__(
+        self,
+        request_id: int,
+        wait: Callable[[float], None],
+        reply: peer_pb2.PeerReply | None,
+        release: Callable[[], None] | None,
+        payload: memoryview | None = None,
+    ) -> None:
         self.request_id = request_id
         self.wait = wait
         self.reply = reply
         self.release = release
+        self.payload = payload
         self.deadline = _now() + _OWNER_COPY_S
 
 
@@ -278,7 +298,7 @@ class OwnerSegments:
 
     def __init__(self, stream: FrameStream) -> None:
         self._stream = stream
-        self._mappings: collections.OrderedDict[str, _Mapping] = collections.OrderedDict()
+        self._mappings: collections.OrderedDict[str, PinnedMapping] = collections.OrderedDict()
         self._copier: _Copier | None = None
         self._cond = threading.Condition()  # guards _queue, _thread, _closed
         self._queue: collections.deque[_Queued] = collections.deque()
@@ -295,7 +315,7 @@ class OwnerSegments:
         mapping = self._mappings.get(shm.segment)
         if mapping is None or mapping.size != shm.segment_bytes:
             try:
-                mapping = _Mapping(shm.segment, shm.segment_bytes, create=False)
+                mapping = PinnedMapping(shm.segment, shm.segment_bytes, create=False)
             except OSError as exc:
                 raise ProtocolError(f"cannot map staging ring {shm.segment}: {exc}") from exc
             old = self._mappings.pop(shm.segment, None)
@@ -309,9 +329,19 @@ class OwnerSegments:
         return mapping.address + shm.offset
 
     def start(
-        self, request_id: int, region: Any, offsets: list[int], lengths: list[int], slot: int, *, to_slot: bool, release: Callable[[], None]
+        self,
+        request_id: int,
+        region: Any,
+        offsets: list[int],
+        lengths: list[int],
+        slot: int,
+        *,
+        to_slot: bool,
+        release: Callable[[], None],
+        payload: memoryview | None = None,
     ) -> None:
-        """Queue the copy between `slot` and the region's ranges; its reply follows once it finished, then `release()` runs."""
+        """Queue the copy between `slot` and the region's ranges; its reply (followed by `payload`, the slot's bytes,
+        when given) goes out once it finished, then `release()` runs."""
         if self._copier is None:
             self._copier = _Copier()
         try:
@@ -320,11 +350,17 @@ class OwnerSegments:
             release()
             self.reply(request_id, error_reply(exc))
             return
-        if wait is _done:
+        if wait is _done and payload is None:
             release()
             self.reply(request_id, _OK)
             return
-        self._push(_Queued(request_id, wait, None, release))
+        try:
+            self._push(_Queued(request_id, wait, None, release, payload))
+        except HMCError:
+            with contextlib.suppress(HMCError):  # the copy was queued: let it end before the slot and buffer go
+                wait(_now() + _OWNER_COPY_S)
+            release()
+            raise
 
     def reply(self, request_id: int, reply: peer_pb2.PeerReply) -> None:
         """Send `reply` after the replies of the copies queued before it."""
@@ -355,27 +391,30 @@ class OwnerSegments:
                 if not self._queue:
                     return
                 item = self._queue[0]
-            reply = item.reply
+            reply, payload = item.reply, None
             if reply is None:
                 try:
                     item.wait(item.deadline)
-                    reply = _OK
+                    reply, payload = _payload_reply(item.payload)
                 except Exception as exc:  # noqa: BLE001 - a driver failure still answers its chunk
                     reply = error_reply(exc)
-                finally:
-                    assert item.release is not None
+            try:
+                self._send(item.request_id, reply, payload)
+            finally:
+                if item.release is not None:
                     item.release()
-            self._send(item.request_id, reply)
             with self._cond:
                 self._queue.popleft()
                 self._cond.notify_all()
 
-    def _send(self, request_id: int, reply: peer_pb2.PeerReply) -> None:
+    def _send(self, request_id: int, reply: peer_pb2.PeerReply, payload: memoryview | None = None) -> None:
         try:
             if reply is _OK and not request_id:
                 self._stream.send_serialized(_OK_FRAME)
-            else:
+            elif payload is None:
                 self._stream.send(peer_pb2.PeerFrame(request_id=request_id, reply=reply))
+            else:
+                self._stream.send(peer_pb2.PeerFrame(request_id=request_id, reply=reply), [payload], deadline=_now() + _OWNER_COPY_S)
         except HMCError as exc:  # the connection broke: the server's receive loop ends it
             _log.debug("a staging reply was not sent: %s", exc)
 
@@ -401,6 +440,11 @@ class OwnerSegments:
             self._copier.close()
 
 
+def _payload_reply(payload: memoryview | None) -> tuple[peer_pb2.PeerReply, memoryview | None]:
+    """The reply to a finished copy: plain, or announcing the `payload` that follows it."""
+    return (_OK, None) if payload is None else (peer_pb2.PeerReply(payload_bytes=payload.nbytes), payload)
+
+
 # -- initiator side -------------------------------------------------------------
 
 
@@ -409,7 +453,7 @@ class _Link:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.ring: _Mapping | None = None
+        self.ring: PinnedMapping | None = None
         self.name = ""
         self.stream: FrameStream | None = None
         self.closed = False
@@ -428,8 +472,9 @@ class _Link:
         if self.ring is not None:
             self.ring.close()
             self.ring = None
-            with contextlib.suppress(OSError):
-                os.unlink(self.name)
+            if self.name:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.name)
 
     def close(self) -> None:
         self.closed = True
@@ -458,14 +503,33 @@ def _pack(ranges: RangeList, slot_bytes: int) -> list[tuple[list[int], list[int]
     return chunks
 
 
+def frame_of(message: peer_pb2.DataWrite | peer_pb2.DataRead) -> peer_pb2.PeerFrame:
+    return peer_pb2.PeerFrame(write=message) if isinstance(message, peer_pb2.DataWrite) else peer_pb2.PeerFrame(read=message)
+
+
+def reply_of(stream: FrameStream, deadline: float) -> peer_pb2.PeerReply:
+    """The next reply on a data connection; a refusal raises its typed error."""
+    answer = stream.recv(deadline)
+    if answer.WhichOneof("kind") != "reply":
+        raise ProtocolError(f"expected a reply on a data connection, got {answer.WhichOneof('kind')}")
+    raise_for_reply(answer.reply)
+    return answer.reply
+
+
 def _range_list(offsets: list[int], lengths: list[int], field: str) -> common_pb2.RangeList:
     return common_pb2.RangeList(**{field: np.asarray(offsets, dtype="<i8").tobytes(), "lengths": np.asarray(lengths, dtype="<i8").tobytes()})
 
 
 class ShmStaging:
-    """Initiator side: moves requests that touch device memory through a shared pinned ring."""
+    """Initiator side: moves requests that touch device memory through a shared pinned ring.
 
-    def __init__(self, connect: Connect, *, slots: int = 8, slot_bytes: int = 16 << 20) -> None:
+    The wire is three hooks (`_new_ring`, `_hand_off`, `_answer`); `_staged_tcp_ring.TcpRingStaging`
+    replaces them to carry the slots' bytes over TCP between hosts."""
+
+    _WORKER = "hmc-staged-shm"
+    """The name of each peer's worker thread."""
+
+    def __init__(self, connect: Connect, *, slots: int = 8, slot_bytes: int = SLOT_BYTES) -> None:
         self._connect = connect
         self._slots = max(2, slots)
         self._slot_bytes = slot_bytes
@@ -487,7 +551,7 @@ class ShmStaging:
             link = self._links.setdefault(request.remote.owner.id, _Link())
             link.requests.put(request)  # under _lock: a link popped by forget_peer/close gets its None after this
             if link.worker is None:
-                link.worker = threading.Thread(target=self._serve, args=(link,), name="hmc-staged-shm", daemon=True)
+                link.worker = threading.Thread(target=self._serve, args=(link,), name=self._WORKER, daemon=True)
                 link.worker.start()
 
     def _serve(self, link: _Link) -> None:
@@ -532,27 +596,32 @@ class ShmStaging:
 
     def _prepare(self, link: _Link, owner: common_pb2.AgentInfo, deadline: float) -> None:
         if link.ring is None:
-            size = self._slots * self._slot_bytes
-            link.name = os.path.join(_ring_dir(size), f"{_PREFIX}{uuid.uuid4().hex}")
-            try:
-                link.ring = _Mapping(link.name, size, create=True)
-            except OSError as exc:
-                with contextlib.suppress(OSError):
-                    os.unlink(link.name)
-                raise UnsupportedError(f"cannot make a staging ring at {link.name}: {exc}") from exc
+            link.ring, link.name = self._new_ring(self._slots * self._slot_bytes)
         if link.stream is None or link.stream.broken:
             link.drop_stream()
             link.stream = self._connect(owner, deadline)
 
-    def _shm(self, link: _Link, slot: int) -> peer_pb2.ShmSlot:
-        assert link.ring is not None
-        return peer_pb2.ShmSlot(segment=link.name, segment_bytes=link.ring.size, offset=slot * self._slot_bytes)
+    def _new_ring(self, size: int) -> tuple[PinnedMapping, str]:
+        """A ring the owner maps too: a new file in the ring directory, and its path (named in every hand-off)."""
+        name = os.path.join(_ring_dir(size), f"{_PREFIX}{uuid.uuid4().hex}")
+        try:
+            return PinnedMapping(name, size, create=True), name
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(name)
+            if isinstance(exc, OSError):
+                raise UnsupportedError(f"cannot make a staging ring at {name}: {exc}") from exc
+            raise
 
-    def _reply(self, stream: FrameStream, deadline: float) -> None:
-        answer = stream.recv(deadline)
-        if answer.WhichOneof("kind") != "reply":
-            raise ProtocolError(f"expected a reply on a data connection, got {answer.WhichOneof('kind')}")
-        raise_for_reply(answer.reply)
+    def _hand_off(self, link: _Link, stream: FrameStream, message: peer_pb2.DataWrite | peer_pb2.DataRead, slot: int, nbytes: int, deadline: float) -> None:
+        """Send a chunk's request naming its slot of the shared ring (a write's bytes are there already)."""
+        assert link.ring is not None
+        message.shm.CopyFrom(peer_pb2.ShmSlot(segment=link.name, segment_bytes=link.ring.size, offset=slot * self._slot_bytes))
+        stream.send(frame_of(message), deadline=deadline)
+
+    def _answer(self, link: _Link, stream: FrameStream, slot: int, nbytes: int, deadline: float) -> None:
+        """Take the owner's reply to the oldest chunk handed off (a read's `nbytes` are in its slot then)."""
+        reply_of(stream, deadline)
 
     def _write(self, link: _Link, request: TransferRequest) -> None:
         """Every free slot gets its chunk's copy queued at once; the oldest finished copy is handed off first,
@@ -561,13 +630,13 @@ class ShmStaging:
         assert stream is not None and ring is not None
         remote, region, deadline, completion = request.remote, request.local.region, request.deadline, request.completion
         chunks = _pack(request.ranges, self._slot_bytes)
-        queued: collections.deque[tuple[Callable[[float], None], peer_pb2.PeerFrame, int]] = collections.deque()  # copying into slots
+        queued: collections.deque[tuple[Callable[[float], None], peer_pb2.DataWrite, int, int]] = collections.deque()  # copying into slots
         inflight: collections.deque[int] = collections.deque()  # bytes of chunks handed off, reply pending
         started = 0
         try:
             while started < len(chunks) or queued or inflight:
                 while inflight and stream.readable():  # replies already here free their slots
-                    self._reply(stream, deadline)
+                    reply_of(stream, deadline)
                     completion.add_bytes(inflight.popleft())
                 if completion.cancelled:
                     raise BrokenResourceError("transfer cancelled")
@@ -575,16 +644,16 @@ class ShmStaging:
                     local, far, lengths = chunks[started]
                     slot = started % self._slots
                     wait = self._copier.start(region, local, lengths, ring.address + slot * self._slot_bytes, to_slot=True)
-                    write = peer_pb2.DataWrite(buffer_id=remote.id, access_key=remote.access_key, ranges=_range_list(far, lengths, "dst_offsets"), shm=self._shm(link, slot))
-                    queued.append((wait, peer_pb2.PeerFrame(write=write), sum(lengths)))
+                    write = peer_pb2.DataWrite(buffer_id=remote.id, access_key=remote.access_key, ranges=_range_list(far, lengths, "dst_offsets"))
+                    queued.append((wait, write, slot, sum(lengths)))
                     started += 1
                 if queued:
-                    wait, frame, nbytes = queued.popleft()
+                    wait, write, slot, nbytes = queued.popleft()
                     wait(deadline)
-                    stream.send(frame, deadline=deadline)
+                    self._hand_off(link, stream, write, slot, nbytes, deadline)
                     inflight.append(nbytes)
                 elif inflight:
-                    self._reply(stream, deadline)
+                    reply_of(stream, deadline)
                     completion.add_bytes(inflight.popleft())
         finally:
             while queued:  # never leave a queued copy running into a ring the next transfer reuses
@@ -601,8 +670,8 @@ class ShmStaging:
 
         def ask(index: int) -> None:
             _, far, lengths = chunks[index]
-            read = peer_pb2.DataRead(buffer_id=remote.id, access_key=remote.access_key, ranges=_range_list(far, lengths, "src_offsets"), shm=self._shm(link, index % self._slots))
-            stream.send(peer_pb2.PeerFrame(read=read), deadline=deadline)
+            read = peer_pb2.DataRead(buffer_id=remote.id, access_key=remote.access_key, ranges=_range_list(far, lengths, "src_offsets"))
+            self._hand_off(link, stream, read, index % self._slots, sum(lengths), deadline)
 
         asked = min(self._slots, len(chunks))
         for index in range(asked):
@@ -612,10 +681,10 @@ class ShmStaging:
         try:
             for _ in range(len(chunks)):
                 while answered < asked and (not copying or stream.readable()):
-                    self._reply(stream, deadline)
+                    local, _, lengths = chunks[answered]
+                    self._answer(link, stream, answered % self._slots, sum(lengths), deadline)
                     if completion.cancelled:
                         raise BrokenResourceError("transfer cancelled")
-                    local, _, lengths = chunks[answered]
                     slot = ring.address + (answered % self._slots) * self._slot_bytes
                     copying.append((answered, self._copier.start(region, local, lengths, slot, to_slot=False)))
                     answered += 1

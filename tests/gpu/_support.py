@@ -112,3 +112,26 @@ def peer_initiates_both_directions(agent: Agent, peer: PeerProcess, size: int, p
         assert peer.transfer("read", theirs.id, mine.descriptor, 0, 0, size) == path
         assert peer.contents(theirs.id) == fresh.tobytes()
     peer.unregister(theirs.id)
+
+
+def host_here_device_there(agent: Agent, peer: PeerProcess, size: int, seed: int, path: str) -> None:
+    """Host memory here written into the peer's poisoned cuda:1 buffer (unaligned, one byte short) and the whole
+    buffer read back into poisoned host memory, on `path`, every byte compared."""
+    data = random_bytes(size, seed)
+    remote = peer.register(size, fill=POISON, device="cuda:1")
+    local = agent.register(data.copy())
+    try:
+        handle = agent.write(local, remote, 1, 0, size - 1)
+        handle.wait()
+        assert handle.path == path
+        expected = np.full(size, POISON, np.uint8)
+        expected[: size - 1] = data[1:]
+        assert_bytes_equal(np.frombuffer(peer.contents(remote.id), np.uint8), expected, "host -> device")
+        out = np.full(size, HOST_POISON, np.uint8)
+        back = agent.register(out)
+        agent.read(back, remote, 0, 0, size).wait()
+        assert_bytes_equal(out, expected, "device -> host")
+        agent.unregister(back)
+    finally:
+        agent.unregister(local)
+        peer.unregister(remote.id)

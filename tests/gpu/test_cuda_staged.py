@@ -24,11 +24,11 @@ from hmc.testing import PeerProcess
 from hmc.transport._base import PathName
 
 from ._support import (
-    HOST_POISON,
     POISON,
     assert_bytes_equal,
     gpu_buffer,
     host_copy,
+    host_here_device_there,
     peer_initiates_both_directions,
     random_bytes,
     scatter,
@@ -92,25 +92,7 @@ def test_staged_vendor_override_the_peer_initiates_both_directions(gpu_agent: Ag
 
 
 def test_staged_vendor_override_host_memory_here_device_memory_there(gpu_agent: Agent, amd: PeerProcess) -> None:
-    size = (40 << 20) + 5
-    data = random_bytes(size, 21)
-    remote = amd.register(size, fill=POISON, device="cuda:1")
-    local = gpu_agent.register(data.copy())
-    try:
-        handle = gpu_agent.write(local, remote, 1, 0, size - 1)
-        handle.wait()
-        assert handle.path == "staged"
-        expected = np.full(size, POISON, np.uint8)
-        expected[: size - 1] = data[1:]
-        assert_bytes_equal(np.frombuffer(amd.contents(remote.id), np.uint8), expected, "host -> device")
-        out = np.full(size, HOST_POISON, np.uint8)
-        back = gpu_agent.register(out)
-        gpu_agent.read(back, remote, 0, 0, size).wait()
-        assert_bytes_equal(out, expected, "device -> host")
-        gpu_agent.unregister(back)
-    finally:
-        gpu_agent.unregister(local)
-        amd.unregister(remote.id)
+    host_here_device_there(gpu_agent, amd, (40 << 20) + 5, 21, "staged")
 
 
 def test_staged_vendor_override_a_killed_peer_fails_the_transfer(gpu_agent: Agent, gpu_config: Config) -> None:
