@@ -40,8 +40,9 @@ def machine_name() -> str:
     return f"{os.cpu_count()}cpu-" + (re.sub(r"[^a-z0-9]+", "-", slug).strip("-") or "unknown")
 
 
-def result_path(today: datetime.date | None = None) -> Path:
-    stem = f"host-paths-{machine_name()}-{(today or datetime.date.today()).isoformat()}"
+def result_path(question: str = "host-paths", today: datetime.date | None = None) -> Path:
+    """results/<question>-<machine>-<date>.json, or -2, -3, ... for later runs the same day."""
+    stem = f"{question}-{machine_name()}-{(today or datetime.date.today()).isoformat()}"
     path, n = RESULTS / f"{stem}.json", 1
     while path.exists():
         n += 1

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import datetime
 import importlib.metadata
 import json
 import os
@@ -42,21 +41,20 @@ import re
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from hmc.bench._report import CpuSample, interference, machine_info, provenance
-from hmc_vllm.testing import PROMPTS, VllmServer, free_port, make_tiny_llama, server_env
+from hmc_vllm.testing import PROMPTS, ProxyProcess, VllmServer, make_tiny_llama, server_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_paths import machine_name, wait_quiet  # noqa: E402  (bench/ is not a package)
+from host_paths import result_path, wait_quiet  # noqa: E402  (bench/ is not a package)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONNECTORS = ("hmc", "nixl")
@@ -157,42 +155,6 @@ def affinities(pgids: Sequence[int]) -> dict[str, str]:
     return out
 
 
-@contextmanager
-def proxy(prefill: str, decode: str, log: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """`python -m hmc_vllm.proxy` in its own process group, ready (GET /health == 200); killed on exit."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "ab") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "hmc_vllm.proxy", "--prefill", prefill, "--decode", decode, "--port", str(port), "--log-level", "warning"],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"proxy exited with {process.returncode}; see {log}")
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=5) as reply:
-                        if reply.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"proxy not healthy after 60 s; see {log}")
-                time.sleep(0.3)
-            yield url, process
-        finally:
-            try:
-                os.killpg(process.pid, signal.SIGTERM)
-                process.wait(10)
-            except ProcessLookupError:
-                pass
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(10)
-
-
 def complete(url: str, model: str, prompt: str, request_id: str, max_tokens: int) -> dict[str, Any]:
     """One greedy completion through the proxy; latency in ms as the client sees it."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
@@ -236,9 +198,11 @@ def run_connector(connector: str, model: Path, served: str, prompts: Sequence[st
         for server in servers.values():
             server.wait_ready(timeout=args.start_timeout)
         log_line(f"servers ready in {time.monotonic() - started:.1f} s")
-        url, proxy_process = stack.enter_context(proxy(servers["prefill"].url, servers["decode"].url, logs["proxy"]))
+        proxy = ProxyProcess([servers["prefill"].url], [servers["decode"].url], log=logs["proxy"], options=("--log-level", "warning"))
+        stack.callback(proxy.stop)
+        url = proxy.wait_ready().url
         prefill_url, decode_url = servers["prefill"].url, servers["decode"].url
-        pgids = [servers["prefill"].process.pid, servers["decode"].process.pid, proxy_process.pid]
+        pgids = [servers["prefill"].process.pid, servers["decode"].process.pid, proxy.process.pid]
 
         warmup = [complete(url, served, prompts[i % len(prompts)], f"bench-{connector}-warm{i}", args.max_tokens) for i in range(args.warmup or len(prompts))]
         log_line(f"{len(warmup)} warm-up requests, {', '.join(str(w['e2e_ms']) for w in warmup)} ms")
@@ -380,15 +344,6 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def result_path() -> Path:
-    stem = f"vllm-pd-{machine_name()}-{datetime.date.today().isoformat()}"
-    path, n = RESULTS / f"{stem}.json", 1
-    while path.exists():
-        n += 1
-        path = RESULTS / f"{stem}-{n}.json"
-    return path
-
-
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bench/vllm_pd.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--connectors", nargs="+", choices=CONNECTORS, default=list(CONNECTORS), help="which connectors, in this order (default: %(default)s)")
@@ -407,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanups on SIGTERM too
     args.workdir.mkdir(parents=True, exist_ok=True)
-    out = args.out or result_path()
+    out = args.out or result_path("vllm-pd")
     machine, prov = machine_info(), provenance()
     quiet = wait_quiet(args.wait_quiet) if args.wait_quiet > 0 else None
     started = time.monotonic()

@@ -110,10 +110,18 @@ class HMCConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._worker().handshake()
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Hand the step's holds and loads to the connector thread now, before the forward runs.
+
+        vLLM calls `start_load_kv` only after the forward for asynchronous loads; a prefill instance
+        would then learn which blocks it holds (and a decode instance which to ask for) a forward late.
+        """
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, HMCConnectorMetadata)
+        self._worker().submit(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, HMCConnectorMetadata)
-        self._worker().start_load_kv(meta)
+        """Loads started when the step's metadata was bound (`bind_connector_metadata`)."""
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are per request, not per layer: nothing to wait for here."""

@@ -6,7 +6,7 @@ the prefill worker writes its blocks straight into them, one agent.write per buf
 sends `release`. Hmcd (KV-cache migration): the decode worker asks hmcd, through hmc.Client, for a
 third-party transfer; hmcd instructs the agent that owns the blocks to write them here, with the
 same `kv` notifications, and the decode worker sends `release`. Nothing here blocks the forward pass: all HMC work runs on the connector's own
-thread ("hmc-connector"), which takes each step's metadata from `start_load_kv`, reacts to peer
+thread ("hmc-connector"), which takes each step's metadata as soon as vLLM binds it, reacts to peer
 messages as they arrive (a push starts when the `want` lands, not at the next engine step) and
 leaves its results for `get_transfer_results`. That thread, and every thread the agent starts from
 it, may run on any CPU: vLLM's CPU backend pins the worker's main thread to one core, where it
@@ -145,7 +145,7 @@ class HMCConnectorWorker:
 
     # -- every step: start ---------------------------------------------------------------
 
-    def start_load_kv(self, meta: HMCConnectorMetadata) -> None:
+    def submit(self, meta: HMCConnectorMetadata) -> None:
         """Hand this step's holds and loads to the connector thread (never waits)."""
         if meta.sends or meta.recvs:
             self._steps.put(meta)

@@ -278,8 +278,8 @@ def test_blocks_arrive_byte_for_byte_and_both_sides_finish(mode: str) -> None:
             t.fill_(-7.0)
         assert p.layout is not None and d.layout is not None
         untouched = block_bytes(d_caches, d.layout, 0)
-        p.start_load_kv(HMCConnectorMetadata(sends=[SendTask("p-1", (3, 4, 5, 20), time.time() + 5)]))
-        d.start_load_kv(HMCConnectorMetadata(recvs=[recv_task(p, "d-1", "p-1", (7, 8, 9, 63), (3, 4, 5, 20))]))
+        p.submit(HMCConnectorMetadata(sends=[SendTask("p-1", (3, 4, 5, 20), time.time() + 5)]))
+        d.submit(HMCConnectorMetadata(recvs=[recv_task(p, "d-1", "p-1", (7, 8, 9, 63), (3, 4, 5, 20))]))
         _, recving, failed = collect(d, lambda s, r, f: "d-1" in r)
         assert not failed
         collect(p, lambda s, r, f: "p-1" in s)
@@ -294,7 +294,7 @@ def test_blocks_arrive_byte_for_byte_and_both_sides_finish(mode: str) -> None:
 
 def test_unclaimed_blocks_are_freed_when_the_lease_expires(pair: Any) -> None:
     p, _, _, _ = pair
-    p.start_load_kv(HMCConnectorMetadata(sends=[SendTask("p-2", (1,), time.time() + 0.5)]))
+    p.submit(HMCConnectorMetadata(sends=[SendTask("p-2", (1,), time.time() + 0.5)]))
     sending, _, _ = collect(p, lambda s, r, f: "p-2" in s, timeout=5)
     assert sending == {"p-2"}
 
@@ -304,7 +304,7 @@ def test_asking_for_a_request_the_prefill_side_does_not_hold_fails_the_load_as_d
     assert d.layout is not None
     untouched = block_bytes(d_caches, d.layout, 10)
     started = time.monotonic()
-    d.start_load_kv(HMCConnectorMetadata(recvs=[recv_task(p, "d-3", "never-prefilled", (10, 11), (1, 2))]))
+    d.submit(HMCConnectorMetadata(recvs=[recv_task(p, "d-3", "never-prefilled", (10, 11), (1, 2))]))
     _, recving, failed = collect(d, lambda s, r, f: "d-3" in f, timeout=10)
     assert recving == failed == {"d-3"} and time.monotonic() - started < 8
     assert d.block_ids_with_load_errors() == {10, 11}
@@ -316,7 +316,7 @@ def test_a_dead_prefill_instance_fails_the_load_within_its_deadline(pair: Any) -
     task = recv_task(p, "d-4", "p-4", (2,), (2,), seconds=2.0)
     p.close()
     started = time.monotonic()
-    d.start_load_kv(HMCConnectorMetadata(recvs=[task]))
+    d.submit(HMCConnectorMetadata(recvs=[task]))
     _, _, failed = collect(d, lambda s, r, f: "d-4" in f, timeout=10)
     assert failed == {"d-4"} and time.monotonic() - started < 6
 
@@ -325,8 +325,8 @@ def test_a_decode_side_with_another_block_layout_is_refused_by_the_prefill_side(
     p, _ = fresh_worker("P", settings)
     d, _ = fresh_worker("D", settings, cpu_caches(head_dim=64))
     try:
-        p.start_load_kv(HMCConnectorMetadata(sends=[SendTask("p-5", (1,), time.time() + 5)]))
-        d.start_load_kv(HMCConnectorMetadata(recvs=[recv_task(p, "d-5", "p-5", (1,), (1,))]))
+        p.submit(HMCConnectorMetadata(sends=[SendTask("p-5", (1,), time.time() + 5)]))
+        d.submit(HMCConnectorMetadata(recvs=[recv_task(p, "d-5", "p-5", (1,), (1,))]))
         _, _, failed = collect(d, lambda s, r, f: "d-5" in f)
         assert failed == {"d-5"}
         sending, _, _ = collect(p, lambda s, r, f: "p-5" in s)  # the refused push frees P's blocks at once
@@ -341,7 +341,7 @@ def test_a_refused_task_fails_immediately_without_contacting_the_peer(pair: Any)
     wire = p.handshake()
     assert wire is not None
     task = RecvTask("d-6", "p-6", "P", {"0": wire.to_wire()}, (4,), (4,), time.time() + 30, refused="HMCConnector: incompatible KV caches (dtype)")
-    d.start_load_kv(HMCConnectorMetadata(recvs=[task]))
+    d.submit(HMCConnectorMetadata(recvs=[task]))
     _, _, failed = collect(d, lambda s, r, f: "d-6" in f, timeout=2)
     assert failed == {"d-6"} and d.block_ids_with_load_errors() == {4}
 
@@ -351,7 +351,7 @@ def test_worker_needs_its_peer_of_the_same_tensor_parallel_rank(pair: Any) -> No
     wire = p.handshake()
     assert wire is not None
     task = RecvTask("d-7", "p-7", "P", {"1": wire.to_wire()}, (4,), (4,), time.time() + 30)
-    d.start_load_kv(HMCConnectorMetadata(recvs=[task]))
+    d.submit(HMCConnectorMetadata(recvs=[task]))
     _, _, failed = collect(d, lambda s, r, f: "d-7" in f, timeout=2)
     assert failed == {"d-7"}
 
