@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 
 import hmc.transport._staged as staged
-import hmc.transport._staged_shm as staged_shm
 from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
 from hmc.errors import AccessDeniedError, OutOfRangeError
 from hmc.testing import PeerProcess
+from hmc.transport._pinned import SlotCopier
+from hmc.transport._staged_owner import OwnerSegments
 from hmc.transport._wire import error_reply
 from hmc.v1 import peer_pb2
 from staged_support import POISON, grown, scattered_read_every_byte, write_read_every_byte
@@ -68,9 +69,9 @@ def test_owner_queues_copies_and_replies_in_frame_order(monkeypatch: pytest.Monk
         gate = gates[slot]
         return lambda deadline: gate.wait(5.0)
 
-    monkeypatch.setattr(staged_shm._Copier, "start", start)
+    monkeypatch.setattr(SlotCopier, "start", start)
     stream = _Replies()
-    owner = staged_shm.OwnerSegments(stream)  # type: ignore[arg-type]
+    owner = OwnerSegments(stream)  # type: ignore[arg-type]
     released: list[int] = []
     owner.start(1, None, [0], [8], 0, to_slot=False, release=lambda: released.append(1))
     owner.start(2, None, [0], [8], 1, to_slot=False, release=lambda: released.append(2))

@@ -24,7 +24,7 @@ from hmc.control._inventory import HOST_ID_ENV, host_id
 from hmc.errors import AccessDeniedError, OutOfRangeError, TimeoutError
 from hmc.memory import MemoryKind
 from hmc.testing import PeerProcess
-from hmc.transport._staged_shm import OwnerSegments
+from hmc.transport._staged_owner import OwnerSegments
 from hmc.transport._staged_tcp_ring import BounceSlots
 from hmc.v1 import peer_pb2
 from hmc.v1.common_pb2 import BufferDescriptor

@@ -40,7 +40,8 @@ from hmc.errors import AccessDeniedError, HMCError, OutOfRangeError, ProtocolErr
 from hmc.memory import MemoryKind
 from hmc.transport._channel import Channel
 from hmc.transport._ranges import RangeList
-from hmc.transport._staged_shm import OwnerSegments, PinnedMapping
+from hmc.transport._pinned import PinnedMapping
+from hmc.transport._staged_owner import OwnerSegments
 from hmc.transport._staged_tcp_ring import BOUNCE_WAIT_S, BounceSlots
 from hmc.transport._wire import FrameStream, accept_handshake, error_reply
 from hmc.v1 import common_pb2, peer_pb2

@@ -30,7 +30,8 @@ import threading
 import time
 
 from hmc.errors import ProtocolError, TimeoutError
-from hmc.transport._staged_shm import SLOT_BYTES, PinnedMapping, ShmStaging, _Link, frame_of, reply_of
+from hmc.transport._pinned import PinnedMapping
+from hmc.transport._staged_shm import SLOT_BYTES, ShmStaging, _Link, frame_of, reply_of
 from hmc.transport._wire import FrameStream
 from hmc.v1 import peer_pb2
 

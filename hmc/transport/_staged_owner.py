@@ -1,0 +1,220 @@
+"""The owner side of the staged ring paths: one data connection's slot hand-offs, copied and answered in order.
+
+A slot's copy is queued on the GPU's stream as soon as its frame arrives, behind the copies of earlier
+frames, so the copy engine never waits for a reply to go out or the next frame to be read; a
+completion thread per connection waits for the copies in frame order and sends the replies (the
+initiator matches replies by order). Every copy is bounded by `_OWNER_COPY_S`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hmc.errors import HMCError, ProtocolError, TimeoutError
+from hmc.transport._pinned import PinnedMapping, SlotCopier, no_wait
+from hmc.transport._staged_shm import RING_NAME, ring_dirs
+from hmc.transport._wire import FrameStream, error_reply
+from hmc.v1 import peer_pb2
+
+__all__ = ["OwnerSegments"]
+
+_log = logging.getLogger(__name__)
+_OWNER_COPY_S = 30.0
+"""Bound on one slot's copy on the owner (a GPU that takes longer fails that chunk)."""
+_OWNER_DEPTH = 64
+"""Slot copies one owner connection keeps queued (an initiator hands off at most its ring's slot count)."""
+_MAX_SEGMENTS = 4
+"""Segments one owner connection keeps mapped (an initiator uses one per connection)."""
+_JOIN_S = 2.0
+_OK = peer_pb2.PeerReply()
+_OK_FRAME = peer_pb2.PeerFrame(reply=_OK).SerializeToString()
+
+
+class _Queued:
+    """One slot hand-off the owner answers in frame order: a copy to wait for, or a reply ready to send.
+
+    `payload`: what follows a successful copy's reply (a read's bytes, sent from a bounce slot)."""
+
+    __slots__ = ("deadline", "payload", "release", "reply", "request_id", "wait")
+
+    def __init__(
+        self,
+        request_id: int,
+        wait: Callable[[float], None],
+        reply: peer_pb2.PeerReply | None,
+        release: Callable[[], None] | None,
+        payload: memoryview | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.wait = wait
+        self.reply = reply
+        self.release = release
+        self.payload = payload
+        self.deadline = time.monotonic() + _OWNER_COPY_S
+
+
+class OwnerSegments:
+    """Owner side of one data connection: the rings its initiator named (mapped on first use) and the slot copies in flight.
+
+    A slot's copy is queued on the GPU's stream as soon as its frame arrives, behind
+    the copies of earlier frames, so the copy engine never waits for a reply to go out
+    or the next frame to be read. A completion thread ("hmc-staged-shm-owner") waits
+    for the copies in frame order and sends each reply (the initiator matches replies
+    by order); a reply that needs no copy (a refusal, host memory copied on the spot)
+    is sent by the caller when nothing is queued before it.
+    """
+
+    def __init__(self, stream: FrameStream) -> None:
+        self._stream = stream
+        self._mappings: collections.OrderedDict[str, PinnedMapping] = collections.OrderedDict()
+        self._copier: SlotCopier | None = None
+        self._cond = threading.Condition()  # guards _queue, _thread, _closed
+        self._queue: collections.deque[_Queued] = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def slot(self, shm: peer_pb2.ShmSlot, nbytes: int) -> int:
+        """The address of `nbytes` at the slot; ProtocolError when the slot is malformed."""
+        directory, name = os.path.split(shm.segment)
+        if not RING_NAME.fullmatch(name) or directory not in ring_dirs():
+            raise ProtocolError(f"{shm.segment!r} is not a staging ring")
+        if shm.offset + nbytes > shm.segment_bytes:
+            raise ProtocolError("a staging slot reaches past its ring")
+        mapping = self._mappings.get(shm.segment)
+        if mapping is None or mapping.size != shm.segment_bytes:
+            try:
+                mapping = PinnedMapping(shm.segment, shm.segment_bytes, create=False)
+            except OSError as exc:
+                raise ProtocolError(f"cannot map staging ring {shm.segment}: {exc}") from exc
+            old = self._mappings.pop(shm.segment, None)
+            if old is not None:
+                self.drain()  # a copy still queued may touch the old mapping
+                old.close()
+            self._mappings[shm.segment] = mapping
+            while len(self._mappings) > _MAX_SEGMENTS:
+                self.drain()
+                self._mappings.popitem(last=False)[1].close()
+        return mapping.address + shm.offset
+
+    def start(
+        self,
+        request_id: int,
+        region: Any,
+        offsets: list[int],
+        lengths: list[int],
+        slot: int,
+        *,
+        to_slot: bool,
+        release: Callable[[], None],
+        payload: memoryview | None = None,
+    ) -> None:
+        """Queue the copy between `slot` and the region's ranges; its reply (followed by `payload`, the slot's bytes,
+        when given) goes out once it finished, then `release()` runs."""
+        if self._copier is None:
+            self._copier = SlotCopier()
+        try:
+            wait = self._copier.start(region, offsets, lengths, slot, to_slot=to_slot)
+        except HMCError as exc:
+            release()
+            self.reply(request_id, error_reply(exc))
+            return
+        if wait is no_wait and payload is None:
+            release()
+            self.reply(request_id, _OK)
+            return
+        try:
+            self._push(_Queued(request_id, wait, None, release, payload))
+        except HMCError:
+            with contextlib.suppress(HMCError):  # the copy was queued: let it end before the slot and buffer go
+                wait(time.monotonic() + _OWNER_COPY_S)
+            release()
+            raise
+
+    def reply(self, request_id: int, reply: peer_pb2.PeerReply) -> None:
+        """Send `reply` after the replies of the copies queued before it."""
+        with self._cond:
+            if self._queue:
+                self._push_locked(_Queued(request_id, no_wait, reply, None))
+                return
+        self._send(request_id, reply)
+
+    def _push(self, item: _Queued) -> None:
+        with self._cond:
+            self._push_locked(item)
+
+    def _push_locked(self, item: _Queued) -> None:
+        if not self._cond.wait_for(lambda: len(self._queue) < _OWNER_DEPTH, max(item.deadline - time.monotonic(), 0.0)):
+            raise TimeoutError("the owner's staging copies did not drain before the deadline")
+        self._queue.append(item)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._complete, name="hmc-staged-shm-owner", daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
+
+    def _complete(self) -> None:
+        """Wait for each queued copy in order and send its reply; exits once closed and drained."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return
+                item = self._queue[0]
+            reply, payload = item.reply, None
+            if reply is None:
+                try:
+                    item.wait(item.deadline)
+                    reply, payload = _payload_reply(item.payload)
+                except Exception as exc:  # noqa: BLE001 - a driver failure still answers its chunk
+                    reply = error_reply(exc)
+            try:
+                self._send(item.request_id, reply, payload)
+            finally:
+                if item.release is not None:
+                    item.release()
+            with self._cond:
+                self._queue.popleft()
+                self._cond.notify_all()
+
+    def _send(self, request_id: int, reply: peer_pb2.PeerReply, payload: memoryview | None = None) -> None:
+        try:
+            if reply is _OK and not request_id:
+                self._stream.send_serialized(_OK_FRAME)
+            elif payload is None:
+                self._stream.send(peer_pb2.PeerFrame(request_id=request_id, reply=reply))
+            else:
+                self._stream.send(peer_pb2.PeerFrame(request_id=request_id, reply=reply), [payload], deadline=time.monotonic() + _OWNER_COPY_S)
+        except HMCError as exc:  # the connection broke: the server's receive loop ends it
+            _log.debug("a staging reply was not sent: %s", exc)
+
+    def drain(self) -> None:
+        """Wait until every queued copy finished and its reply went out (each copy is bounded by its deadline)."""
+        with self._cond:
+            last = self._queue[-1].deadline if self._queue else 0.0
+            if not self._cond.wait_for(lambda: not self._queue, max(last - time.monotonic(), 0.0) + _JOIN_S):
+                raise TimeoutError("the owner's staging copies did not finish before their deadline")
+
+    def close(self) -> None:
+        """Let the queued copies finish (bounded), then unmap the rings."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(_OWNER_COPY_S + _JOIN_S)
+        for mapping in self._mappings.values():
+            mapping.close()
+        self._mappings.clear()
+        if self._copier is not None:
+            self._copier.close()
+
+
+def _payload_reply(payload: memoryview | None) -> tuple[peer_pb2.PeerReply, memoryview | None]:
+    """The reply to a finished copy: plain, or announcing the `payload` that follows it."""
+    return (_OK, None) if payload is None else (peer_pb2.PeerReply(payload_bytes=payload.nbytes), payload)
