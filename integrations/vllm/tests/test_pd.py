@@ -1,7 +1,8 @@
 """Disaggregated prefill/decode with HMCConnector: real vLLM OpenAI servers, the proxy, a tiny model.
 
 Five servers run for the module: one plain instance (the reference), a prefill instance P, a prefill
-instance whose pushed blocks are scrambled (the negative control), and two decode instances D1, D2.
+instance whose pushed blocks are scrambled (the negative control), and two decode instances (one with
+`kv_role` kv_both, one kv_consumer).
 Each proxy pairs one prefill with one decode instance, so every test knows which pair it exercises.
 """
 
@@ -67,7 +68,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             log=logs / "scrambling.log",
             env=server_env(PYTHONPATH=os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])),
         )
-        decode = VllmServer(model, kv_transfer_config=_kv("kv_consumer"), log=logs / "decode.log")
+        decode = VllmServer(model, kv_transfer_config=_kv("kv_both"), log=logs / "decode.log")  # the role the README shows
         doomed = VllmServer(model, kv_transfer_config=_kv("kv_consumer"), log=logs / "doomed.log")
         started += [single, prefill, scrambling, decode, doomed]
         for server in started:
