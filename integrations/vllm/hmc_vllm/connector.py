@@ -132,10 +132,6 @@ class HMCConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """Pushes run asynchronously and hold their blocks until reported in finished_sending."""
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving, _ = self._worker().get_transfer_results()
-        return sending or None, recving or None
-
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving, failed = self._worker().get_transfer_results()
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
