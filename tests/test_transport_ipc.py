@@ -14,7 +14,8 @@ from hmc.agent import Agent
 from hmc.config import Config
 from hmc.testing import PeerProcess, TransportPair, check_transport
 from hmc.transport._base import TransferOp, TransferRequest
-from hmc.transport._ipc import IpcTransport, _copy_few, _copy_iovecs, _iovecs, _remote_order
+from hmc.transport._ipc import IpcTransport, _copy_few, _copy_iovecs, _remote_order
+from hmc.transport._ranges import iovec_rows
 from hmc.transport._ranges import RangeList
 from hmc.transport._wire import IOV_MAX
 
@@ -158,8 +159,8 @@ def test_sides_with_different_entry_counts_copy_the_same_bytes(rng: np.random.Ge
     dst_offsets = np.arange(count, dtype=np.int64) * block
     dst_offsets[count // 2 :] += 3 * block  # two remote runs, and a gap
     lengths = np.full(count, block, np.int64)
-    local = _iovecs(src_offsets + src.ctypes.data, lengths)
-    remote = _iovecs(dst_offsets + dst.ctypes.data, lengths)
+    local = iovec_rows(src_offsets + src.ctypes.data, lengths)
+    remote = iovec_rows(dst_offsets + dst.ctypes.data, lengths)
     assert 2 * IOV_MAX < len(local) <= count and len(remote) == 2  # (random neighbours on the local side merge too)
     calls: list[tuple[int, int]] = []
     request = TransferRequest("t", TransferOp.WRITE, None, None, RangeList.build(0, 0, 1), float("inf"), _Done())  # type: ignore[arg-type]
@@ -169,7 +170,7 @@ def test_sides_with_different_entry_counts_copy_the_same_bytes(rng: np.random.Ge
     for s, d in zip(src_offsets.tolist(), dst_offsets.tolist()):
         expected[d : d + block] = src[s : s + block]
     assert np.array_equal(dst, expected)
-    assert _iovecs(dst_offsets, lengths).tolist() == [[0, block * (count // 2)], [(count // 2 + 3) * block, block * (count - count // 2)]]
+    assert iovec_rows(dst_offsets, lengths).tolist() == [[0, block * (count // 2)], [(count // 2 + 3) * block, block * (count - count // 2)]]
 
 
 def test_remote_order_sorts_only_when_destinations_are_disjoint() -> None:

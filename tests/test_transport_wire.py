@@ -13,7 +13,9 @@ import pytest
 
 from hmc.errors import AccessDeniedError, BrokenResourceError, ProtocolError, TimeoutError, UnavailableError, VersionMismatchError
 from hmc.transport._channel import Channel
-from hmc.transport._wire import MAX_FRAME, FrameStream, accept_handshake, connect, error_reply, handshake
+from hmc.transport._ranges import iovec_rows
+from hmc.transport._splice import Lender
+from hmc.transport._wire import MAX_FRAME, FrameStream, _after, accept_handshake, connect, error_reply, handshake
 from hmc.v1 import common_pb2, peer_pb2
 
 
@@ -129,3 +131,99 @@ def test_channel_requests_replies_errors_and_breakage(streams: tuple[FrameStream
     assert done.wait(5)
     assert isinstance(outcome[0], BrokenResourceError)
     client.close()
+
+
+@pytest.fixture
+def tcp_streams() -> Iterator[tuple[FrameStream, FrameStream]]:
+    """A real TCP connection over loopback: lending pages splices them into a TCP socket."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(listener.getsockname())
+    b, _ = listener.accept()
+    listener.close()
+    left, right = FrameStream(a, "left"), FrameStream(b, "right")
+    yield left, right
+    left.close()
+    right.close()
+
+
+def _scattered(rng: np.random.Generator, data: np.ndarray) -> tuple[list[memoryview], np.ndarray]:
+    """Views of odd sizes at unaligned offsets (some touching, some not) and their iovec rows."""
+    view, cuts, at = memoryview(data), [], 3
+    while at < data.size - 70_000:
+        length = int(rng.integers(1, 65_537))
+        cuts.append((at, length))
+        at += length + int(rng.choice([0, 0, 1, 4093]))
+    offsets = np.array([c[0] for c in cuts], np.int64)
+    lengths = np.array([c[1] for c in cuts], np.int64)
+    return [view[o : o + n] for o, n in cuts], iovec_rows(offsets + data.ctypes.data, lengths)
+
+
+def test_lent_pages_arrive_byte_exact_over_tcp(tcp_streams: tuple[FrameStream, FrameStream], rng: np.random.Generator) -> None:
+    left, right = tcp_streams
+    data = rng.integers(0, 256, 6_000_000, dtype=np.uint8)
+    parts, rows = _scattered(rng, data)
+    before = rows.copy()
+    frame = peer_pb2.PeerFrame(request_id=9, write=peer_pb2.DataWrite(buffer_id="b"))
+    sender = threading.Thread(target=left.send, args=(frame, parts, time.monotonic() + 10), kwargs={"lend": rows})
+    sender.start()
+    assert right.recv(time.monotonic() + 10) == frame
+    out = np.full(sum(p.nbytes for p in parts), 0xA5, np.uint8)
+    right.recv_into([memoryview(out)], time.monotonic() + 10)
+    sender.join()
+    assert np.array_equal(out, np.concatenate([np.asarray(p) for p in parts]))
+    assert np.array_equal(rows, before)  # the lender narrows rows while it works and restores them
+    assert left._lender.usable  # lent, not copied after a refusal
+
+
+def test_lender_reports_every_byte_lent(tcp_streams: tuple[FrameStream, FrameStream], rng: np.random.Generator) -> None:
+    left, right = tcp_streams
+    data = rng.integers(0, 256, 3_000_000, dtype=np.uint8)
+    parts, rows = _scattered(rng, data)
+    total = sum(p.nbytes for p in parts)
+    lender = Lender()
+    out = np.full(total, 0x5A, np.uint8)
+    receiver = threading.Thread(target=right.recv_into, args=([memoryview(out)], time.monotonic() + 10))
+    receiver.start()
+    try:
+        assert lender.send(left._tx, rows, time.monotonic() + 10) == total
+    finally:
+        lender.close()
+    receiver.join()
+    assert np.array_equal(out, np.concatenate([np.asarray(p) for p in parts]))
+
+
+def test_a_lender_the_kernel_refused_sends_with_a_copy(tcp_streams: tuple[FrameStream, FrameStream], rng: np.random.Generator) -> None:
+    left, right = tcp_streams
+    left._lender.usable = False  # what a kernel without vmsplice (or one that refused it) leaves behind
+    data = rng.integers(0, 256, 1_000_000, dtype=np.uint8)
+    parts, rows = _scattered(rng, data)
+    sender = threading.Thread(target=left.send, args=(peer_pb2.PeerFrame(request_id=2), parts, time.monotonic() + 10), kwargs={"lend": rows})
+    sender.start()
+    assert right.recv(time.monotonic() + 10).request_id == 2
+    out = np.full(sum(p.nbytes for p in parts), 0x33, np.uint8)
+    right.recv_into([memoryview(out)], time.monotonic() + 10)
+    sender.join()
+    assert np.array_equal(out, np.concatenate([np.asarray(p) for p in parts]))
+
+
+@pytest.mark.parametrize(("sizes", "sent", "left"), [([5, 7, 3], 0, [5, 7, 3]), ([5, 7, 3], 5, [7, 3]), ([5, 7, 3], 8, [4, 3]), ([5, 7, 3], 15, [])])
+def test_what_is_left_after_a_partial_lend(sizes: list[int], sent: int, left: list[int]) -> None:
+    data = bytes(range(sum(sizes)))
+    views, at = [], 0
+    for size in sizes:
+        views.append(memoryview(data)[at : at + size])
+        at += size
+    rest = _after(views, sent)
+    assert [len(v) for v in rest] == left
+    assert b"".join(bytes(v) for v in rest) == data[sent:]
+
+
+def test_lending_to_a_peer_that_stops_reading_times_out_and_breaks_the_stream(tcp_streams: tuple[FrameStream, FrameStream], rng: np.random.Generator) -> None:
+    left, _ = tcp_streams
+    data = rng.integers(0, 256, 96 << 20, dtype=np.uint8)
+    rows = iovec_rows(np.array([data.ctypes.data], np.int64), np.array([data.size], np.int64))
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        left.send(peer_pb2.PeerFrame(request_id=3), [memoryview(data)], time.monotonic() + 0.3, lend=rows)
+    assert time.monotonic() - started < 3.0
+    assert left.broken

@@ -48,7 +48,7 @@ import numpy as np
 from hmc.errors import AccessDeniedError, BrokenResourceError, BufferWithdrawnError, DeviceError, HMCError, TimeoutError, UnsupportedError
 from hmc.memory import DeviceKind, MemoryKind
 from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport
-from hmc.transport._ranges import RangeList
+from hmc.transport._ranges import RangeList, iovec_rows
 from hmc.transport._wire import IOV_MAX
 from hmc.v1 import common_pb2, peer_pb2
 
@@ -151,25 +151,6 @@ def _interleave(addresses: list[int], lengths: list[int]) -> list[int]:
     out = [0] * (2 * len(lengths))
     out[0::2], out[1::2] = addresses, lengths
     return out
-
-
-def _iovecs(addresses: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """(address, length) rows for one side of a copy, consecutive entries that touch merged into one.
-
-    Each side of a CMA call is a byte stream: its entries need not match the other
-    side's, only add up to the same bytes. Fewer remote entries means fewer
-    page-pinning walks in the kernel.
-    """
-    if addresses.size > 1:
-        touch = addresses[:-1] + lengths[:-1] == addresses[1:]
-        if touch.any():
-            starts = np.flatnonzero(np.concatenate(([True], ~touch)))
-            ends = np.concatenate(([0], np.cumsum(lengths)))
-            addresses, lengths = addresses[starts], ends[np.append(starts[1:], addresses.size)] - ends[starts]
-    rows = np.empty((addresses.size, 2), np.uint64)
-    rows[:, 0] = addresses
-    rows[:, 1] = lengths
-    return rows
 
 
 def _narrow(rows: np.ndarray, ends: np.ndarray, first: int, last: int, start: int, stop: int) -> tuple[int, int, int]:
@@ -393,8 +374,8 @@ class IpcTransport(Transport):
                 raise TimeoutError("ipc transfer missed its deadline")
             request.completion.add_bytes(ranges.total)
             return
-        local = _iovecs(local_offsets + local_base, ranges.lengths)
-        remote = _iovecs(remote_offsets + grant.address, ranges.lengths)
+        local = iovec_rows(local_offsets + local_base, ranges.lengths)
+        remote = iovec_rows(remote_offsets + grant.address, ranges.lengths)
         grant.enter()
         try:
             complete = _copy_iovecs(call, grant.pid, local, remote, request)

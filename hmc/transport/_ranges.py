@@ -15,7 +15,7 @@ import numpy as np
 from hmc.errors import ArgumentError, OutOfRangeError, ProtocolError
 from hmc.v1 import common_pb2
 
-__all__ = ["RangeList"]
+__all__ = ["RangeList", "iovec_rows"]
 
 _I64 = np.dtype("<i8")
 _SMALL = 8
@@ -181,3 +181,22 @@ class RangeList:
             else:
                 raise ProtocolError("range list arrays differ in length")
         return cls(*arrays)
+
+
+def iovec_rows(addresses: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The iovec table (uint64 address, length rows) of a byte stream, consecutive entries that touch merged into one.
+
+    The kernel takes such a table for cross-memory attach and vmsplice, and pins
+    pages per entry: fewer entries, fewer page walks. Two sides of one copy need
+    not have matching entries, only the same bytes.
+    """
+    if addresses.size > 1:
+        touch = addresses[:-1] + lengths[:-1] == addresses[1:]
+        if touch.any():
+            starts = np.flatnonzero(np.concatenate(([True], ~touch)))
+            ends = np.concatenate(([0], np.cumsum(lengths)))
+            addresses, lengths = addresses[starts], ends[np.append(starts[1:], addresses.size)] - ends[starts]
+    rows = np.empty((addresses.size, 2), np.uint64)
+    rows[:, 0] = addresses
+    rows[:, 1] = lengths
+    return rows

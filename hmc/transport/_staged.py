@@ -2,14 +2,16 @@
 
 Per peer agent, `streams` data connections are opened lazily on first use, kept
 and reused (large SO_SNDBUF/SO_RCVBUF, TCP_NODELAY, set by the connector). A
-transfer's coalesced ranges are cut into chunks of about `chunk_bytes` and dealt
-round-robin over the streams. Each stream has a sender thread that writes
+transfer's coalesced ranges are cut into chunks of `chunk_bytes`, or one per
+stream when that is larger, and dealt round-robin over the streams. Each stream has a sender thread that writes
 frames back to back without waiting for acknowledgements, and a receiver thread
 that collects the owner's replies in order: the pipeline stays full.
 
-WRITE sends `DataWrite` + the payload straight from registered memory
-(`sendmsg` of memoryviews); the owner bounds-checks the ranges and the access
-key before receiving into its buffer. READ sends `DataRead`; the owner answers
+WRITE sends `DataWrite` + the payload straight from registered memory, its
+pages lent to the socket (`hmc.transport._splice`: the source stays unchanged
+until the owner replied, so TCP may read it late; the owner's receive is the one
+copy); the owner bounds-checks the ranges and the access key before receiving
+into its buffer. READ sends `DataRead`; the owner answers
 with a reply announcing `payload_bytes` and the bytes follow, received straight
 into the destination (`recvmsg_into`). No intermediate copy on either side.
 
@@ -57,10 +59,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutError
 from hmc.memory import DeviceKind, MemoryKind
 from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport
-from hmc.transport._ranges import RangeList
+from hmc.transport._ranges import RangeList, iovec_rows
 from hmc.transport._staged_shm import ShmStaging, same_host
 from hmc.transport._staged_tcp_ring import TcpRingStaging
 from hmc.transport._wire import FrameStream, raise_for_reply
@@ -113,6 +117,13 @@ class _Chunk:
 
     def frame(self) -> tuple[peer_pb2.PeerFrame, list[memoryview]]:
         return _frame(self.transfer.request, self.ranges)
+
+    def lendable(self) -> np.ndarray | None:
+        """A WRITE's payload as iovec rows: its source stays unchanged until the owner replied, so its pages may be lent."""
+        request = self.transfer.request
+        if request.op is not TransferOp.WRITE:
+            return None
+        return iovec_rows(self.ranges.src + request.local.region.address, self.ranges.lengths)
 
 
 def _views(request: TransferRequest, local_offsets: Any, lengths: Any) -> list[memoryview]:
@@ -225,7 +236,7 @@ class _Stream:
             with self._lock:
                 self._sent.append(chunk)
             try:
-                self._stream.send(frame, payload, deadline=chunk.sent_at + self._stall_s)
+                self._stream.send(frame, payload, deadline=chunk.sent_at + self._stall_s, lend=chunk.lendable())
             except HMCError as exc:
                 return exc
         return None
@@ -361,7 +372,7 @@ class StagedTransport(Transport):
         except HMCError as exc:
             request.completion.finish(exc)
             return
-        chunks = request.ranges.chunks(self._chunk_bytes)
+        chunks = request.ranges.chunks(max(self._chunk_bytes, -(-total // len(streams))))
         request.completion.set_running()
         transfer = _Transfer(request, len(chunks))
         for index, ranges in enumerate(chunks):

@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from hmc.errors import (
@@ -38,6 +39,7 @@ from hmc.errors import (
     VersionMismatchError,
     error_from_code,
 )
+from hmc.transport._splice import LEND_MIN_BYTES, Lender
 from hmc.v1 import common_pb2, peer_pb2
 
 __all__ = [
@@ -66,6 +68,18 @@ _FRAME_REST_S = 5.0
 """Once a frame's first byte arrived, the rest may take this long, whatever the caller's deadline."""
 
 
+def _after(views: Sequence[memoryview], nbytes: int) -> list[memoryview | bytes]:
+    """What is left of `views` once their first `nbytes` went out."""
+    rest: list[memoryview | bytes] = []
+    for view in views:
+        if nbytes >= view.nbytes:
+            nbytes -= view.nbytes
+            continue
+        rest.append(view[nbytes:] if nbytes else view)
+        nbytes = 0
+    return rest
+
+
 def _remaining(deadline: float | None) -> float:
     if deadline is None:
         return _NO_DEADLINE_S
@@ -79,30 +93,46 @@ class FrameStream:
         self.peer = peer
         self._tx = sock
         self._rx = sock.dup()
-        self._send_lock = threading.Lock()  # serializes whole frames (+ payload) from several threads
+        self._send_lock = threading.Lock()  # serializes whole frames (+ payload) from several threads; guards _lender
+        self._lender = Lender()
         self._broken: BrokenResourceError | None = None
         self._closed = False
 
-    def send(self, frame: peer_pb2.PeerFrame, payload: Sequence[memoryview] = (), deadline: float | None = None) -> None:
-        """Send one frame and, directly after it, the payload views (zero copy)."""
-        self.send_serialized(frame.SerializeToString(), payload, deadline)
+    def send(
+        self, frame: peer_pb2.PeerFrame, payload: Sequence[memoryview] = (), deadline: float | None = None, *, lend: np.ndarray | None = None
+    ) -> None:
+        """Send one frame and, directly after it, the payload views (no intermediate buffer).
 
-    def send_serialized(self, body: bytes, payload: Sequence[memoryview] = (), deadline: float | None = None) -> None:
+        `lend`: the payload's iovec rows (`hmc.transport._ranges.iovec_rows`),
+        when its pages may be lent to the socket instead of copied into it
+        (`hmc.transport._splice`): only for memory the caller keeps unchanged
+        until the peer has acknowledged the bytes.
+        """
+        self.send_serialized(frame.SerializeToString(), payload, deadline, lend=lend)
+
+    def send_serialized(
+        self, body: bytes, payload: Sequence[memoryview] = (), deadline: float | None = None, *, lend: np.ndarray | None = None
+    ) -> None:
         """`send()` of a frame serialized beforehand (constant replies are serialized once)."""
-        parts: list[memoryview | bytes] = [_HEADER.pack(len(body)) + body, *payload]
+        parts: list[memoryview | bytes] = [_HEADER.pack(len(body)) + body]
         with self._send_lock:
             self._check()
             try:
-                self._sendmsg_all(parts, deadline)
+                if lend is not None and int(lend[:, 1].sum()) >= LEND_MIN_BYTES:
+                    self._sendmsg_all(parts, deadline, socket.MSG_MORE)
+                    lent = self._lender.send(self._tx, lend, time.monotonic() + _remaining(deadline))
+                    self._sendmsg_all(_after(payload, lent), deadline)
+                else:
+                    self._sendmsg_all(parts + list(payload), deadline)
             except OSError as exc:
                 raise self._translate(exc) from exc
 
-    def _sendmsg_all(self, parts: list[memoryview | bytes], deadline: float | None) -> None:
+    def _sendmsg_all(self, parts: list[memoryview | bytes], deadline: float | None, flags: int = 0) -> None:
         index = 0
         while index < len(parts):
             self._tx.settimeout(_remaining(deadline))
             batch = parts[index : index + IOV_MAX]
-            sent = self._tx.sendmsg(batch)
+            sent = self._tx.sendmsg(batch, (), flags)
             for part in batch:
                 size = len(part) if isinstance(part, bytes) else part.nbytes
                 if sent < size:
@@ -227,6 +257,11 @@ class FrameStream:
         self.shutdown()
         self._tx.close()
         self._rx.close()
+        if self._send_lock.acquire(timeout=_FRAME_REST_S):  # a sender on the shut-down socket fails at once
+            try:
+                self._lender.close()
+            finally:
+                self._send_lock.release()
 
 
 def connect(endpoint: common_pb2.TcpEndpoint, deadline: float, *, buffer_bytes: int = 0) -> socket.socket:
