@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kv-total", type=int, default=GiB, help="bytes of the buffers the KV ranges lie in (default 1 GiB)")
     parser.add_argument("--deadline", type=float, default=1500.0, help="seconds for the whole run; a group still running then is killed")
     parser.add_argument("--out", type=Path, default=None, help="JSON file to write")
-    parser.add_argument("--git-commit", default=None, help="the commit to record where this copy of the tree has no .git (the device machine)")
+    parser.add_argument("--git-commit", default=None, help="the commit to record instead of what this copy's .git says (the device machine's copy has none, or a stale one)")
     parser.add_argument("--git-modified", default="", help="with --git-commit: comma-separated tracked files modified in the tree that was copied")
     args = parser.parse_args(argv)
     systems = tuple(s for s in args.systems.split(",") if s)
@@ -109,9 +109,11 @@ def main(argv: list[str]) -> int:
     def save(report: dict) -> None:
         if HMC_IMPORT_ERROR:
             report["hmc_import_error"] = HMC_IMPORT_ERROR
-        if report.get("git") is None and args.git_commit:
+        if args.git_commit:  # the copy on the device machine has no .git, or a stale one: the caller knows better
+            if report.get("git") is not None:
+                report["git_device_view"] = report["git"]
             report["git"] = {"commit": args.git_commit, "modified_files": [f for f in args.git_modified.split(",") if f],
-                             "source": "--git-commit (no git repository in the copy of the tree that ran)"}
+                             "source": "--git-commit (the copy of the tree that ran has no .git, or one that lags behind)"}
         if not out_path:
             if args.out is not None:
                 out_path.append(args.out)
