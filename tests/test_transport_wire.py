@@ -227,3 +227,29 @@ def test_lending_to_a_peer_that_stops_reading_times_out_and_breaks_the_stream(tc
         left.send(peer_pb2.PeerFrame(request_id=3), [memoryview(data)], time.monotonic() + 0.3, lend=rows)
     assert time.monotonic() - started < 3.0
     assert left.broken
+
+
+def test_a_large_receive_in_steps_leaves_the_stream_ready_for_small_frames(tcp_streams: tuple[FrameStream, FrameStream], rng: np.random.Generator) -> None:
+    left, right = tcp_streams
+    data = rng.integers(0, 256, 5_000_003, dtype=np.uint8)
+
+    def trickle() -> None:  # the payload arrives unevenly: a slow start, then the rest at once, then a small frame
+        view = memoryview(data)
+        left.send(peer_pb2.PeerFrame(request_id=1), [view[:100_000]], time.monotonic() + 10)
+        for at in range(100_000, 1_100_000, 250_000):
+            time.sleep(0.01)
+            left._tx.sendall(view[at : at + 250_000])
+        left._tx.sendall(view[1_100_000:])
+        left.send(peer_pb2.PeerFrame(request_id=2), deadline=time.monotonic() + 10)
+
+    sender = threading.Thread(target=trickle)
+    sender.start()
+    assert right.recv(time.monotonic() + 10).request_id == 1
+    out = np.full(data.size, 0x77, np.uint8)
+    right.recv_into([memoryview(out)[:7], memoryview(out)[7:]], time.monotonic() + 10)
+    assert np.array_equal(out, data)
+    assert right._rx.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+    started = time.monotonic()
+    assert right.recv(time.monotonic() + 5).request_id == 2
+    assert time.monotonic() - started < 1.0
+    sender.join()

@@ -64,8 +64,23 @@ _HEADER = struct.Struct("<I")
 
 _LAST_CHANCE_S = 0.001
 """A passed deadline still gets one short attempt: data that already arrived is never refused."""
+_LOWAT_BYTES = 1 << 20
+"""Large payloads are received in steps of at least this much (SO_RCVLOWAT) instead of whatever arrived since the
+last wake-up (about 0.3 MiB): staged 256 MiB over loopback on the 2-core VM 3.75 -> 4.25 GB/s."""
 _FRAME_REST_S = 5.0
 """Once a frame's first byte arrived, the rest may take this long, whatever the caller's deadline."""
+
+
+def _consume(pending: list[memoryview], index: int, got: int) -> int:
+    """Account `got` received bytes against `pending` from `index` (trimming a view left part-filled); the next index."""
+    while got:
+        size = pending[index].nbytes
+        if got < size:
+            pending[index] = pending[index][got:]
+            break
+        got -= size
+        index += 1
+    return index
 
 
 def _after(views: Sequence[memoryview], nbytes: int) -> list[memoryview | bytes]:
@@ -95,6 +110,8 @@ class FrameStream:
         self._rx = sock.dup()
         self._send_lock = threading.Lock()  # serializes whole frames (+ payload) from several threads; guards _lender
         self._lender = Lender()
+        self._lowat = max(1, min(_LOWAT_BYTES, self._rx.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4))
+        """Bytes a large receive waits for before waking (a quarter of the receive buffer at most: more could never arrive)."""
         self._broken: BrokenResourceError | None = None
         self._closed = False
 
@@ -169,26 +186,36 @@ class FrameStream:
             return True
 
     def recv_into(self, views: Sequence[memoryview], deadline: float | None = None) -> None:
-        """Fill `views` in order with the payload that follows (scatter receive, zero copy)."""
+        """Fill `views` in order with the payload that follows (scatter receive, zero copy).
+
+        While at least twice `_lowat` bytes are left, the socket wakes this
+        thread only once `_lowat` bytes wait (SO_RCVLOWAT): fewer, larger receives.
+        """
         pending = [view for view in views if view.nbytes]
+        left = sum(view.nbytes for view in pending)
         index = 0
         sock = self._rx
-        while index < len(pending):
-            self._check()
-            try:
-                sock.settimeout(_remaining(deadline))
-                got = sock.recvmsg_into(pending[index : index + IOV_MAX])[0]
-            except OSError as exc:
-                raise self._translate(exc) from exc
-            if got == 0:
-                raise self._eof()
-            while got:
-                size = pending[index].nbytes
-                if got < size:
-                    pending[index] = pending[index][got:]
-                    break
-                got -= size
-                index += 1
+        lowat = 1
+        try:
+            while index < len(pending):
+                self._check()
+                try:
+                    want = self._lowat if left >= 2 * self._lowat else 1
+                    if want != lowat:
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                        lowat = want
+                    sock.settimeout(_remaining(deadline))
+                    got = sock.recvmsg_into(pending[index : index + IOV_MAX])[0]
+                except OSError as exc:
+                    raise self._translate(exc) from exc
+                if got == 0:
+                    raise self._eof()
+                left -= got
+                index = _consume(pending, index, got)
+        finally:
+            if lowat != 1:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
     def discard(self, nbytes: int, deadline: float | None = None) -> None:
         """Read and drop `nbytes` of payload (a refused DataWrite's)."""
