@@ -109,9 +109,8 @@ def main(argv: list[str]) -> int:
     def save(report: dict) -> None:
         if HMC_IMPORT_ERROR:
             report["hmc_import_error"] = HMC_IMPORT_ERROR
-        if args.git_commit:  # the copy on the device machine has no .git, or a stale one: the caller knows better
-            if report.get("git") is not None:
-                report["git_device_view"] = report["git"]
+        if args.git_commit and "git_device_view" not in report:  # the device machine's copy has no .git, or a stale one
+            report["git_device_view"] = report.get("git")
             report["git"] = {"commit": args.git_commit, "modified_files": [f for f in args.git_modified.split(",") if f],
                              "source": "--git-commit (the copy of the tree that ran has no .git, or one that lags behind)"}
         if not out_path:
