@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -359,8 +359,9 @@ def ipc_target(conn: Connection, size: int) -> None:
         send_error(conn)
 
 
-def _serve_destination(conn: Connection, dst: Any, expected: Any, idle: Any = None) -> None:
-    """A destination owner's loop: ("prep", w) poison -> ("ready",); ("verify", w) -> ("verified", ok); ("quit",)."""
+def _serve_destination(conn: Connection, dst: Any, expected: Any, idle: Any = None, recv: Callable[[Any], None] | None = None) -> None:
+    """A destination owner's loop: ("prep", w) poison -> ("ready",); ("iters", w, n): `recv` into dst n times (a
+    two-sided baseline's receiving side); ("verify", w) -> ("verified", ok); ("quit",)."""
     import torch
 
     sync = torch.cuda.synchronize if dst.is_cuda else (lambda: None)
@@ -372,12 +373,17 @@ def _serve_destination(conn: Connection, dst: Any, expected: Any, idle: Any = No
             poison(dst, message[1].total_size)
             sync()
             conn.send(("ready",))
+        elif message[0] == "iters" and recv is not None:
+            view = dst[: message[1].nbytes]
+            for _ in range(message[2]):
+                recv(view)
         elif message[0] == "verify":
             sync()
             w = message[1]
             so, do, _ = make_ranges(w)
             conn.send(("verified", verify(dst, expected, w, so, do)))
         else:
+            sync()
             return
 
 
@@ -465,7 +471,7 @@ def nccl_rank(rank: int, conn: Connection, out: Connection | None, store_path: s
                 assert out is not None
                 _nccl_sender(dist, conn, out, system, pattern(size, SEED, device), workloads, timing, sync)
             else:
-                _nccl_receiver(dist, conn, torch.empty(size, dtype=torch.uint8, device=device), pattern(size, SEED, device), sync)
+                _serve_destination(conn, torch.empty(size, dtype=torch.uint8, device=device), pattern(size, SEED, device), recv=lambda view: dist.recv(view, 0))
         finally:
             dist.destroy_process_group()
     except BaseException:
@@ -497,24 +503,3 @@ def _nccl_sender(dist: Any, conn: Connection, out: Connection, system: str, src:
         out.send(("row", gpu_row(system, "send/recv", w, times, ok, path_detail, pipe, "wall")))
     conn.send(("quit",))
     out.send(("done",))
-
-
-def _nccl_receiver(dist: Any, conn: Connection, dst: Any, expected: Any, sync: Any) -> None:
-    while True:
-        message = receive(conn, "", RUN_TIMEOUT_S)
-        if message[0] == "prep":
-            poison(dst, message[1].total_size)
-            sync()
-            conn.send(("ready",))
-        elif message[0] == "iters":
-            view = dst[: message[1].nbytes]
-            for _ in range(message[2]):
-                dist.recv(view, 0)
-        elif message[0] == "verify":
-            sync()
-            w = message[1]
-            so, do, _ = make_ranges(w)
-            conn.send(("verified", verify(dst, expected, w, so, do)))
-        else:
-            sync()
-            return

@@ -157,17 +157,13 @@ class WallTimer:
         return (time.perf_counter_ns() - self._t0) / 1e9
 
 
-class TorchEventTimer:
-    """Back-to-back posts on one torch stream, timed with CUDA events."""
+class _EventTimer:
+    """Back-to-back posts on one stream, timed with two CUDA events (`_start`, `_stop`) of the stream's library."""
 
     name = "cuda-events"
-
-    def __init__(self, stream: Any) -> None:
-        import torch
-
-        self._stream = stream
-        self._start = torch.cuda.Event(enable_timing=True)
-        self._stop = torch.cuda.Event(enable_timing=True)
+    _stream: Any
+    _start: Any
+    _stop: Any
 
     def start(self) -> None:
         self._stream.synchronize()
@@ -176,13 +172,28 @@ class TorchEventTimer:
     def stop(self) -> float:
         self._stop.record(self._stream)
         self._stop.synchronize()
-        return self._start.elapsed_time(self._stop) / 1e3
+        return self._elapsed_ms() / 1e3
+
+    def _elapsed_ms(self) -> float:
+        raise NotImplementedError
 
 
-class CupyEventTimer:
+class TorchEventTimer(_EventTimer):
+    """Back-to-back posts on one torch stream, timed with CUDA events."""
+
+    def __init__(self, stream: Any) -> None:
+        import torch
+
+        self._stream = stream
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._stop = torch.cuda.Event(enable_timing=True)
+
+    def _elapsed_ms(self) -> float:
+        return float(self._start.elapsed_time(self._stop))
+
+
+class CupyEventTimer(_EventTimer):
     """Back-to-back posts on one CuPy stream, timed with CUDA events."""
-
-    name = "cuda-events"
 
     def __init__(self, stream: Any, device: int) -> None:
         import cupy
@@ -192,14 +203,8 @@ class CupyEventTimer:
         with cupy.cuda.Device(device):  # an event must belong to its stream's device
             self._start, self._stop = cupy.cuda.Event(), cupy.cuda.Event()
 
-    def start(self) -> None:
-        self._stream.synchronize()
-        self._start.record(self._stream)
-
-    def stop(self) -> float:
-        self._stop.record(self._stream)
-        self._stop.synchronize()
-        return self._cupy.cuda.get_elapsed_time(self._start, self._stop) / 1e3
+    def _elapsed_ms(self) -> float:
+        return float(self._cupy.cuda.get_elapsed_time(self._start, self._stop))
 
 
 def pipeline_count(times_ns: np.ndarray) -> int:

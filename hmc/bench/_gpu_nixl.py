@@ -22,7 +22,7 @@ import numpy as np
 
 from hmc.bench._child import RUN_TIMEOUT_S, receive, send_error
 from hmc.bench._gpu_common import apply_env, gpu_row, pattern, poison, sizes_of
-from hmc.bench._nixl import new_agent, reposter
+from hmc.bench._nixl import finish_initiator, new_agent, reposter
 from hmc.bench._nixl import nixl_available as host_nixl_available
 from hmc.bench._timing import Timing, measure
 from hmc.bench._workloads import SEED, Workload, make_ranges
@@ -105,10 +105,7 @@ def nixl_initiator(conn: Connection, out: Connection, workloads: Sequence[Worklo
         mem, index = _mem_type(src)
         for w in workloads:
             out.send(("row", _one(agent, peer, conn, w, timing, (src.data_ptr(), index, mem), (remote_base, remote_index, remote_mem))))
-        conn.send(("quit",))
-        agent.remove_remote_agent(peer)
-        agent.deregister_memory(regs)
-        out.send(("done",))
+        finish_initiator(agent, peer, regs, conn, out)
     except BaseException:
         send_error(out, conn)
 

@@ -38,7 +38,7 @@ from hmc.bench._workloads import POISON, SEED, Workload, make_ranges, random_byt
 from hmc.errors import TimeoutError, UnavailableError
 from hmc.testing import ranges_digest
 
-__all__ = ["INSTALL_HINT", "NIXL_SYSTEMS", "import_nixl", "new_agent", "nixl_available", "nixl_rows", "reposter"]
+__all__ = ["INSTALL_HINT", "NIXL_SYSTEMS", "finish_initiator", "import_nixl", "new_agent", "nixl_available", "nixl_rows", "reposter"]
 
 INSTALL_HINT = "pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1"
 NIXL_SYSTEMS: dict[str, dict[str, str]] = {"nixl": {}, "nixl-tcp": {"UCX_TLS": "tcp"}}
@@ -85,6 +85,14 @@ def _agent(name: str, env: dict[str, str], buffers: Sequence[np.ndarray]) -> tup
     agent = new_agent(name, env)
     regs = np.array([(b.ctypes.data, b.nbytes, 0) for b in buffers], dtype=np.uint64)
     return agent, agent.register_memory(regs, "DRAM")
+
+
+def finish_initiator(agent: Any, peer: Any, regs: Any, conn: Connection, out: Connection) -> None:
+    """An initiator child's last steps: release the target, drop the peer and the registrations, report done."""
+    conn.send(("quit",))
+    agent.remove_remote_agent(peer)
+    agent.deregister_memory(regs)
+    out.send(("done",))
 
 
 def reposter(agent: Any, handle: Any, label: str) -> Callable[[], None]:
@@ -148,10 +156,7 @@ def _initiator(conn: Connection, out: Connection, system: str, env: dict[str, st
         for op in ops:
             for w in workloads:
                 out.send(("row", _one(agent, peer, conn, system, path, op, w, (src, dst, remote_src, remote_dst), timing)))
-        conn.send(("quit",))
-        agent.remove_remote_agent(peer)
-        agent.deregister_memory(regs)
-        out.send(("done",))
+        finish_initiator(agent, peer, regs, conn, out)
     except BaseException:
         send_error(out, conn)
 
