@@ -2,8 +2,8 @@
 
 Initiator (`TcpRingStaging`): the shared ring's pipeline (`ShmStaging`) with another
 wire. Its ring (8 x 16 MiB) is private pinned memory; a write's hand-off is a
-DataWrite followed by the slot's bytes, a read's answer is the owner's reply followed
-by the chunk's bytes, received into the slot. The rest is the shared ring's: the
+DataWrite followed by the slot's bytes (its pages lent to TCP: `hmc.transport._splice`),
+a read's answer is the owner's reply followed by the chunk's bytes, received into the slot. The rest is the shared ring's: the
 device-to-host copies of every free slot queued at once, the oldest finished one sent,
 replies collected in order as they come, reads asked `slots` chunks ahead, every wait
 bounded by the request's deadline, a failed transfer drops its connection and unpins
@@ -29,8 +29,11 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
+
 from hmc.errors import ProtocolError, TimeoutError
 from hmc.transport._pinned import PinnedMapping
+from hmc.transport._ranges import iovec_rows
 from hmc.transport._staged_shm import SLOT_BYTES, ShmStaging, _Link, frame_of, reply_of
 from hmc.transport._wire import FrameStream
 from hmc.v1 import peer_pb2
@@ -52,10 +55,15 @@ class TcpRingStaging(ShmStaging):
         return PinnedMapping(None, size, create=True), ""
 
     def _hand_off(self, link: _Link, stream: FrameStream, message: peer_pb2.DataWrite | peer_pb2.DataRead, slot: int, nbytes: int, deadline: float) -> None:
-        """Send a chunk's request; a write's bytes follow it from the slot."""
+        """Send a chunk's request; a write's bytes follow it from the slot, its pages lent to the socket (the slot
+        is filled again only once the owner replied, after it received them)."""
         assert link.ring is not None
-        payload = [link.ring.view(slot * self._slot_bytes, nbytes)] if isinstance(message, peer_pb2.DataWrite) else []
-        stream.send(frame_of(message), payload, deadline=deadline)
+        if not isinstance(message, peer_pb2.DataWrite):
+            stream.send(frame_of(message), deadline=deadline)
+            return
+        at = slot * self._slot_bytes
+        pages = iovec_rows(np.array([link.ring.address + at], np.int64), np.array([nbytes], np.int64))
+        stream.send(frame_of(message), [link.ring.view(at, nbytes)], deadline=deadline, lend=pages)
 
     def _answer(self, link: _Link, stream: FrameStream, slot: int, nbytes: int, deadline: float) -> None:
         """Take the owner's reply to the oldest read asked for and receive its `nbytes` into the slot."""
