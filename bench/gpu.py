@@ -15,7 +15,9 @@ One run, GPU0 -> GPU1, every system on the same workloads (bulk 4 KiB to 1 GiB,
                    NCCL_P2P_DISABLE=1 (host-staged)
     nixl           NIXL 1.5.x, UCX backend, default settings, VRAM -> VRAM, two processes
     hmc            HMC's CUDA paths, through the plug-in hmc.bench._gpu_hmc (skipped with
-                   the reason while hmc.transport has none)
+                   the reason while hmc.transport has none): write() + wait() per iteration
+    hmc-prepared   the same child: single ranges up to 64 KiB as one prepare_write() posted
+                   per iteration, as the nixl rows repost one prepared request
 
 NCCL_NVLS_ENABLE=0 (and the other multicast switches) are set here and in every
 child. Every wait on a child is bounded; children are killed when they stall.

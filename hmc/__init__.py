@@ -2,7 +2,7 @@
 
 The public API, grouped:
 
-- data plane: `Agent`, `ConnBuffer`, `TransferHandle`, `TransferState`, `Notification`
+- data plane: `Agent`, `ConnBuffer`, `PreparedTransfer`, `TransferHandle`, `TransferState`, `Notification`
 - descriptors and paths: `BufferDescriptor`, `PathName`, `PathChoice`, `RangeList`
 - control plane: `Client`
 - configuration: `Config`, `PathPolicy`
@@ -10,7 +10,7 @@ The public API, grouped:
 """
 
 from hmc import errors, memory
-from hmc.agent import Agent, ConnBuffer, Notification, TransferHandle, TransferState
+from hmc.agent import Agent, ConnBuffer, Notification, PreparedTransfer, TransferHandle, TransferState
 from hmc.config import Config, PathPolicy
 from hmc.control import Client
 from hmc.errors import HMCError
@@ -24,6 +24,7 @@ __all__ = [
     "Agent",
     "ConnBuffer",
     "Notification",
+    "PreparedTransfer",
     "TransferHandle",
     "TransferState",
     # descriptors and paths

@@ -53,20 +53,22 @@ def test_vendor_override_is_published(config: Config) -> None:
         assert a.register(bytearray(8)).descriptor.device.vendor == common_pb2.VENDOR_AMD
 
 
-def test_bad_arguments_raise_before_anything_moves(agent: Agent, make_agent: Callable[..., Agent]) -> None:
+@pytest.mark.parametrize("method", ["write", "prepare_write"])
+def test_bad_arguments_raise_before_anything_moves(agent: Agent, make_agent: Callable[..., Agent], method: str) -> None:
+    write = getattr(agent, method)
     src = agent.register(np.ones(4096, np.uint8))
     dst = agent.register(np.zeros(4096, np.uint8))
     with pytest.raises(ArgumentError):
-        agent.write(src, dst, [0, 1], [0, 1, 2], 1)
+        write(src, dst, [0, 1], [0, 1, 2], 1)
     with pytest.raises(ArgumentError):
-        agent.write(src, dst, np.array([0.5]), 0, 1)
+        write(src, dst, np.array([0.5]), 0, 1)
     with pytest.raises(OutOfRangeError):
-        agent.write(src, dst, 0, 1, 4096)
+        write(src, dst, 0, 1, 4096)
     with pytest.raises(ArgumentError):
-        agent.write(src, dst, 0, 0, 1, path="carrier-pigeon")
+        write(src, dst, 0, 0, 1, path="carrier-pigeon")
     other = make_agent()
     with pytest.raises(ArgumentError):
-        agent.write(other.register(bytearray(8)), dst, 0, 0, 1)
+        write(other.register(bytearray(8)), dst, 0, 0, 1)
     assert not dst.numpy().any()
 
 

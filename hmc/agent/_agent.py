@@ -13,6 +13,8 @@ finished handle. Calls that force `path=` have routes of their own (per remote
 buffer and path); the pair's negotiated path serves forced and unforced calls.
 A route whose copy waits on the peer (staged: one round trip) serves only calls
 without a `timeout` of their own, within the agent's default deadline.
+Prepared transfers (`prepare_write`/`prepare_read`, `hmc.agent._prepared`) check
+their arguments once and vet a route once, so a post is a lookup and the copy.
 
 Concurrency: every public method may be called from any thread. `_lock` guards
 the path cache and the set of remote buffers known to be withdrawn; the buffer
@@ -33,6 +35,7 @@ from typing import Any
 from hmc.agent._buffers import BufferTable, ConnBuffer
 from hmc.agent._instructions import Instructions
 from hmc.agent._peers import Peers
+from hmc.agent._prepared import PreparedTransfer
 from hmc.agent._server import PeerServer
 from hmc.agent._transfer import Notification, NotificationInbox, NotifyStep, TransferHandle, TransferState
 from hmc.config import Config, PathPolicy
@@ -287,6 +290,24 @@ class Agent:
                 return TransferHandle.finished(route.path, lengths)
         return self._submit(TransferOp.READ, local, remote, RangeList.build(remote_offsets, local_offsets, lengths), notify, timeout, path)
 
+    def prepare_write(
+        self, local: ConnBuffer, remote: Any, src_offsets: Any, dst_offsets: Any, lengths: Any,
+        *, timeout: float | None = None, path: str | None = None,
+    ) -> PreparedTransfer:
+        """`write()` of these ranges, checked now and started by each `post()` of the result."""
+        return self._prepare(TransferOp.WRITE, local, remote, RangeList.build(src_offsets, dst_offsets, lengths), timeout, path)
+
+    def prepare_read(
+        self, local: ConnBuffer, remote: Any, remote_offsets: Any, local_offsets: Any, lengths: Any,
+        *, timeout: float | None = None, path: str | None = None,
+    ) -> PreparedTransfer:
+        """`read()` of these ranges, checked now and started by each `post()` of the result."""
+        return self._prepare(TransferOp.READ, local, remote, RangeList.build(remote_offsets, local_offsets, lengths), timeout, path)
+
+    def _prepare(self, op: TransferOp, local: ConnBuffer, remote: Any, ranges: RangeList, timeout: float | None, path: str | None) -> PreparedTransfer:
+        self._choose(local, self._checked(op, local, remote, ranges), path)  # NoPathError now, not at the first post
+        return PreparedTransfer(self, op, local, remote, ranges.coalesced(), timeout=timeout, path=path)
+
     @staticmethod
     def _inline_failed(local: ConnBuffer, route: _Route, length: int, error: HMCError) -> TransferHandle:
         """A failed inline copy: forget the pair's fast path and report through the handle."""
@@ -299,15 +320,7 @@ class Agent:
         self, op: TransferOp, local: ConnBuffer, remote: Any, ranges: RangeList,
         notify: bytes | None, timeout: float | None, path: str | None, transfer_id: str | None = None,
     ) -> TransferHandle:
-        self._check_open()
-        descriptor = remote.descriptor if isinstance(remote, ConnBuffer) else remote
-        self._check_buffers(local, descriptor)
-        if op is TransferOp.WRITE:
-            ranges.check(local.size, descriptor.size)
-        else:
-            if local.region.readonly:
-                raise AccessDeniedError(f"{local!r} is read-only: it cannot receive a read")
-            ranges.check(descriptor.size, local.size)
+        descriptor = self._checked(op, local, remote, ranges)
         ranges = ranges.coalesced()
         choice = self._choose(local, descriptor, path)
         transport = self._transports[choice.path]
@@ -329,6 +342,19 @@ class Agent:
                 keys.append(descriptor.id)
             self._learn_route(transport, local, descriptor, choice.path.value, keys)
         return handle
+
+    def _checked(self, op: TransferOp, local: ConnBuffer, remote: Any, ranges: RangeList) -> common_pb2.BufferDescriptor:
+        """The remote side's descriptor, once the agent is open, both buffers usable and `ranges` within them."""
+        self._check_open()
+        descriptor: common_pb2.BufferDescriptor = remote.descriptor if isinstance(remote, ConnBuffer) else remote
+        self._check_buffers(local, descriptor)
+        if op is TransferOp.WRITE:
+            ranges.check(local.size, descriptor.size)
+        else:
+            if local.region.readonly:
+                raise AccessDeniedError(f"{local!r} is read-only: it cannot receive a read")
+            ranges.check(descriptor.size, local.size)
+        return descriptor
 
     def _check_buffers(self, local: ConnBuffer, descriptor: common_pb2.BufferDescriptor) -> None:
         if not isinstance(local, ConnBuffer):

@@ -19,7 +19,9 @@ NVIDIA-AMD pair gets. For each path of `HMC_PATHS` and each workload: the first
 transfer checks the path the handle reports, then post + wait iterations are
 timed, then the target checks every moved byte on its device. Both paths go
 without `path=`: `ipc` to the plain agent's buffer, `staged` to the overriding
-agent's.
+agent's. Single ranges up to 64 KiB are measured twice: `write()` + `wait()` per
+iteration (system "hmc"), and one `prepare_write()` posted per iteration (system
+"hmc-prepared"), as NIXL's rows repost one prepared request.
 
 Concurrency: the caller's thread drives the agent; the target child is driven over a pipe.
 """
@@ -43,6 +45,8 @@ __all__ = ["HMC_PATHS", "hmc_rows", "unavailable_reason"]
 
 _log = logging.getLogger(__name__)
 
+PREPARED_MAX_BYTES = 64 << 10
+"""Single ranges up to this size are measured a second time as a prepared write (system "hmc-prepared")."""
 HMC_PATHS = ("ipc", "staged")
 """HMC's paths measured between the GPU0 and GPU1 processes (rows: system "hmc", path as named)."""
 STARTUP_TIMEOUT_S = 180.0
@@ -119,11 +123,15 @@ def hmc_rows(workloads: Sequence[Workload], timing: Timing, on_row: Callable[[Ro
             for path in HMC_PATHS:
                 for w in workloads:
                     try:
-                        rows.append(_one(agent, local, remotes[path], conn, proc, path, w, timing))
+                        measured = [_one(agent, local, remotes[path], conn, proc, path, w, timing)]
+                        if w.batch_size == 1 and w.nbytes <= PREPARED_MAX_BYTES:
+                            measured.append(_one(agent, local, remotes[path], conn, proc, path, w, timing, prepared=True))
                     except UnsupportedError as exc:  # this path cannot move device memory in this build: no rows
                         _log.warning("hmc %s measures nothing: %s", path, exc)
                         break
-                    on_row(rows[-1])
+                    for row in measured:
+                        rows.append(row)
+                        on_row(row)
             conn.send(("quit",))
     finally:
         conn.close()
@@ -131,25 +139,35 @@ def hmc_rows(workloads: Sequence[Workload], timing: Timing, on_row: Callable[[Ro
     return rows
 
 
-def _one(agent: Any, local: Any, remote: Any, conn: Connection, proc: Any, path: str, w: Workload, timing: Timing) -> Row:
+def _one(agent: Any, local: Any, remote: Any, conn: Connection, proc: Any, path: str, w: Workload, timing: Timing, *, prepared: bool = False) -> Row:
+    """One row: write() + wait() per iteration, or with `prepared` one prepared write posted again and again
+    (system "hmc-prepared": what NIXL's rows do with their prepared request)."""
     so, do, ln = make_ranges(w)
     args: tuple[Any, Any, Any] = (int(so[0]), int(do[0]), int(ln[0])) if w.batch_size == 1 else (so, do, ln)
     natural = agent.path_to(local, remote).path.value
     forced = None if natural == path else path
     conn.send(("prep", w))
     receive(conn, "ready", procs=[proc])
-    first = agent.write(local, remote, *args, path=forced)
+    if prepared:
+        post = agent.prepare_write(local, remote, *args, path=forced).post
+    else:
+        write = agent.write
+
+        def post() -> Any:
+            return write(local, remote, *args, path=forced)
+
+    first = post()
     first.wait()
     if first.path != path:
         raise NoPathError(f"asked for path {path} but the agent moved {w.name} over {first.path}")
-    write = agent.write
 
     def step() -> None:
-        write(local, remote, *args, path=forced).wait()
+        post().wait()
 
     times = measure(step, timing)
     conn.send(("verify", w))
     ok = receive(conn, "verified", procs=[proc])[1]
     declared = " (negotiated: the target declares cuda:1 AMD by vendor override)" if remote.device.vendor != local.descriptor.device.vendor else " (negotiated)"
-    detail = f"HMC agent write() + wait(), GPU0 process -> GPU1 process, path {path}" + (" (forced)" if forced else declared)
-    return gpu_row("hmc", path, w, times, ok, detail)
+    how = "prepare_write() once, post() + wait()" if prepared else "write() + wait()"
+    detail = f"HMC agent {how}, GPU0 process -> GPU1 process, path {path}" + (" (forced)" if forced else declared)
+    return gpu_row("hmc-prepared" if prepared else "hmc", path, w, times, ok, detail)

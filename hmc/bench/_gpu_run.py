@@ -38,8 +38,8 @@ __all__ = ["GROUPS", "SYSTEMS", "GpuSpec", "floor_checks", "format_table", "gpu_
 
 SCHEMA = "hmc-bench-gpu/1"
 LOCAL_SYSTEMS = ("peer-copy", "pinned-d2h", "pinned-h2d", "torch-gather", "copy-kernel")
-SYSTEMS = (*LOCAL_SYSTEMS, "cuda-ipc", "nccl", "nccl-nop2p", "nixl", "hmc")
-GROUPS = {"local": LOCAL_SYSTEMS, "cuda-ipc": ("cuda-ipc",), "nccl": ("nccl",), "nccl-nop2p": ("nccl-nop2p",), "nixl": ("nixl",), "hmc": ("hmc",)}
+SYSTEMS = (*LOCAL_SYSTEMS, "cuda-ipc", "nccl", "nccl-nop2p", "nixl", "hmc", "hmc-prepared")
+GROUPS = {"local": LOCAL_SYSTEMS, "cuda-ipc": ("cuda-ipc",), "nccl": ("nccl",), "nccl-nop2p": ("nccl-nop2p",), "nixl": ("nixl",), "hmc": ("hmc", "hmc-prepared")}
 """Child-process groups, in run order, and the systems each measures."""
 STARTUP_TIMEOUT_S = 240.0
 MESSAGE_TIMEOUT_S = 150.0
@@ -73,6 +73,7 @@ def gpu_checks(workloads: Sequence[Workload]) -> list[Check]:
         checks.append(Check(f"hmc ipc {kv} vs NIXL", ("hmc", "ipc", w_, kv), ("nixl", "", w_, kv), 30.0))
     checks += [
         Check(f"hmc ipc {small} p50 latency vs NIXL", ("hmc", "ipc", w_, small), ("nixl", "", w_, small), 1.0, "p50_lat_us"),
+        Check(f"hmc ipc {small} p50 latency, prepared as NIXL's is, vs NIXL", ("hmc-prepared", "ipc", w_, small), ("nixl", "", w_, small), 1.0, "p50_lat_us"),
         Check(f"hmc staged {big} vs pinned D2H", ("hmc", "staged", w_, big), ("pinned-d2h", "", w_, big), 0.9),
         Check(f"hmc staged {big} vs pinned H2D", ("hmc", "staged", w_, big), ("pinned-h2d", "", w_, big), 0.9),
         Check(f"hmc staged {big} vs NCCL with P2P disabled", ("hmc", "staged", w_, big), ("nccl-nop2p", "", w_, big), 1.3),

@@ -69,7 +69,7 @@ def test_checks_floors_and_table() -> None:
     rows = [
         _row("hmc", "ipc", big, 1e-5), _row("peer-copy", "torch", big, 1e-5), _row("nixl", "UCX", big, 2e-5),
         _row("hmc", "ipc", kv, 1e-4), _row("nixl", "UCX", kv, 1e-2),
-        _row("hmc", "ipc", small, 5e-6), _row("nixl", "UCX", small, 1e-5),
+        _row("hmc", "ipc", small, 5e-6), _row("hmc-prepared", "ipc", small, 4e-6), _row("nixl", "UCX", small, 1e-5),
     ]
     report = {"rows": rows, "ratios": [], "floors": floor_checks(wls, rows), "skipped": [], "failed": []}
     from hmc.bench._report import evaluate
@@ -80,6 +80,7 @@ def test_checks_floors_and_table() -> None:
     assert ratios["hmc ipc bulk_1MiB vs NIXL"]["ratio"] == pytest.approx(2.0, rel=1e-3)
     assert ratios["hmc ipc kv_256x64KiB vs NIXL"]["ratio"] == pytest.approx(100.0, rel=1e-3)
     assert ratios["hmc ipc bulk_4KiB p50 latency vs NIXL"]["ok"] is True
+    assert ratios["hmc ipc bulk_4KiB p50 latency, prepared as NIXL's is, vs NIXL"]["ratio"] == pytest.approx(0.4, rel=1e-3)
     assert ratios["hmc staged bulk_1MiB vs pinned D2H"]["ok"] is None
     floors = {f["check"]: f for f in report["floors"]}
     assert floors["hmc ipc kv_256x64KiB >= 300 GB/s"]["ok"] is False  # 16 MiB in 100 us = 168 GB/s
@@ -202,7 +203,7 @@ def test_gpu_bench_quick_on_two_gpus(tmp_path: Path) -> None:
     systems = {r["system"] for r in report["rows"]}
     skipped = {s["system"] for s in report["skipped"]}
     assert set(SYSTEMS) == systems | skipped
-    assert skipped <= {"nixl", "hmc"}
+    assert skipped <= {"nixl", "hmc", "hmc-prepared"}
     assert all(r["verified"] for r in report["rows"])
     bulk = [w.name for w in gpu_quick_workloads() if not w.random]
     for system in ("peer-copy", "pinned-d2h", "pinned-h2d", "nccl", "nccl-nop2p"):
