@@ -44,7 +44,9 @@ def test_a_prepared_small_write_takes_the_fast_path_once_the_pair_has_one(agent:
     first.wait()
     assert type(first) is not _FinishedHandle
     later = prepared.post()
-    assert type(later) is _FinishedHandle and later.path == "ipc"
+    assert type(later) is _FinishedHandle and later.path == "ipc" and later.bytes_total == 4096
+    assert prepared.post() is later  # one request, reposted: fast-path posts share their finished handle
+    assert prepared.post(notify=b"n") is not later  # a notification takes the full path, with a handle of its own
     assert peer.digest(remote.id, [8192], [4096]) == _digest(source.numpy(), np.array([0]), np.array([4096]))
 
 

@@ -15,8 +15,9 @@ latency probe) pays the argument checks, the range list and its bounds once, at
 The remote descriptor is copied at preparation: changing the caller's message
 afterwards changes nothing here.
 
-Concurrency: post() may run on several threads at once; the vetted route is one
-attribute, replaced whole.
+Concurrency: post() may run on several threads at once. Vetting a route sets its
+copy and handle before marking it vetted, so a post that sees the mark finds them;
+a post racing a route's replacement copies over either route, both to this buffer.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ __all__ = ["PreparedTransfer"]
 class PreparedTransfer:
     """A write or read of fixed ranges between a local ConnBuffer and a remote buffer; `post()` starts it."""
 
-    __slots__ = ("_agent", "_args", "_key", "_length", "_local", "_path", "_ranges", "_remote", "_timeout", "_vetted", "op")
+    __slots__ = ("_agent", "_args", "_copy", "_done", "_key", "_length", "_local", "_path", "_ranges", "_remote", "_timeout", "_vetted", "op")
 
     def __init__(
         self, agent: Agent, op: TransferOp, local: ConnBuffer, remote: Any, ranges: RangeList, *, timeout: float | None, path: str | None,
@@ -64,6 +65,10 @@ class PreparedTransfer:
             local_offsets, remote_offsets = (ranges.src, ranges.dst) if op is TransferOp.WRITE else (ranges.dst, ranges.src)
             self._args = (int(local_offsets[0]), int(remote_offsets[0]), self._length)
         self._vetted: _Route | None = None
+        self._copy: Any = None
+        """The vetted route's copy for this op."""
+        self._done: TransferHandle | None = None
+        """What a post over the vetted route returns: one finished handle, as NIXL reposts one request."""
 
     @property
     def nbytes(self) -> int:
@@ -71,16 +76,19 @@ class PreparedTransfer:
         return self._ranges.total
 
     def post(self, *, notify: bytes | None = None) -> TransferHandle:
-        """Start the transfer once more; returns its handle (already finished where the fast path ran)."""
+        """Start the transfer once more; returns its handle.
+
+        Over the pair's fast path the copy has finished when post() returns, and
+        every such post returns the same finished handle (one id: a prepared
+        transfer is one request, reposted). Otherwise each post has a handle of its own.
+        """
         route = self._local.inline_routes.get(self._key)
         if notify is None and route is not None and (route is self._vetted or self._vet(route)) and not self._agent._closed:
-            args = self._args
-            assert args is not None
             try:
-                (route.write if self.op is TransferOp.WRITE else route.read)(*args)
+                self._copy(*self._args)
             except HMCError as exc:
                 return self._agent._inline_failed(self._local, route, self._length, exc)
-            return TransferHandle.finished(route.path, self._length)
+            return self._done  # type: ignore[return-value]
         return self._agent._submit(self.op, self._local, self._remote, self._ranges, notify, self._timeout, self._path)
 
     def _vet(self, route: _Route) -> bool:
@@ -97,6 +105,8 @@ class PreparedTransfer:
             and route.key == descriptor.access_key
         ):
             return False
+        self._copy = route.write if self.op is TransferOp.WRITE else route.read
+        self._done = TransferHandle.finished(route.path, length)
         self._vetted = route
         return True
 
