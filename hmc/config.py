@@ -82,7 +82,7 @@ class Config:
     staged_streams: int = 4
     """TCP data streams per peer pair on the staged path."""
     staged_chunk_bytes: int = 4 << 20
-    """Smallest chunk of the staged path's pipeline over TCP: a larger transfer is cut into one chunk per stream."""
+    """Smallest chunk of the staged path's pipeline over TCP: a larger transfer is cut into one chunk per stream (up to 64 MiB)."""
     socket_buffer_bytes: int = 8 << 20
     """SO_SNDBUF / SO_RCVBUF of data sockets."""
     ipc_threads: int = 2

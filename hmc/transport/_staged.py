@@ -3,7 +3,7 @@
 Per peer agent, `streams` data connections are opened lazily on first use, kept
 and reused (large SO_SNDBUF/SO_RCVBUF, TCP_NODELAY, set by the connector). A
 transfer's coalesced ranges are cut into chunks of `chunk_bytes`, or one per
-stream when that is larger, and dealt round-robin over the streams. Each stream has a sender thread that writes
+stream when that is larger (up to 64 MiB each), and dealt round-robin over the streams. Each stream has a sender thread that writes
 frames back to back without waiting for acknowledgements, and a receiver thread
 that collects the owner's replies in order: the pipeline stays full.
 
@@ -77,6 +77,9 @@ _ROUND_TRIP_BYTES = 256 << 10
 """A transfer up to this size is one round trip on the caller's thread (see the module's "Small transfers")."""
 _ROUND_TRIP_CONNECTIONS = 4
 """Round-trip connections per peer: callers that find them all busy use the streams."""
+_STREAM_CHUNK_MAX = 64 << 20
+"""Cap on the one-chunk-per-stream cut of large transfers: progress (and a failure's loss) moves in
+steps of at most this much, at no cost in speed (64 MiB chunks moved 256 MiB as fast as 256 MiB ones)."""
 _JOIN_S = 2.0
 _I64 = struct.Struct("<q")
 _HOST_KINDS = (common_pb2.DEVICE_KIND_UNSPECIFIED, common_pb2.DEVICE_KIND_HOST)
@@ -372,7 +375,7 @@ class StagedTransport(Transport):
         except HMCError as exc:
             request.completion.finish(exc)
             return
-        chunks = request.ranges.chunks(max(self._chunk_bytes, -(-total // len(streams))))
+        chunks = request.ranges.chunks(max(self._chunk_bytes, min(-(-total // len(streams)), _STREAM_CHUNK_MAX)))
         request.completion.set_running()
         transfer = _Transfer(request, len(chunks))
         for index, ranges in enumerate(chunks):
