@@ -40,13 +40,13 @@ __all__ = ["PreparedTransfer"]
 class PreparedTransfer:
     """A write or read of fixed ranges between a local ConnBuffer and a remote buffer; `post()` starts it."""
 
-    __slots__ = ("_agent", "_args", "_copy", "_done", "_key", "_length", "_local", "_path", "_ranges", "_remote", "_timeout", "_vetted", "op")
+    __slots__ = ("_agent", "_args", "_copy", "_done", "_key", "_length", "_local", "_op", "_path", "_ranges", "_remote", "_timeout", "_vetted")
 
     def __init__(
         self, agent: Agent, op: TransferOp, local: ConnBuffer, remote: Any, ranges: RangeList, *, timeout: float | None, path: str | None,
     ) -> None:
         self._agent = agent
-        self.op = op
+        self._op = op
         self._local = local
         if isinstance(remote, ConnBuffer):
             self._remote: Any = remote
@@ -89,14 +89,14 @@ class PreparedTransfer:
             except HMCError as exc:
                 return self._agent._inline_failed(self._local, route, self._length, exc)
             return self._done  # type: ignore[return-value]
-        return self._agent._submit(self.op, self._local, self._remote, self._ranges, notify, self._timeout, self._path)
+        return self._agent._submit(self._op, self._local, self._remote, self._ranges, notify, self._timeout, self._path)
 
     def _vet(self, route: _Route) -> bool:
         """Whether `route` may carry this transfer (the checks `Agent.write`/`read` make per call, made once)."""
         if self._args is None or (self._timeout is not None and route.waits):
             return False
         local_offset, remote_offset, length = self._args
-        local_size = route.local_size if self.op is TransferOp.WRITE else route.read_size
+        local_size = route.local_size if self._op is TransferOp.WRITE else route.read_size
         descriptor = self._remote.descriptor if isinstance(self._remote, ConnBuffer) else self._remote
         if not (
             0 < length <= route.max_bytes
@@ -105,10 +105,10 @@ class PreparedTransfer:
             and route.key == descriptor.access_key
         ):
             return False
-        self._copy = route.write if self.op is TransferOp.WRITE else route.read
+        self._copy = route.write if self._op is TransferOp.WRITE else route.read
         self._done = TransferHandle.finished(route.path, length)
         self._vetted = route
         return True
 
     def __repr__(self) -> str:
-        return f"<PreparedTransfer {self.op.name} {self._ranges.total} bytes in {len(self._ranges)} ranges {self._local.id} <-> {self._key}>"
+        return f"<PreparedTransfer {self._op.name} {self._ranges.total} bytes in {len(self._ranges)} ranges {self._local.id} <-> {self._key}>"

@@ -3,17 +3,18 @@
 Per peer agent, `streams` data connections are opened lazily on first use, kept
 and reused (large SO_SNDBUF/SO_RCVBUF, TCP_NODELAY, set by the connector). A
 transfer's coalesced ranges are cut into chunks of `chunk_bytes`, or one per
-stream when that is larger (up to 64 MiB each), and dealt round-robin over the streams. Each stream has a sender thread that writes
-frames back to back without waiting for acknowledgements, and a receiver thread
-that collects the owner's replies in order: the pipeline stays full.
+stream when that is larger (up to 64 MiB each), and dealt round-robin over the
+streams. Each stream has a sender thread that writes frames back to back without
+waiting for acknowledgements, and a receiver thread that collects the owner's
+replies in order: the pipeline stays full.
 
 WRITE sends `DataWrite` + the payload straight from registered memory, its
 pages lent to the socket (`hmc.transport._splice`: the source stays unchanged
 until the owner replied, so TCP may read it late; the owner's receive is the one
 copy); the owner bounds-checks the ranges and the access key before receiving
-into its buffer. READ sends `DataRead`; the owner answers
-with a reply announcing `payload_bytes` and the bytes follow, received straight
-into the destination (`recvmsg_into`). No intermediate copy on either side.
+into its buffer. READ sends `DataRead`; the owner answers with a reply announcing
+`payload_bytes` and the bytes follow, received straight into the destination
+(`recvmsg_into`). No intermediate copy on either side.
 
 Device memory (at either end) takes a pinned ring instead, on a data connection
 of its own per peer: between processes of one host the ring is shared memory both
