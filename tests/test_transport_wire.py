@@ -14,8 +14,8 @@ import pytest
 from hmc.errors import AccessDeniedError, BrokenResourceError, ProtocolError, TimeoutError, UnavailableError, VersionMismatchError
 from hmc.transport._channel import Channel
 from hmc.transport._ranges import iovec_rows
-from hmc.transport._splice import Lender
-from hmc.transport._wire import MAX_FRAME, FrameStream, _after, accept_handshake, connect, error_reply, handshake
+from hmc.transport._splice import LEND_MIN_BYTES, Lender
+from hmc.transport._wire import MAX_FRAME, FrameStream, _row_views, accept_handshake, connect, error_reply, handshake
 from hmc.v1 import common_pb2, peer_pb2
 
 
@@ -164,7 +164,7 @@ def test_lent_pages_arrive_byte_exact_over_tcp(tcp_streams: tuple[FrameStream, F
     parts, rows = _scattered(rng, data)
     before = rows.copy()
     frame = peer_pb2.PeerFrame(request_id=9, write=peer_pb2.DataWrite(buffer_id="b"))
-    sender = threading.Thread(target=left.send, args=(frame, parts, time.monotonic() + 10), kwargs={"lend": rows})
+    sender = threading.Thread(target=left.send, args=(frame,), kwargs={"deadline": time.monotonic() + 10, "lend": rows})
     sender.start()
     assert right.recv(time.monotonic() + 10) == frame
     out = np.full(sum(p.nbytes for p in parts), 0xA5, np.uint8)
@@ -197,7 +197,7 @@ def test_a_lender_the_kernel_refused_sends_with_a_copy(tcp_streams: tuple[FrameS
     left._lender.usable = False  # what a kernel without vmsplice (or one that refused it) leaves behind
     data = rng.integers(0, 256, 1_000_000, dtype=np.uint8)
     parts, rows = _scattered(rng, data)
-    sender = threading.Thread(target=left.send, args=(peer_pb2.PeerFrame(request_id=2), parts, time.monotonic() + 10), kwargs={"lend": rows})
+    sender = threading.Thread(target=left.send, args=(peer_pb2.PeerFrame(request_id=2),), kwargs={"deadline": time.monotonic() + 10, "lend": rows})
     sender.start()
     assert right.recv(time.monotonic() + 10).request_id == 2
     out = np.full(sum(p.nbytes for p in parts), 0x33, np.uint8)
@@ -208,14 +208,15 @@ def test_a_lender_the_kernel_refused_sends_with_a_copy(tcp_streams: tuple[FrameS
 
 @pytest.mark.parametrize(("sizes", "sent", "left"), [([5, 7, 3], 0, [5, 7, 3]), ([5, 7, 3], 5, [7, 3]), ([5, 7, 3], 8, [4, 3]), ([5, 7, 3], 15, [])])
 def test_what_is_left_after_a_partial_lend(sizes: list[int], sent: int, left: list[int]) -> None:
-    data = bytes(range(sum(sizes)))
-    views, at = [], 0
+    data = np.arange(sum(sizes) + 2 * len(sizes), dtype=np.uint8)  # a byte of gap after each piece: rows never touch
+    rows, wanted, at = [], [], 0
     for size in sizes:
-        views.append(memoryview(data)[at : at + size])
-        at += size
-    rest = _after(views, sent)
+        rows.append((data.ctypes.data + at, size))
+        wanted.append(data[at : at + size].tobytes())
+        at += size + 2
+    rest = _row_views(np.array(rows, np.uint64), sent)
     assert [len(v) for v in rest] == left
-    assert b"".join(bytes(v) for v in rest) == data[sent:]
+    assert b"".join(bytes(v) for v in rest) == b"".join(wanted)[sent:]
 
 
 def test_lending_to_a_peer_that_stops_reading_times_out_and_breaks_the_stream(tcp_streams: tuple[FrameStream, FrameStream], rng: np.random.Generator) -> None:
@@ -224,7 +225,7 @@ def test_lending_to_a_peer_that_stops_reading_times_out_and_breaks_the_stream(tc
     rows = iovec_rows(np.array([data.ctypes.data], np.int64), np.array([data.size], np.int64))
     started = time.monotonic()
     with pytest.raises(TimeoutError):
-        left.send(peer_pb2.PeerFrame(request_id=3), [memoryview(data)], time.monotonic() + 0.3, lend=rows)
+        left.send(peer_pb2.PeerFrame(request_id=3), deadline=time.monotonic() + 0.3, lend=rows)
     assert time.monotonic() - started < 3.0
     assert left.broken
 
@@ -253,3 +254,15 @@ def test_a_large_receive_in_steps_leaves_the_stream_ready_for_small_frames(tcp_s
     assert right.recv(time.monotonic() + 5).request_id == 2
     assert time.monotonic() - started < 1.0
     sender.join()
+
+
+def test_a_small_payload_given_as_rows_is_copied_byte_exact(tcp_streams: tuple[FrameStream, FrameStream], rng: np.random.Generator) -> None:
+    left, right = tcp_streams
+    data = rng.integers(0, 256, 100_000, dtype=np.uint8)
+    parts, rows = _scattered(rng, data)
+    assert sum(p.nbytes for p in parts) < LEND_MIN_BYTES
+    left.send(peer_pb2.PeerFrame(request_id=4), deadline=time.monotonic() + 10, lend=rows)
+    assert right.recv(time.monotonic() + 10).request_id == 4
+    out = np.full(sum(p.nbytes for p in parts), 0x66, np.uint8)
+    right.recv_into([memoryview(out)], time.monotonic() + 10)
+    assert np.array_equal(out, np.concatenate([np.asarray(p) for p in parts]))

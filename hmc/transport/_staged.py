@@ -119,11 +119,11 @@ class _Chunk:
     def local_views(self, local_offsets: Any) -> list[memoryview]:
         return _views(self.transfer.request, local_offsets, self.ranges.lengths)
 
-    def frame(self) -> tuple[peer_pb2.PeerFrame, list[memoryview]]:
+    def frame(self) -> peer_pb2.PeerFrame:
         return _frame(self.transfer.request, self.ranges)
 
-    def lendable(self) -> np.ndarray | None:
-        """A WRITE's payload as iovec rows: its source stays unchanged until the owner replied, so its pages may be lent."""
+    def payload_rows(self) -> np.ndarray | None:
+        """A WRITE's payload as iovec rows, to lend: its source stays unchanged until the owner replied."""
         request = self.transfer.request
         if request.op is not TransferOp.WRITE:
             return None
@@ -135,24 +135,24 @@ def _views(request: TransferRequest, local_offsets: Any, lengths: Any) -> list[m
     return [view[o : o + n] for o, n in zip(local_offsets.tolist(), lengths.tolist())]
 
 
-def _frame(request: TransferRequest, ranges: RangeList) -> tuple[peer_pb2.PeerFrame, list[memoryview]]:
-    """The DataWrite (with its payload views) or DataRead asking for `ranges` of the request."""
+def _frame(request: TransferRequest, ranges: RangeList) -> peer_pb2.PeerFrame:
+    """The DataWrite or DataRead asking for `ranges` of the request (a write's payload goes after it)."""
     lengths = ranges.lengths.tobytes()
     remote = request.remote
     if request.op is TransferOp.WRITE:
         wire = common_pb2.RangeList(dst_offsets=ranges.dst.tobytes(), lengths=lengths)
-        frame = peer_pb2.PeerFrame(write=peer_pb2.DataWrite(buffer_id=remote.id, access_key=remote.access_key, ranges=wire))
-        return frame, _views(request, ranges.src, ranges.lengths)
+        return peer_pb2.PeerFrame(write=peer_pb2.DataWrite(buffer_id=remote.id, access_key=remote.access_key, ranges=wire))
     wire = common_pb2.RangeList(src_offsets=ranges.src.tobytes(), lengths=lengths)
-    return peer_pb2.PeerFrame(read=peer_pb2.DataRead(buffer_id=remote.id, access_key=remote.access_key, ranges=wire)), []
+    return peer_pb2.PeerFrame(read=peer_pb2.DataRead(buffer_id=remote.id, access_key=remote.access_key, ranges=wire))
 
 
 def _round_trip(stream: FrameStream, request: TransferRequest) -> peer_pb2.PeerReply:
     """Send the whole request, read the owner's reply (and a read's payload); stream failures raise."""
-    frame, payload = _frame(request, request.ranges)
     ranges = request.ranges
-    into = _views(request, ranges.dst, ranges.lengths) if request.op is TransferOp.READ else None
-    return _exchange(stream, frame, payload, into, ranges.total, request.deadline)
+    write = request.op is TransferOp.WRITE
+    payload = _views(request, ranges.src, ranges.lengths) if write else []
+    into = None if write else _views(request, ranges.dst, ranges.lengths)
+    return _exchange(stream, _frame(request, ranges), payload, into, ranges.total, request.deadline)
 
 
 def _exchange(
@@ -234,13 +234,13 @@ class _Stream:
                 return
 
     def _send(self, chunk: _Chunk) -> HMCError | None:
-        frame, payload = chunk.frame()
+        frame = chunk.frame()
         with self._order:
             chunk.sent_at = time.monotonic()
             with self._lock:
                 self._sent.append(chunk)
             try:
-                self._stream.send(frame, payload, deadline=chunk.sent_at + self._stall_s, lend=chunk.lendable())
+                self._stream.send(frame, deadline=chunk.sent_at + self._stall_s, lend=chunk.payload_rows())
             except HMCError as exc:
                 return exc
         return None

@@ -33,7 +33,6 @@ import numpy as np
 
 from hmc.errors import ProtocolError, TimeoutError
 from hmc.transport._pinned import PinnedMapping
-from hmc.transport._ranges import iovec_rows
 from hmc.transport._staged_shm import SLOT_BYTES, ShmStaging, _Link, frame_of, reply_of
 from hmc.transport._wire import FrameStream
 from hmc.v1 import peer_pb2
@@ -61,9 +60,8 @@ class TcpRingStaging(ShmStaging):
         if not isinstance(message, peer_pb2.DataWrite):
             stream.send(frame_of(message), deadline=deadline)
             return
-        at = slot * self._slot_bytes
-        pages = iovec_rows(np.array([link.ring.address + at], np.int64), np.array([nbytes], np.int64))
-        stream.send(frame_of(message), [link.ring.view(at, nbytes)], deadline=deadline, lend=pages)
+        pages = np.array([[link.ring.address + slot * self._slot_bytes, nbytes]], np.uint64)
+        stream.send(frame_of(message), deadline=deadline, lend=pages)
 
     def _answer(self, link: _Link, stream: FrameStream, slot: int, nbytes: int, deadline: float) -> None:
         """Take the owner's reply to the oldest read asked for and receive its `nbytes` into the slot."""

@@ -19,6 +19,7 @@ single reader thread. A timeout in the middle of a frame breaks the stream.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import select
 import socket
@@ -83,16 +84,16 @@ def _consume(pending: list[memoryview], index: int, got: int) -> int:
     return index
 
 
-def _after(views: Sequence[memoryview], nbytes: int) -> list[memoryview | bytes]:
-    """What is left of `views` once their first `nbytes` went out."""
-    rest: list[memoryview | bytes] = []
-    for view in views:
-        if nbytes >= view.nbytes:
-            nbytes -= view.nbytes
+def _row_views(rows: np.ndarray, skip: int) -> list[memoryview | bytes]:
+    """Views of the bytes that iovec `rows` describe, from byte `skip` on (what lending left to copy)."""
+    views: list[memoryview | bytes] = []
+    for address, length in rows.tolist():
+        if skip >= length:
+            skip -= length
             continue
-        rest.append(view[nbytes:] if nbytes else view)
-        nbytes = 0
-    return rest
+        views.append(memoryview((ctypes.c_char * (length - skip)).from_address(address + skip)).cast("B"))
+        skip = 0
+    return views
 
 
 def _remaining(deadline: float | None) -> float:
@@ -120,10 +121,11 @@ class FrameStream:
     ) -> None:
         """Send one frame and, directly after it, the payload views (no intermediate buffer).
 
-        `lend`: the payload's iovec rows (`hmc.transport._ranges.iovec_rows`),
-        when its pages may be lent to the socket instead of copied into it
-        (`hmc.transport._splice`): only for memory the caller keeps unchanged
-        until the peer has acknowledged the bytes.
+        `lend`: the payload given as iovec rows (`hmc.transport._ranges.iovec_rows`)
+        instead of views, for memory the caller keeps unchanged until the peer has
+        acknowledged the bytes: its pages are lent to the socket, not copied into it
+        (`hmc.transport._splice`). Payloads under LEND_MIN_BYTES, and what the
+        kernel will not lend, are copied.
         """
         self.send_serialized(frame.SerializeToString(), payload, deadline, lend=lend)
 
@@ -131,16 +133,19 @@ class FrameStream:
         self, body: bytes, payload: Sequence[memoryview] = (), deadline: float | None = None, *, lend: np.ndarray | None = None
     ) -> None:
         """`send()` of a frame serialized beforehand (constant replies are serialized once)."""
+        assert lend is None or not payload, "a payload is given as views or as rows to lend, not both"
         parts: list[memoryview | bytes] = [_HEADER.pack(len(body)) + body]
         with self._send_lock:
             self._check()
             try:
-                if lend is not None and int(lend[:, 1].sum()) >= LEND_MIN_BYTES:
+                if lend is None:
+                    self._sendmsg_all(parts + list(payload), deadline)
+                elif int(lend[:, 1].sum()) < LEND_MIN_BYTES:
+                    self._sendmsg_all(parts + _row_views(lend, 0), deadline)
+                else:
                     self._sendmsg_all(parts, deadline, socket.MSG_MORE)
                     lent = self._lender.send(self._tx, lend, time.monotonic() + _remaining(deadline))
-                    self._sendmsg_all(_after(payload, lent), deadline)
-                else:
-                    self._sendmsg_all(parts + list(payload), deadline)
+                    self._sendmsg_all(_row_views(lend, lent), deadline)
             except OSError as exc:
                 raise self._translate(exc) from exc
 
