@@ -95,6 +95,16 @@ class Config:
     """How often hmcd checks its static peers."""
     metrics: bool = True
     """Serve Prometheus metrics from hmcd."""
+    tls_cert: str = ""
+    """PEM certificate chain of hmcd's TCP listener; with `tls_key`, TCP is served over TLS."""
+    tls_key: str = ""
+    """PEM private key of hmcd's TCP listener."""
+    tls_ca: str = ""
+    """PEM CA bundle that clients and peer daemons use to verify hmcd's certificate (TLS on when set)."""
+    peer_max_connections: int = 1024
+    """Inbound connections an agent's peer port serves at once; further ones are refused until one closes."""
+    keepalive_s: float = 5.0
+    """Idle peer connections are probed this often (TCP keepalive), so a silent peer is detected."""
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
@@ -159,6 +169,11 @@ _ENV_SCALARS: dict[str, tuple[str, type]] = {
     "HMC_SOCKET_BUFFER_BYTES": ("socket_buffer_bytes", int),
     "HMC_IPC_THREADS": ("ipc_threads", int),
     "HMC_PEER_CHECK_INTERVAL_S": ("peer_check_interval_s", float),
+    "HMC_TLS_CERT": ("tls_cert", str),
+    "HMC_TLS_KEY": ("tls_key", str),
+    "HMC_TLS_CA": ("tls_ca", str),
+    "HMC_PEER_MAX_CONNECTIONS": ("peer_max_connections", int),
+    "HMC_KEEPALIVE_S": ("keepalive_s", float),
 }
 
 
