@@ -1,40 +1,66 @@
-"""The one configuration object: a frozen dataclass loaded from a TOML file and `HMC_*` variables.
+"""The one configuration object: a frozen, validated `Config` loaded from a TOML file and `HMC_*` variables.
 
-Precedence: defaults < TOML file < environment. Nothing here runs at import time;
-callers build a `Config` once (`Config.load()`) and pass it down.
+Precedence: defaults < TOML file (`path` or $HMC_CONFIG) < environment. Nothing here runs at
+import time; callers build a `Config` once (`Config.load()`) and pass it down. `Config(...)`
+and `Config.replace(...)` take keyword arguments only and never read the file or the environment.
 
-TOML layout (every key optional)::
+TOML layout (every key optional; each key has exactly one home)::
 
-    node = "node-a"
-    socket = "/run/hmc/hmcd.sock"
-    listen = "0.0.0.0:7710"
-    token = "secret"
-    static_peers = ["10.0.0.2:7710"]
+    node = "node-a"                     # HMC_NODE
+    socket = "/run/hmc/hmcd.sock"       # HMC_SOCKET
+    listen = "0.0.0.0:7710"             # HMC_LISTEN
+    token = "secret"                    # HMC_TOKEN
+    static_peers = ["10.0.0.2:7710"]    # HMC_STATIC_PEERS="10.0.0.2:7710,10.0.0.3:7710"
+    agent_host = "10.0.0.1"             # HMC_AGENT_HOST
+    peer_check_interval_s = 2.0         # HMC_PEER_CHECK_INTERVAL_S
+    metrics = true                      # HMC_METRICS
+    tls_cert = "" / tls_key = "" / tls_ca = ""   # HMC_TLS_CERT, HMC_TLS_KEY, HMC_TLS_CA
+    peer_max_connections = 1024         # HMC_PEER_MAX_CONNECTIONS
+    keepalive_s = 5.0                   # HMC_KEEPALIVE_S
     [transfer]
-    timeout_s = 30.0
-    staged_streams = 4
+    timeout_s = 30.0                    # HMC_TIMEOUT_S
+    streams = 4                         # HMC_STAGED_STREAMS
+    chunk_bytes = 4194304               # HMC_STAGED_CHUNK_BYTES
+    socket_buffer_bytes = 8388608       # HMC_SOCKET_BUFFER_BYTES
+    ipc_threads = 2                     # HMC_IPC_THREADS
     [paths]
-    allow = ["ipc", "staged"]
+    allow = ["ipc", "staged"]           # HMC_PATHS_ALLOW="ipc,staged" (and _DENY, _PREFER)
     deny = []
     prefer = []
     [devices]
-    vendor_override = { "cuda:1" = "amd" }
+    vendor_override = { "cuda:1" = "amd" }   # HMC_DEVICE_VENDOR_OVERRIDE="cuda:1=amd,cuda:2=nvidia"
+
+Validation (pydantic models; the environment is read by pydantic-settings): types are strict
+in the file and in `Config(...)` (`timeout_s = "30"` is refused), environment strings are
+parsed; values are range-checked (seconds finite, > 0 and <= 1e6; 1..64 staged streams and
+ipc threads; chunks >= 4096 bytes; 1..65536 peer connections); unknown keys are refused in
+every table, unknown `HMC_*` variables are left alone (other parts read a few, e.g.
+HMC_HOST_ID). Every refusal is an `ArgumentError` naming the key (`transfer.streams`,
+`HMC_TIMEOUT_S`); no pydantic error leaves this module.
+
+Concurrency: instances are immutable values, safe to share between threads and to pickle
+into spawned processes; the module holds no state.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from hmc.errors import ArgumentError
+from hmc.memory._base import Vendor
 
 __all__ = ["Config", "PathPolicy", "default_socket_path"]
 
-PATH_NAMES: tuple[str, ...] = ("local", "ipc", "rdma", "ucx", "staged")
+_PathName = Literal["local", "ipc", "rdma", "ucx", "staged"]
+PATH_NAMES: tuple[str, ...] = get_args(_PathName)
 
 
 def default_socket_path() -> str:
@@ -44,54 +70,114 @@ def default_socket_path() -> str:
     return str(base / "hmcd.sock")
 
 
-@dataclasses.dataclass(frozen=True)
-class PathPolicy:
+# -- constrained types, shared by Config, the file layout and the environment ------------------
+
+
+def _host_port(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{text!r} is not HOST:PORT with a port in 1..65535")
+    return text
+
+
+def _vendor(text: str) -> str:
+    return Vendor.parse(text).value  # ArgumentError is a ValueError: pydantic reports it with the key
+
+
+Seconds = Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)]
+NonEmpty = Annotated[str, Field(min_length=1)]
+HostPort = Annotated[str, AfterValidator(_host_port)]
+VendorName = Annotated[str, AfterValidator(_vendor)]
+PathNames = Annotated[tuple[_PathName, ...], Field(strict=False)]
+"""Any sequence of path names (a TOML array, a list), kept as a tuple."""
+
+
+# -- the one boundary where pydantic's errors become ours -----------------------------------------
+
+_SECRET_KEYS = frozenset({"token", "HMC_TOKEN"})
+
+
+@contextlib.contextmanager
+def _refusals(where: str) -> Iterator[None]:
+    """Turn a pydantic refusal into an ArgumentError naming every refused key."""
+    try:
+        yield
+    except ValidationError as exc:
+        raise ArgumentError(f"{where}: " + "; ".join(_describe(error) for error in exc.errors())) from exc
+
+
+def _describe(error: Any) -> str:
+    loc = error["loc"]
+    key = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+    if error["type"] == "extra_forbidden":
+        return f"unknown key {key}"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    shown = "" if not loc or error["type"] == "value_error" or _SECRET_KEYS & set(map(str, loc)) else f" (got {_short(error['input'])})"
+    return f"{key}: {message}{shown}" if key else message
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _Frozen(BaseModel):
+    """Immutable, validated on construction; a refusal is an ArgumentError naming the field."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, use_attribute_docstrings=True)
+
+    def __init__(self, **values: Any) -> None:
+        with _refusals(type(self).__name__):
+            super().__init__(**values)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is frozen; use replace() to change {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__} is frozen; cannot delete {name!r}")
+
+
+class PathPolicy(_Frozen):
     """User policy over negotiation."""
 
-    allow: tuple[str, ...] = PATH_NAMES
+    allow: PathNames = PATH_NAMES
     """Paths that may be chosen at all."""
-    deny: tuple[str, ...] = ()
+    deny: PathNames = ()
     """Paths that are never chosen (wins over allow)."""
-    prefer: tuple[str, ...] = ()
+    prefer: PathNames = ()
     """Paths tried first, in this order, before the built-in preference order."""
 
-    def __post_init__(self) -> None:
-        for name in (*self.allow, *self.deny, *self.prefer):
-            if name not in PATH_NAMES:
-                raise ArgumentError(f"unknown path {name!r} in path policy; known: {', '.join(PATH_NAMES)}")
 
-
-@dataclasses.dataclass(frozen=True)
-class Config:
+class Config(_Frozen):
     """Settings for hmcd, agents, the client and the CLI."""
 
-    node: str = dataclasses.field(default_factory=lambda: os.uname().nodename)
+    node: NonEmpty = Field(default_factory=lambda: os.uname().nodename)
     """Node name; one hmcd per node."""
-    socket: str = dataclasses.field(default_factory=default_socket_path)
+    socket: NonEmpty = Field(default_factory=default_socket_path)
     """hmcd's unix socket, for local agents and clients."""
     listen: str = ""
     """hmcd's TCP address (host:port, port 0 picks one); empty: no TCP listener."""
     token: str = ""
     """Shared secret required on every TCP call (metadata `authorization: Bearer <token>`)."""
-    static_peers: tuple[str, ...] = ()
-    """Other hmcd TCP addresses (static directory)."""
-    agent_host: str = "127.0.0.1"
+    static_peers: Annotated[tuple[HostPort, ...], Field(strict=False)] = ()
+    """Other hmcd TCP addresses, HOST:PORT each (static directory)."""
+    agent_host: NonEmpty = "127.0.0.1"
     """Address an agent's peer listener binds and advertises."""
-    timeout_s: float = 30.0
+    timeout_s: Seconds = 30.0
     """Default deadline of a transfer and of every control call."""
-    staged_streams: int = 4
+    staged_streams: Annotated[int, Field(ge=1, le=64)] = 4
     """TCP data streams per peer pair on the staged path."""
-    staged_chunk_bytes: int = 4 << 20
+    staged_chunk_bytes: Annotated[int, Field(ge=4096)] = 4 << 20
     """Smallest chunk of the staged path's pipeline over TCP: a larger transfer is cut into one chunk per stream (up to 64 MiB)."""
-    socket_buffer_bytes: int = 8 << 20
-    """SO_SNDBUF / SO_RCVBUF of data sockets."""
-    ipc_threads: int = 2
+    socket_buffer_bytes: Annotated[int, Field(ge=0, le=(1 << 31) - 1)] = 8 << 20
+    """SO_SNDBUF / SO_RCVBUF of data sockets (a C int; 0 leaves the kernel's default)."""
+    ipc_threads: Annotated[int, Field(ge=1, le=64)] = 2
     """Threads that split a large ipc (cross-memory attach) copy."""
     policy: PathPolicy = PathPolicy()
     """Which paths negotiation may choose."""
-    vendor_override: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    """Declare a device to be of another vendor (e.g. {"cuda:1": "amd"}) to test cross-vendor paths."""
-    peer_check_interval_s: float = 2.0
+    vendor_override: Mapping[NonEmpty, VendorName] = Field(default_factory=dict)
+    """Declare a device to be of another vendor (e.g. {"cuda:1": "amd"}; host, nvidia or amd) to test cross-vendor paths."""
+    peer_check_interval_s: Seconds = 2.0
     """How often hmcd checks its static peers."""
     metrics: bool = True
     """Serve Prometheus metrics from hmcd."""
@@ -101,103 +187,139 @@ class Config:
     """PEM private key of hmcd's TCP listener."""
     tls_ca: str = ""
     """PEM CA bundle that clients and peer daemons use to verify hmcd's certificate (TLS on when set)."""
-    peer_max_connections: int = 1024
+    peer_max_connections: Annotated[int, Field(ge=1, le=65536)] = 1024
     """Inbound connections an agent's peer port serves at once; further ones are refused until one closes."""
-    keepalive_s: float = 5.0
+    keepalive_s: Seconds = 5.0
     """Idle peer connections are probed this often (TCP keepalive), so a silent peer is detected."""
+
+    def __hash__(self) -> int:
+        return hash(tuple(frozenset(value.items()) if isinstance(value, Mapping) else value for _, value in self))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
         """Build a Config from defaults, then the TOML file (path or $HMC_CONFIG), then HMC_* variables."""
         env = os.environ if env is None else env
-        values: dict[str, Any] = {}
         file = path or env.get("HMC_CONFIG")
-        if file:
-            try:
-                with open(file, "rb") as fh:
-                    values.update(_from_toml(tomllib.load(fh)))
-            except (OSError, tomllib.TOMLDecodeError) as exc:
-                raise ArgumentError(f"cannot read config file {file}: {exc}") from exc
-        values.update(_from_env(env))
-        return cls(**values)
+        from_file = _read_file(file) if file else {}
+        from_env = _read_environment(env)
+        policy = {**from_file.pop("policy", {}), **from_env.pop("policy", {})}  # per key: HMC_PATHS_DENY keeps the file's allow
+        return cls(**{**from_file, **from_env, **({"policy": PathPolicy(**policy)} if policy else {})})
 
     def replace(self, **changes: Any) -> Config:
-        """A copy with some fields changed."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some fields changed, validated like a new Config."""
+        return type(self)(**{**dict(self), **changes})
 
 
-def _policy(data: Mapping[str, Any]) -> PathPolicy:
-    return PathPolicy(
-        allow=tuple(data.get("allow", PATH_NAMES)),
-        deny=tuple(data.get("deny", ())),
-        prefer=tuple(data.get("prefer", ())),
-    )
+# -- the sources: the TOML file and the environment, each validated on its own so a refusal names its key ---
 
 
-def _from_toml(data: Mapping[str, Any]) -> dict[str, Any]:
+def _optional(fields: Mapping[str, str], *metadata: Any, alias: str = "") -> dict[str, Any]:
+    """{key: Config field name} as model fields of that field's type and constraints, None when not given.
+
+    `alias` formats the name the key is found under from the upper-cased key (e.g. "HMC_{key}").
+    """
     out: dict[str, Any] = {}
-    simple = {f.name for f in dataclasses.fields(Config)} - {"policy", "vendor_override", "static_peers"}
-    for key, value in data.items():
-        if key in simple:
-            out[key] = value
-        elif key == "static_peers":
-            out[key] = tuple(value)
-        elif key == "transfer":
-            for sub, sub_value in value.items():
-                name = sub if sub in simple else f"staged_{sub}"
-                if name not in simple:
-                    raise ArgumentError(f"unknown config key transfer.{sub}")
-                out[name] = sub_value
-        elif key == "paths":
-            out["policy"] = _policy(value)
-        elif key == "devices":
-            out["vendor_override"] = dict(value.get("vendor_override", {}))
-        else:
-            raise ArgumentError(f"unknown config key {key!r}")
+    for key, name in fields.items():
+        field = Config.model_fields[name]
+        annotation = (Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation) | None
+        out[key] = (Annotated[(annotation, *metadata)] if metadata else annotation, Field(None, validation_alias=alias.format(key=key.upper()) or None))
     return out
 
 
-_ENV_SCALARS: dict[str, tuple[str, type]] = {
-    "HMC_NODE": ("node", str),
-    "HMC_SOCKET": ("socket", str),
-    "HMC_LISTEN": ("listen", str),
-    "HMC_TOKEN": ("token", str),
-    "HMC_AGENT_HOST": ("agent_host", str),
-    "HMC_TIMEOUT_S": ("timeout_s", float),
-    "HMC_STAGED_STREAMS": ("staged_streams", int),
-    "HMC_STAGED_CHUNK_BYTES": ("staged_chunk_bytes", int),
-    "HMC_SOCKET_BUFFER_BYTES": ("socket_buffer_bytes", int),
-    "HMC_IPC_THREADS": ("ipc_threads", int),
-    "HMC_PEER_CHECK_INTERVAL_S": ("peer_check_interval_s", float),
-    "HMC_TLS_CERT": ("tls_cert", str),
-    "HMC_TLS_KEY": ("tls_key", str),
-    "HMC_TLS_CA": ("tls_ca", str),
-    "HMC_PEER_MAX_CONNECTIONS": ("peer_max_connections", int),
-    "HMC_KEEPALIVE_S": ("keepalive_s", float),
-}
+_TRANSFER_KEYS = {"timeout_s": "timeout_s", "streams": "staged_streams", "chunk_bytes": "staged_chunk_bytes", "socket_buffer_bytes": "socket_buffer_bytes", "ipc_threads": "ipc_threads"}
+"""[transfer] key -> Config field; every other scalar field is a top-level key of its own name."""
+_SCALARS = [name for name in Config.model_fields if name not in {"policy", "vendor_override"}]
+_POLICY_KEYS = tuple(PathPolicy.model_fields)
+
+_TABLE = ConfigDict(extra="forbid", strict=True)
+_File = create_model(
+    "_File",
+    __config__=_TABLE,
+    **_optional({name: name for name in _SCALARS if name not in _TRANSFER_KEYS.values()}),
+    transfer=(create_model("_Transfer", __config__=_TABLE, **_optional(_TRANSFER_KEYS)) | None, None),
+    paths=(create_model("_Paths", __config__=_TABLE, **{key: (PathNames | None, None) for key in _POLICY_KEYS}) | None, None),
+    devices=(create_model("_Devices", __config__=_TABLE, vendor_override=(dict[NonEmpty, VendorName] | None, None)) | None, None),
+)
+"""The TOML layout: strict types (a TOML string is never a number), no unknown key in any table."""
 
 
-def _split(value: str) -> tuple[str, ...]:
-    return tuple(item.strip() for item in value.split(",") if item.strip())
+def _read_file(file: str | os.PathLike[str]) -> dict[str, Any]:
+    """Config keyword arguments from a TOML file (policy as a dict of the keys given)."""
+    try:
+        with open(file, "rb") as fh:
+            data = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ArgumentError(f"cannot read config file {file}: {exc}") from exc
+    with _refusals(f"config file {file}"):
+        given = _File.model_validate(data).model_dump(exclude_none=True)
+    transfer, paths, devices = given.pop("transfer", {}), given.pop("paths", {}), given.pop("devices", {})
+    return {**given, **{_TRANSFER_KEYS[key]: value for key, value in transfer.items()}, **devices, **({"policy": paths} if paths else {})}
 
 
-def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
-    """HMC_* variables; lists are comma-separated, HMC_DEVICE_VENDOR_OVERRIDE is `cuda:1=amd,...`."""
-    out: dict[str, Any] = {}
-    for var, (name, kind) in _ENV_SCALARS.items():
-        if var in env:
-            try:
-                out[name] = kind(env[var])
-            except ValueError as exc:
-                raise ArgumentError(f"{var}={env[var]!r} is not a valid {kind.__name__}") from exc
-    if "HMC_STATIC_PEERS" in env:
-        out["static_peers"] = _split(env["HMC_STATIC_PEERS"])
-    policy_env = {key: _split(env[f"HMC_PATHS_{key.upper()}"]) for key in ("allow", "deny", "prefer") if f"HMC_PATHS_{key.upper()}" in env}
-    if policy_env:
-        out["policy"] = _policy(policy_env)
-    if "HMC_DEVICE_VENDOR_OVERRIDE" in env:
-        pairs = [item.split("=", 1) for item in _split(env["HMC_DEVICE_VENDOR_OVERRIDE"])]
-        if any(len(pair) != 2 for pair in pairs):
-            raise ArgumentError("HMC_DEVICE_VENDOR_OVERRIDE must look like 'cuda:1=amd,cuda:2=nvidia'")
-        out["vendor_override"] = {device: vendor for device, vendor in pairs}
-    return out
+def _split(value: Any) -> Any:
+    """A comma-separated variable as a tuple of its non-empty items."""
+    return tuple(item.strip() for item in value.split(",") if item.strip()) if isinstance(value, str) else value
+
+
+def _pairs(value: Any) -> Any:
+    """`cuda:1=amd,cuda:2=nvidia` as a dict."""
+    if not isinstance(value, str):
+        return value
+    pairs = [item.split("=", 1) for item in _split(value)]
+    if any(len(pair) != 2 for pair in pairs):
+        raise ValueError("must look like 'cuda:1=amd,cuda:2=nvidia'")
+    return {device.strip(): vendor.strip() for device, vendor in pairs}
+
+
+class _EnvironmentBase(BaseSettings):
+    """HMC_* variables, each named exactly (case-sensitive); strings are parsed into the field's type."""
+
+    model_config = SettingsConfigDict(case_sensitive=True, extra="ignore", frozen=True)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)  # values come from `_Variables` over the mapping Config.load was given, never os.environ behind its back
+
+    _lists = field_validator("static_peers", *(f"paths_{key}" for key in _POLICY_KEYS), mode="before", check_fields=False)(_split)
+    _vendor_pairs = field_validator("device_vendor_override", mode="before", check_fields=False)(_pairs)
+
+
+_Environment = create_model(
+    "_Environment",
+    __base__=_EnvironmentBase,
+    **_optional({name: name for name in _SCALARS}, NoDecode, alias="HMC_{key}"),
+    **{f"paths_{key}": (Annotated[PathNames | None, NoDecode], Field(None, validation_alias=f"HMC_PATHS_{key.upper()}")) for key in _POLICY_KEYS},
+    device_vendor_override=(Annotated[dict[NonEmpty, VendorName] | None, NoDecode], Field(None, validation_alias="HMC_DEVICE_VENDOR_OVERRIDE")),
+)
+"""The variables: HMC_<FIELD> for every scalar field, HMC_PATHS_ALLOW/DENY/PREFER and HMC_DEVICE_VENDOR_OVERRIDE.
+
+Lists are comma-separated (NoDecode: never JSON)."""
+
+
+class _Variables(EnvSettingsSource):
+    """pydantic-settings' environment source over the mapping given to `Config.load(env=...)`."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        # the one override: EnvSettingsSource reads os.environ here (DotEnvSettingsSource overrides it the same way)
+        return dict(self._environ)
+
+
+def _read_environment(env: Mapping[str, str]) -> dict[str, Any]:
+    """Config keyword arguments from HMC_* variables (policy as a dict of the variables set)."""
+    with _refusals("environment"):
+        given = _Environment.model_validate(_Variables(_Environment, env)()).model_dump(exclude_none=True)
+    policy = {key: given.pop(f"paths_{key}") for key in _POLICY_KEYS if f"paths_{key}" in given}
+    if "device_vendor_override" in given:
+        given["vendor_override"] = given.pop("device_vendor_override")
+    return {**given, **({"policy": policy} if policy else {})}
