@@ -14,6 +14,7 @@ from hmc.agent import Agent, ConnBuffer
 from hmc.config import Config
 from hmc.errors import ArgumentError, ClosedResourceError, OutOfRangeError, UnavailableError, UnknownBufferError
 from hmc.transport._ranges import RangeList
+from hmc.transport._wire import PROTOCOL_VERSION
 from hmc.v1 import common_pb2, daemon_pb2
 
 
@@ -22,7 +23,7 @@ def test_descriptor_carries_owner_device_size_key_and_handles(agent: Agent) -> N
     d = buffer.descriptor
     assert isinstance(buffer, ConnBuffer) and buffer.size == d.size == 12345 and buffer.name == d.name == "kv-cache"
     assert d.owner.id == agent.id and d.owner.endpoint.port > 0 and d.owner.pid > 0 and d.owner.host_id
-    assert d.owner.protocol_version == 1 and {t.path for t in d.owner.transports} >= {"local", "ipc", "staged"}
+    assert d.owner.protocol_version == PROTOCOL_VERSION and {t.path for t in d.owner.transports} >= {"local", "ipc", "staged"}
     assert d.device.name == "host" and d.device.kind == common_pb2.DEVICE_KIND_HOST
     assert len(d.access_key) == 16 and d.handles.cma.pid == d.owner.pid and d.handles.cma.address == buffer.region.address
     again = common_pb2.BufferDescriptor.FromString(bytes(d.SerializeToString()))
@@ -70,6 +71,36 @@ def test_bad_arguments_raise_before_anything_moves(agent: Agent, make_agent: Cal
     with pytest.raises(ArgumentError):
         write(other.register(bytearray(8)), dst, 0, 0, 1)
     assert not dst.numpy().any()
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"timeout": float("nan")}, {"timeout": float("inf")}, {"timeout": 0}, {"timeout": "abc"}, {"timeout": True},
+        {"n": True}, {"n": 2**70}, {"n": np.array([[4096]])}, {"b": np.array([4096.0])}, {"b": np.array([True])}, {"b": -1},
+        {"a": [0, 4096], "b": [4096, 6000], "n": 4096}, {"notify": 17}, {"remote": "not-a-descriptor"},
+    ],
+    ids=repr,
+)
+@pytest.mark.parametrize("op", ["write", "read", "prepare_write", "prepare_read"])
+def test_bad_arguments_on_the_local_path_and_its_fast_path_write_nothing(agent: Agent, rng: np.random.Generator, changes: dict[str, Any], op: str) -> None:
+    data = rng.integers(0, 256, 16384, dtype=np.uint8)
+    src = agent.register(data.copy())
+    dst = agent.register(np.full(16384, 0xA5, np.uint8))
+    local, remote = (dst, src) if op.endswith("read") else (src, dst)  # a read's destination is its local buffer
+    base = agent.read if op.endswith("read") else agent.write
+    base(local, remote, 0, 0, 4096).wait()  # the pair's inline route is learned
+    assert remote.id in local.inline_routes
+    call = {"remote": remote, "a": 4096, "b": 8192, "n": 4096, "timeout": None, "notify": None, **changes}
+    args = (local, call["remote"], call["a"], call["b"], call["n"])
+    with pytest.raises(ArgumentError):
+        if not op.startswith("prepare"):
+            base(*args, timeout=call["timeout"], notify=call["notify"])
+        else:
+            getattr(agent, op)(*args, timeout=call["timeout"]).post(notify=call["notify"])
+    expected = np.full(16384, 0xA5, np.uint8)
+    expected[:4096] = data[:4096]
+    assert dst.numpy().tobytes() == expected.tobytes() and src.numpy().tobytes() == data.tobytes()
 
 
 def test_path_to_explains_and_forced_paths_are_honoured(agent: Agent, make_agent: Callable[..., Agent], rng: np.random.Generator) -> None:

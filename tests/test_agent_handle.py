@@ -9,7 +9,7 @@ import pytest
 
 from hmc.agent import Notification, TransferHandle, TransferState
 from hmc.agent._transfer import NotificationInbox
-from hmc.errors import BrokenResourceError, CancelledError, TimeoutError
+from hmc.errors import ArgumentError, BrokenResourceError, CancelledError, TimeoutError
 from hmc.v1 import common_pb2
 
 
@@ -129,3 +129,32 @@ def test_a_driven_wait_keeps_its_timeout_and_the_deadline() -> None:
     with pytest.raises(TimeoutError, match="deadline"):
         handle.wait()
     assert handle.state is TransferState.FAILED and time.monotonic() - started < 1.0
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), -1.0, 0, 0.0, "1", True, 2e6, 10**400, [1.0]], ids=repr)
+def test_a_bad_wait_timeout_is_refused_typed_and_the_transfer_left_alone(timeout: object) -> None:
+    released: list[bool] = []
+    handle = TransferHandle("staged", 1, time.monotonic() + 5)
+    handle.on_cancel = lambda: released.append(True)
+    with pytest.raises(ArgumentError):
+        handle.wait(timeout)  # type: ignore[arg-type]
+    assert handle.state is TransferState.PENDING and handle.error is None and not released
+    handle.finish()
+    handle.wait(0.5)
+    with pytest.raises(ArgumentError):  # a finished handle checks too
+        handle.wait(timeout)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError):
+        TransferHandle.finished("ipc", 1).wait(timeout)  # type: ignore[arg-type]
+
+
+def test_wait_takes_any_real_number_of_seconds() -> None:
+    import fractions
+
+    import numpy as np
+
+    handle = TransferHandle.finished("ipc", 1)
+    for timeout in (1, 0.5, np.float32(0.5), np.int64(2), fractions.Fraction(1, 3), 1e6):
+        handle.wait(timeout)  # type: ignore[arg-type]
+    pending = TransferHandle("staged", 1, time.monotonic() + 5)
+    with pytest.raises(TimeoutError, match="still running"):
+        pending.wait(np.float64(0.01))  # type: ignore[arg-type]

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hmc.errors import OutOfRangeError, ProtocolError
+from hmc.errors import ArgumentError, OutOfRangeError, ProtocolError
 from hmc.transport._ranges import RangeList
 from hmc.v1 import common_pb2
 
@@ -110,3 +111,103 @@ def test_bounds_checks_agree_with_a_plain_oracle(rows: list[tuple[int, int, int]
     except OutOfRangeError:
         refused = True
     assert refused == bad_dst
+
+
+_INT64 = st.integers(-(2**63), 2**63 - 1)
+_ANY_INT = st.one_of(_INT64, st.integers(-(2**80), 2**80))
+_DTYPES = st.sampled_from([np.int8, np.int32, np.int64, np.uint8, np.uint32, np.uint64, np.float32, np.float64, np.bool_, np.complex64, np.str_, object])
+_INPUTS = st.one_of(
+    _ANY_INT,
+    st.booleans(),
+    st.none(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=4),
+    st.binary(max_size=4),
+    st.lists(_ANY_INT, max_size=6),
+    st.lists(st.one_of(_ANY_INT, st.booleans(), st.floats(), st.none()), max_size=6),
+    st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=3), max_size=3),  # 2-D or ragged
+    st.tuples(_DTYPES, st.sampled_from([(), (0,), (3,), (2, 2), (1, 3), (0, 2)])).map(lambda t: np.ones(t[1], dtype=t[0])),
+    st.builds(lambda v: np.uint64(v), st.integers(0, 2**64 - 1)),
+    st.builds(lambda v: np.array(v, np.uint64), st.lists(st.integers(0, 2**64 - 1), max_size=4)),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(_INPUTS, _INPUTS, _INPUTS)
+def test_build_returns_int64_arrays_or_raises_argument_error(src: object, dst: object, lengths: object) -> None:
+    """Whatever a caller passes, build() gives three equal 1-D int64 arrays or a typed error, never a builtin one."""
+    try:
+        ranges = RangeList.build(src, dst, lengths)
+    except ArgumentError:  # OutOfRangeError included
+        return
+    for array in (ranges.src, ranges.dst, ranges.lengths):
+        assert array.dtype == np.int64 and array.ndim == 1 and array.flags.c_contiguous
+    assert ranges.src.size == ranges.dst.size == ranges.lengths.size
+    for given_, built in ((src, ranges.src), (dst, ranges.dst)):  # nothing flattened, nothing made of bools, floats or text
+        assert given_ is not None and not isinstance(given_, (bool, np.bool_, float, str, bytes))
+        assert np.ndim(given_) <= 1
+        assert np.asarray(given_, dtype=object).reshape(-1).tolist() == built.tolist() or np.size(given_) == 0
+
+
+@pytest.mark.parametrize(
+    ("values", "error"),
+    [
+        (True, ArgumentError),
+        (np.bool_(True), ArgumentError),
+        (np.array([True]), ArgumentError),
+        (np.array([[1]]), ArgumentError),  # one element: flattening it would have "worked"
+        (np.ones((1, 1, 1), np.int64), ArgumentError),
+        (np.array([1.0]), ArgumentError),
+        (1.0, ArgumentError),
+        (None, ArgumentError),
+        ("12", ArgumentError),
+        ([[1], [1, 2]], ArgumentError),
+        (2**70, OutOfRangeError),
+        (-(2**70), OutOfRangeError),
+        ([1, 2**70], OutOfRangeError),
+        (np.array([2**63], np.uint64), OutOfRangeError),
+        (np.uint64(2**63), OutOfRangeError),
+    ],
+    ids=repr,
+)
+def test_build_refuses_what_is_not_a_1d_integer_array(values: object, error: type[ArgumentError]) -> None:
+    for position in range(3):
+        args: list[object] = [0, 0, 1]
+        args[position] = values
+        with pytest.raises(error):
+            RangeList.build(*args)
+
+
+def test_build_takes_scalars_lists_and_1d_arrays_of_any_integer_type() -> None:
+    ranges = RangeList.build(np.array([1, 2], np.uint8), [3, 4], np.int32(5))
+    assert ranges.src.tolist() == [1, 2] and ranges.dst.tolist() == [3, 4] and ranges.lengths.tolist() == [5, 5]
+    assert RangeList.build(np.array(7), 2**63 - 1, np.array([0], np.uint64)).src.tolist() == [7]  # a 0-d array is a scalar
+    assert len(RangeList.build([], [], [])) == 0  # numpy reads [] as float64: an empty batch is still fine
+    assert RangeList.build(np.array([1, 2], dtype=object), [3, 2**63 - 1], 1).src.tolist() == [1, 2]  # object arrays of ints that fit
+
+
+def _overlaps(rows: list[tuple[int, int]]) -> bool:
+    spans = [(d, d + n) for d, n in rows if n > 0]
+    return any(max(a, c) < min(b, e) for i, (a, b) in enumerate(spans) for c, e in spans[i + 1 :])
+
+
+_BLOCKS = st.tuples(st.integers(1, 64), st.integers(0, 63), st.lists(st.integers(0, 40), min_size=2, max_size=40)).map(
+    lambda t: [(phase + slot * t[0], t[0]) for phase, slot in ((t[1] % t[0], s) for s in t[2])]
+)
+"""Equal-length blocks on one grid, in any order (the KV case the overlap check serves without sorting)."""
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 40)), max_size=40), _BLOCKS, _BLOCKS.map(sorted)))
+def test_destination_overlap_is_refused_exactly_when_two_ranges_share_a_byte(rows: list[tuple[int, int]]) -> None:
+    """Short lists are checked on Python ints, long ones vectorised (sorted, block grid, or sorting): all agree with a plain oracle."""
+    dst = np.array([d for d, _ in rows], np.int64)
+    lengths = np.array([n for _, n in rows], np.int64)
+    ranges = RangeList.build(dst[::-1].copy(), dst, lengths)  # sources overlap freely: never refused for that
+    try:
+        ranges.check_disjoint_dst()
+        refused = False
+    except ArgumentError as exc:
+        refused = True
+        assert "overlap" in str(exc)
+    assert refused == _overlaps(rows)

@@ -62,9 +62,10 @@ def test_many_small_ranges_pipeline_over_reused_streams(config: Config, make_pee
             expected[d : d + n] = src.numpy()[s : s + n]
         assert np.array_equal(np.frombuffer(peer.contents(remote.id), np.uint8), expected)
         back = a.register(np.zeros(size, np.uint8))
-        a.read(back, remote, slots * 2048, offsets, lengths).wait()
+        landing = rng.permutation(size // 2048)[:count] * 2048  # a read's destination ranges (local) must not overlap
+        a.read(back, remote, slots * 2048, landing, lengths).wait()
         check = np.zeros(size, np.uint8)
-        for s, d, n in zip((slots * 2048).tolist(), offsets.tolist(), lengths.tolist()):
+        for s, d, n in zip((slots * 2048).tolist(), landing.tolist(), lengths.tolist()):
             check[d : d + n] = expected[s : s + n]
         assert np.array_equal(back.numpy(), check)
         senders = [t.name for t in threading.enumerate() if t.name.startswith("hmc-staged-tx-")]

@@ -2,7 +2,8 @@
 
 NIXL's prepared requests, in HMC's terms. A caller that moves the same ranges
 between the same pair over and over (a pipeline stage's activation slots, a
-latency probe) pays the argument checks, the range list and its bounds once, at
+latency probe) pays the argument checks (the timeout, the range list, its bounds
+and disjoint destinations, whose verdict the list caches) once, at
 `Agent.prepare_write`/`prepare_read`. Each `post()` then takes one of two ways:
 
 - the pair's fast path (a single range over a path with an inline copy, as

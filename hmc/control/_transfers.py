@@ -43,7 +43,7 @@ from hmc.errors import (
     UnavailableError,
 )
 from hmc.transport._negotiate import Endpoint, negotiate
-from hmc.transport._ranges import RangeList
+from hmc.transport._ranges import RangeList, check_timeout
 from hmc.v1 import common_pb2, daemon_pb2
 
 __all__ = ["Resolver", "TransferTable"]
@@ -94,15 +94,14 @@ class TransferTable:
         ranges = RangeList.from_proto(request.ranges)
         if not len(ranges):
             raise ArgumentError("transfer has no ranges")
-        timeout_s = request.timeout_s or self._config.timeout_s
-        if timeout_s < 0:
-            raise ArgumentError(f"timeout_s must not be negative, got {request.timeout_s}")
+        timeout_s = check_timeout(request.timeout_s or self._config.timeout_s, "timeout_s")
         src, src_peer = await self._resolve(request.src, request.local_only, call_timeout)
         if request.local_only and request.HasField("dst_descriptor"):
-            dst = request.dst_descriptor  # resolved by the forwarding hmcd
+            dst = self._registry.current(request.dst_descriptor)  # resolved by the forwarding hmcd; a stale one of this node is refused
         else:
             dst, _ = await self._resolve(request.dst, False, call_timeout)
         ranges.check(src.size, dst.size)
+        ranges.check_disjoint_dst()
         choice = negotiate(Endpoint.of(src), Endpoint.of(dst), self._config.policy)
         transfer_id = request.transfer_id or uuid.uuid4().hex
         if transfer_id in self._active or transfer_id in self._finished:
@@ -215,8 +214,8 @@ class TransferTable:
     async def wait(self, ref: daemon_pb2.TransferRef, call_timeout: float) -> daemon_pb2.TransferStatus:
         """The status once final, or as it stands when `ref.timeout_s` (0: poll) runs out."""
         record = self._get(ref.transfer_id)
-        if ref.timeout_s < 0:
-            raise ArgumentError(f"timeout_s must not be negative, got {ref.timeout_s}")
+        if ref.timeout_s:  # 0: poll
+            check_timeout(ref.timeout_s, "timeout_s")
         timeout = min(ref.timeout_s, call_timeout)
         if record.peer is not None and not record.final:
             forwarded = daemon_pb2.TransferRef(transfer_id=ref.transfer_id, timeout_s=max(timeout - 0.2, 0.0))

@@ -1,13 +1,24 @@
-"""Range lists: batches of (src_offset, dst_offset, length) as int64 numpy arrays.
+"""Range lists: batches of (src_offset, dst_offset, length) as int64 numpy arrays; the timeout check.
 
 Never one Python object per range: validation, coalescing and chunking are
 vectorised. Wire form is `hmc.v1.RangeList` (three little-endian int64 arrays).
+
+What a caller may pass (`RangeList.build`, the API boundary of every transfer):
+a Python or numpy integer, or a one-dimensional integer array or sequence. Bools,
+floats, strings, objects and arrays of two or more dimensions are refused with
+ArgumentError (nothing is flattened); values beyond int64 with OutOfRangeError.
+Negative values pass `build` and are refused by the bounds checks (OutOfRangeError).
+A transfer's timeout goes through `check_timeout` at the same boundary.
+
+Concurrency: a RangeList is immutable; any thread may use it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -15,11 +26,34 @@ import numpy as np
 from hmc.errors import ArgumentError, OutOfRangeError, ProtocolError
 from hmc.v1 import common_pb2
 
-__all__ = ["RangeList", "iovec_rows"]
+__all__ = ["MAX_TIMEOUT_S", "RangeList", "check_timeout", "iovec_rows"]
 
 _I64 = np.dtype("<i8")
+_I64_MAX = int(np.iinfo(np.int64).max)
+_I64_MIN = int(np.iinfo(np.int64).min)
 _SMALL = 8
 """Up to this many ranges, checks run on Python ints: a numpy call costs more than the whole loop."""
+_SLOTS_PER_RANGE = 64
+"""The overlap check's grid of equal-length blocks has at most this many slots (bytes) per range, else it sorts."""
+
+MAX_TIMEOUT_S = 1e6
+"""The longest timeout a transfer or a wait takes (11.6 days): deadlines stay exact, computable numbers."""
+
+
+def check_timeout(timeout: object, name: str = "timeout") -> float:
+    """`timeout` in seconds as a float: a real number (not a bool), finite, > 0 and at most MAX_TIMEOUT_S.
+
+    ArgumentError otherwise, so a NaN, an infinity or a string never reaches a deadline.
+    """
+    if type(timeout) is not float and type(timeout) is not int and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)):
+        raise ArgumentError(f"{name} must be a number of seconds, got {type(timeout).__name__}")
+    try:
+        seconds = float(timeout)  # type: ignore[arg-type]
+    except OverflowError:  # an int beyond any float
+        seconds = math.inf
+    if not 0.0 < seconds <= MAX_TIMEOUT_S:  # NaN fails this too
+        raise ArgumentError(f"{name} must be finite, > 0 and at most {MAX_TIMEOUT_S:g} s, got {timeout!r}")
+    return seconds
 
 
 def _check_few(offsets: list[int], lengths: list[int], size: int, name: str) -> None:
@@ -30,20 +64,41 @@ def _check_few(offsets: list[int], lengths: list[int], size: int, name: str) -> 
             raise OutOfRangeError(f"{name} range #{index} [{offset}, {offset + length}) exceeds buffer of {size} bytes")
 
 
+def _scalar(value: int, name: str) -> np.ndarray:
+    if not _I64_MIN <= value <= _I64_MAX:
+        raise OutOfRangeError(f"{name} value {value} does not fit int64")
+    return np.array([value], dtype=_I64)
+
+
 def _as_i64(values: Any, name: str) -> np.ndarray:
+    """`values` as a 1-D int64 array (a scalar as one element); ArgumentError or OutOfRangeError for anything else."""
+    if type(values) is int:
+        return _scalar(values, name)
+    if isinstance(values, (bool, np.bool_)):
+        raise ArgumentError(f"{name} must be integers, got a bool")
     if isinstance(values, (int, np.integer)):
-        return np.array([int(values)], dtype=_I64)
+        return _scalar(int(values), name)
     try:
         array = np.asarray(values)
-    except (TypeError, ValueError) as exc:
-        raise ArgumentError(f"{name} must be integers") from exc
-    if array.ndim != 1:
-        array = array.reshape(-1)
-    if array.size and array.dtype.kind not in "iu":
-        raise ArgumentError(f"{name} must be integers, got {array.dtype}")
-    if array.dtype.kind == "u" and array.size and int(array.max()) > np.iinfo(np.int64).max:
-        raise OutOfRangeError(f"{name} overflows int64")
-    return np.ascontiguousarray(array, dtype=_I64)
+    except (TypeError, ValueError, OverflowError) as exc:  # ragged nesting, objects numpy cannot read
+        raise ArgumentError(f"{name} must be an integer or a 1-D sequence of integers") from exc
+    if array.ndim > 1:
+        raise ArgumentError(f"{name} must be one-dimensional, got shape {array.shape}")
+    if not array.size:  # numpy reads [] as float64: an empty batch is fine whatever its dtype
+        return np.empty(0, _I64)
+    kind = array.dtype.kind
+    if kind == "O":  # Python ints beyond what numpy holds, or anything else (a Python loop: rare input)
+        items = array.reshape(-1).tolist()
+        if not all(type(item) is int for item in items):
+            raise ArgumentError(f"{name} must be integers, got {sorted({type(item).__name__ for item in items} - {'int'})}")
+        if not all(_I64_MIN <= item <= _I64_MAX for item in items):
+            raise OutOfRangeError(f"{name} values do not fit int64")
+        return np.array(items, dtype=_I64)
+    if kind not in "iu":
+        raise ArgumentError(f"{name} must be integers, got {'bools' if kind == 'b' else array.dtype}")
+    if kind == "u" and array.dtype.itemsize == 8 and int(array.max()) > _I64_MAX:
+        raise OutOfRangeError(f"{name} values do not fit int64")
+    return np.ascontiguousarray(array.reshape(-1), dtype=_I64)  # a 0-d array is a scalar: one element
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +168,46 @@ class RangeList:
         if (ends < self.dst).any() or int(ends.max()) > dst_size:
             raise OutOfRangeError(f"destination range exceeds buffer of {dst_size} bytes")
 
+    def check_disjoint_dst(self) -> None:
+        """Raise ArgumentError when two destination ranges share a byte; call after `check` (bounds hold).
+
+        Which of two overlapping pieces lands last depends on the path, its chunks and
+        its threads, so the bytes would differ from run to run: such a batch is refused
+        before anything moves. Source ranges may overlap. The verdict is cached with the
+        list, as a prepared transfer posts the same list again and again.
+        """
+        overlap = self._dst_overlap
+        if overlap is not None:
+            i, j = overlap
+            spans = [f"#{k} [{int(self.dst[k])}, {int(self.dst[k]) + int(self.lengths[k])})" for k in (i, j)]
+            raise ArgumentError(f"destination ranges {spans[0]} and {spans[1]} overlap: the bytes landing there would depend on order")
+
+    @functools.cached_property
+    def _dst_overlap(self) -> tuple[int, int] | None:
+        """Indices of two destination ranges that share a byte, or None when all are disjoint."""
+        starts, lengths = self.dst, self.lengths
+        if starts.size < 2:
+            return None
+        if starts.size <= _SMALL:
+            spans = sorted((d, d + n, i) for i, (d, n) in enumerate(zip(starts.tolist(), lengths.tolist())) if n > 0)
+            for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
+                if end > start:
+                    return min(i, j), max(i, j)
+            return None
+        ends = starts + lengths
+        if (ends[:-1] <= starts[1:]).all() or _disjoint_blocks(starts, lengths):
+            return None  # increasing (the common case) or equal-length blocks in any order: no sort
+        if int(lengths.min()) > 0:
+            order = np.argsort(starts)
+        else:  # an empty range touches no byte, even inside another range
+            index = np.flatnonzero(lengths)
+            order = index[np.argsort(starts[index])]
+        bad = np.flatnonzero(ends[order[:-1]] > starts[order[1:]])
+        if not bad.size:
+            return None
+        i, j = int(order[bad[0]]), int(order[bad[0] + 1])
+        return min(i, j), max(i, j)
+
     def swapped(self) -> RangeList:
         """Source and destination exchanged (a READ seen from the data's owner)."""
         return RangeList(self.dst, self.src, self.lengths)
@@ -181,6 +276,27 @@ class RangeList:
             else:
                 raise ProtocolError("range list arrays differ in length")
         return cls(*arrays)
+
+
+def _disjoint_blocks(starts: np.ndarray, lengths: np.ndarray) -> bool:
+    """True when the ranges are blocks of one grid (one length L, starts equal modulo L) and no two coincide.
+
+    KV blocks in any order: O(n) with one byte per grid slot, no sort. Blocks of one
+    grid either coincide or share no byte. False (sort instead) for anything else, or
+    when the grid would have many more slots than there are ranges.
+    """
+    length = int(lengths[0])
+    if length <= 0 or not (lengths == length).all():
+        return False
+    slots, phase = np.divmod(starts, length)
+    if (phase != phase[0]).any():
+        return False
+    span = int(slots.max()) + 1
+    if span > _SLOTS_PER_RANGE * starts.size:
+        return False
+    taken = np.zeros(span, np.bool_)
+    taken[slots] = True
+    return int(np.count_nonzero(taken)) == starts.size
 
 
 def iovec_rows(addresses: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -206,9 +206,11 @@ def test_device_memory_here_to_host_memory_there(gpu_agent: Agent, gpu_peer: Pee
         scatter(expected, data, src, dst, lengths)
         assert_bytes_equal(np.frombuffer(gpu_peer.contents(remote.id), np.uint8), expected, "write into host memory")
         memory.fill(local.region, POISON)
-        gpu_agent.read(local, remote, dst, src, lengths).wait()
+        back = rng.permutation(dst.size)  # a read's destination (here: local) ranges must not overlap: the written slots, shuffled
+        n = np.minimum(lengths, lengths[back])
+        gpu_agent.read(local, remote, dst, dst[back], n).wait()
         gpu_agent.read(local, remote, size - 1, size - 1, 1).wait()
-        mine = scatter(np.full(size, POISON, np.uint8), expected, dst, src, lengths)
+        mine = scatter(np.full(size, POISON, np.uint8), expected, dst, dst[back], n)
         mine[-1] = expected[-1]
         assert_bytes_equal(host_copy(local), mine, "read from host memory")
     gpu_peer.unregister(remote.id)
