@@ -2,7 +2,7 @@
 
 The public API, grouped:
 
-- data plane: `Agent`, `ConnBuffer`, `PreparedTransfer`, `TransferHandle`, `TransferState`, `Notification`
+- data plane: `Agent`, `AgentEvent`, `AgentEventKind`, `ConnBuffer`, `PreparedTransfer`, `TransferHandle`, `TransferState`, `Notification`
 - descriptors and paths: `BufferDescriptor`, `PathName`, `PathChoice`, `RangeList`
 - control plane: `Client`
 - configuration: `Config`, `PathPolicy`
@@ -10,7 +10,7 @@ The public API, grouped:
 """
 
 from hmc import errors, memory
-from hmc.agent import Agent, ConnBuffer, Notification, PreparedTransfer, TransferHandle, TransferState
+from hmc.agent import Agent, AgentEvent, AgentEventKind, ConnBuffer, Notification, PreparedTransfer, TransferHandle, TransferState
 from hmc.config import Config, PathPolicy
 from hmc.control import Client
 from hmc.errors import HMCError
@@ -22,6 +22,8 @@ __version__ = "0.1.0"
 __all__ = [
     # data plane
     "Agent",
+    "AgentEvent",
+    "AgentEventKind",
     "ConnBuffer",
     "Notification",
     "PreparedTransfer",

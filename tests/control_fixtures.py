@@ -113,6 +113,13 @@ class DaemonSet:
         self.daemons.append(daemon)
         return daemon
 
+    def restart(self, old: Hmcd, **kwargs: object) -> Hmcd:
+        """Start `old`'s node again, on the same socket and state file, once `old` has exited (stopped or killed)."""
+        if old.process.poll() is None:
+            raise RuntimeError(f"hmcd {old.name} is still running")
+        Path(self.directory, f"{old.name}.port").unlink(missing_ok=True)
+        return self.start(old.name, **kwargs)
+
     def close(self) -> None:
         for daemon in self.daemons:
             daemon.stop()

@@ -18,7 +18,7 @@ def test_all_names_exist_and_nothing_public_is_unlisted() -> None:
 
 
 def test_exported_classes_claim_their_public_home() -> None:
-    for name in ("Agent", "ConnBuffer", "Client", "Config", "RangeList"):
+    for name in ("Agent", "AgentEvent", "AgentEventKind", "ConnBuffer", "Client", "Config", "RangeList"):
         assert getattr(hmc, name).__module__.startswith("hmc."), name
 
 

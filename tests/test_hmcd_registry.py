@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -14,8 +15,10 @@ from control_fixtures import DaemonSet, FakeAgent, Hmcd, agent_info, daemon_set,
 
 from hmc.config import Config
 from hmc.control import DaemonLink
-from hmc.errors import ArgumentError, BrokenResourceError, BufferWithdrawnError, BusyResourceError, ClosedResourceError, UnavailableError, UnknownBufferError
-from hmc.v1 import daemon_pb2, daemon_pb2_grpc
+from hmc.control._errors import rpc_errors
+from hmc.errors import ArgumentError, BufferWithdrawnError, BusyResourceError, ClosedResourceError, UnavailableError, UnknownBufferError
+from hmc.transport import RangeList
+from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +132,10 @@ def test_clean_close_withdraws_and_tells_everyone(hmcd: Hmcd) -> None:
                 if event.kind == daemon_pb2.EVENT_KIND_AGENT_DOWN:
                     break
         assert kinds == [(daemon_pb2.EVENT_KIND_BUFFER_WITHDRAWN, desc.id), (daemon_pb2.EVENT_KIND_AGENT_DOWN, leaving.info.id)]
-        wait_until(lambda: any(e.buffer.id == desc.id for e in watcher.events), what="withdrawal pushed down the other agent's stream")
-        assert watcher.events[-1].kind == daemon_pb2.EVENT_KIND_BUFFER_WITHDRAWN
+        wait_until(lambda: any(e.kind == daemon_pb2.EVENT_KIND_AGENT_DOWN for e in watcher.events), what="withdrawal and end pushed down the other agent's stream")
+        pushed = [(e.kind, e.buffer.id or e.agent_id) for e in watcher.events if e.agent_id == leaving.info.id]
+        assert pushed == kinds
+        assert watcher.events[-1].agent.pid == leaving.info.pid  # AGENT_DOWN carries the AgentInfo: peers drop grants by pid
     finally:
         watcher.close()
 
@@ -166,15 +171,84 @@ def test_sigkilled_agent_is_withdrawn_and_hmcd_stays_up(hmcd: Hmcd) -> None:
         watcher.close()
 
 
-def test_link_breaks_when_hmcd_stops(daemons: DaemonSet) -> None:
-    short_lived = daemons.start("short-lived")
+def test_link_reattaches_and_registers_again_after_hmcd_restarts(daemons: DaemonSet) -> None:
+    first = daemons.start("phoenix")
     lost: list[Exception] = []
-    link = DaemonLink(short_lived.config(), agent_info(), lambda instruction: None, on_lost=lost.append)
+    attached: list[daemon_pb2.DaemonHello] = []
+    info = agent_info()
+    link = DaemonLink(first.config(), info, lambda instruction: None, on_lost=lost.append, on_attached=attached.append)
     try:
-        short_lived.stop()
-        wait_until(lambda: link.broken is not None, what="link to notice hmcd stopped")
-        assert lost
-        with pytest.raises(BrokenResourceError):
-            link.register(descriptor("after"))
+        held, gone, late = descriptor("held"), descriptor("gone"), descriptor("late")
+        link.register(held)
+        link.register(gone)
+        old_epoch = link.registry_epoch
+        first.stop()
+        wait_until(lambda: link.broken is not None and lost, what="link to notice hmcd stopped")
+        link.register(late)  # kept here, published on re-attach
+        link.unregister(gone.id)  # forgotten here; hmcd forgot it with the old stream
+        link.report(daemon_pb2.TransferReport(transfer_id="dropped"))
+        started = time.monotonic()
+        with pytest.raises(UnavailableError, match="down.*reconnecting"):
+            link.lookup("held")
+        assert time.monotonic() - started < 1.0
+        with pytest.raises(UnknownBufferError):
+            link.unregister("never-registered")
+        second = daemons.restart(first)
+        wait_until(lambda: attached, what="link to attach again")
+        assert link.broken is None and attached[0].registry_epoch == link.registry_epoch > old_epoch
+        with second.client() as client:
+            wait_until(lambda: {b.name for b in client.buffers(local_only=True)} == {"held", "late"}, what="held buffers registered again")
+            found = client.lookup("held")
+            assert found.id == held.id and found.owner.id == info.id and found.access_key == held.access_key
+            assert found.registry_epoch == link.registry_epoch
+            with pytest.raises(UnknownBufferError):
+                client.lookup("gone")
+            assert client.node_info().agents == 1
     finally:
         link.close()
+
+
+def test_a_name_is_busy_for_other_agents_while_its_holder_lives(hmcd: Hmcd, agent: FakeAgent) -> None:
+    held = agent.register("leased")
+    other = FakeAgent(hmcd.config())
+    try:
+        with pytest.raises(BusyResourceError, match=f"'leased'.*{agent.info.id}"):
+            other.register("leased")
+        agent.link.unregister(held.id)
+        assert other.register("leased").name == "leased"  # free once its holder let go
+    finally:
+        other.close()
+
+
+def _submit(hmcd: Hmcd, src: str, dst: common_pb2.BufferDescriptor) -> daemon_pb2.TransferStatus:
+    """A Submit as a forwarding hmcd sends it: dst given as an explicit descriptor."""
+    request = daemon_pb2.SubmitTransferRequest(
+        src=daemon_pb2.BufferRef(name=src), dst=daemon_pb2.BufferRef(id=dst.id), ranges=RangeList.build(0, 0, 4096).to_proto(), local_only=True, dst_descriptor=dst
+    )
+    with grpc.insecure_channel(hmcd.unix_address) as channel, rpc_errors(hmcd.unix_address):
+        return daemon_pb2_grpc.TransferServiceStub(channel).Submit(request, timeout=5)
+
+
+def test_an_explicit_descriptor_of_an_older_epoch_is_refused_unless_registered_again(hmcd: Hmcd) -> None:
+    executor = FakeAgent(hmcd.config(), auto_report=common_pb2.TRANSFER_STATE_DONE)
+    owner = FakeAgent(hmcd.config())
+    try:
+        executor.register("epoch-src")
+        current = owner.register("epoch-dst")
+        with hmcd.client() as client:
+            served = client.lookup("epoch-dst")
+        older = common_pb2.BufferDescriptor()
+        older.CopyFrom(served)
+        older.registry_epoch -= 1  # as served before a restart; its owner registered it again since
+        assert _submit(hmcd, "epoch-src", older).state in (common_pb2.TRANSFER_STATE_PENDING, common_pb2.TRANSFER_STATE_DONE)
+        wait_until(lambda: executor.instructions, what="the instruction")
+        assert executor.instructions[-1].remote.registry_epoch == served.registry_epoch and executor.instructions[-1].remote.id == current.id
+        stale = common_pb2.BufferDescriptor()
+        stale.CopyFrom(older)
+        stale.id = uuid.uuid4().hex  # never registered again in this epoch
+        with pytest.raises(BufferWithdrawnError, match="stale descriptor.*epoch"):
+            _submit(hmcd, "epoch-src", stale)
+        assert len(executor.instructions) == 1
+    finally:
+        executor.close()
+        owner.close()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 import grpc.aio
+from grpc_health.v1 import health_pb2_grpc
 
 from hmc.control._errors import abort
 from hmc.control._registry import AgentSession, describe_ref
@@ -50,9 +51,6 @@ class NodeServicer(daemon_pb2_grpc.NodeServiceServicer):
     async def GetNodeInfo(self, request: daemon_pb2.NodeInfoRequest, context: grpc.aio.ServicerContext) -> daemon_pb2.NodeInfo:
         return self._daemon.node_info()
 
-    async def Health(self, request: daemon_pb2.HealthRequest, context: grpc.aio.ServicerContext) -> daemon_pb2.HealthResponse:
-        return daemon_pb2.HealthResponse(serving=self._daemon.serving, node=self._daemon.config.node)
-
     async def GetMetrics(self, request: daemon_pb2.MetricsRequest, context: grpc.aio.ServicerContext) -> daemon_pb2.MetricsResponse:
         if not self._daemon.config.metrics:
             raise UnsupportedError("metrics are disabled on this hmcd (config: metrics = false)")
@@ -72,19 +70,22 @@ class RegistryServicer(daemon_pb2_grpc.RegistryServiceServicer):
             hello.agent.node = daemon.config.node
         session = daemon.registry.attach(hello.agent)
         writer: asyncio.Task[None] | None = None
+        clean = False  # the agent closed its stream (EOF): it is gone; otherwise it may come back (registry: "Sessions")
         try:
-            await context.write(daemon_pb2.DaemonMessage(hello=daemon_pb2.DaemonHello(protocol_version=PROTOCOL_VERSION, node=daemon.config.node, host_id=daemon.inventory.host_id)))
+            greeting = daemon_pb2.DaemonHello(protocol_version=PROTOCOL_VERSION, node=daemon.config.node, host_id=daemon.inventory.host_id, registry_epoch=daemon.registry.epoch)
+            await context.write(daemon_pb2.DaemonMessage(hello=greeting))
             writer = asyncio.create_task(_drain(session, context), name=f"hmc-attach-writer:{session.agent_id}")
             while True:
                 message = await context.read()
                 if message is grpc.aio.EOF:
+                    clean = True
                     break
                 await self._handle(session, message)
         finally:
             if writer is not None:
                 writer.cancel()
             daemon.transfers.agent_lost(session)
-            daemon.registry.detach(session)
+            daemon.registry.detach(session, clean=clean)
 
     async def _read_hello(self, context: grpc.aio.ServicerContext) -> daemon_pb2.AgentHello | None:
         try:
@@ -189,7 +190,8 @@ class EventServicer(daemon_pb2_grpc.EventServiceServicer):
 
 
 def add_services(daemon: Daemon, server: grpc.aio.Server) -> None:
-    """Register every hmcd service on `server`."""
+    """Register every hmcd service on `server`, grpc.health.v1 included (one servicer shared by all of hmcd's servers)."""
+    health_pb2_grpc.add_HealthServicer_to_server(daemon.health, server)
     daemon_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(daemon), server)
     daemon_pb2_grpc.add_RegistryServiceServicer_to_server(RegistryServicer(daemon), server)
     daemon_pb2_grpc.add_PathServiceServicer_to_server(PathServicer(daemon), server)
