@@ -37,15 +37,15 @@ def target(agent: Agent) -> ConnBuffer:
     return agent.register(np.full(1 << 16, POISON, np.uint8))
 
 
-def _open(agent: Agent, channel: int) -> FrameStream:
+def _open(agent: Agent, channel: int, proves: common_pb2.BufferDescriptor) -> FrameStream:
     stream = FrameStream(connect(agent.info.endpoint, _deadline()), "agent")
-    handshake(stream, common_pb2.AgentInfo(id="raw-test-peer"), channel, _deadline())
+    handshake(stream, common_pb2.AgentInfo(id="raw-test-peer"), channel, _deadline(), proves)
     return stream
 
 
 @pytest.fixture
-def data_stream(agent: Agent) -> Iterator[FrameStream]:
-    stream = _open(agent, DATA)
+def data_stream(agent: Agent, target: ConnBuffer) -> Iterator[FrameStream]:
+    stream = _open(agent, DATA, target.descriptor)
     yield stream
     stream.close()
 
@@ -55,9 +55,12 @@ def _reply_error(stream: FrameStream) -> BaseException | None:
     return error_from_code(reply.error.code, reply.error.message) if reply.HasField("error") else None
 
 
-def _write_frame(buffer: common_pb2.BufferDescriptor, dst: list[int], lengths: list[int], key: bytes | None = None) -> peer_pb2.PeerFrame:
+def _write_frame(
+    stream: FrameStream, buffer: common_pb2.BufferDescriptor, dst: list[int], lengths: list[int], key: bytes | None = None
+) -> peer_pb2.PeerFrame:
     ranges = RangeList.build(np.zeros(len(dst), np.int64), dst, lengths).to_proto()
-    return peer_pb2.PeerFrame(request_id=1, write=peer_pb2.DataWrite(buffer_id=buffer.id, access_key=buffer.access_key if key is None else key, ranges=ranges))
+    proof = stream.proof(buffer.access_key if key is None else key)
+    return peer_pb2.PeerFrame(request_id=1, write=peer_pb2.DataWrite(buffer_id=buffer.id, key_proof=proof, ranges=ranges))
 
 
 def _agent_still_serves(agent: Agent, target: ConnBuffer, make_agent: object) -> None:
@@ -98,21 +101,21 @@ def test_refused_data_writes_drain_their_payload_and_write_nothing(data_stream: 
     d = target.descriptor
     payload = [memoryview(b"\x01" * 4096)]
     cases = [
-        (_write_frame(d, [(1 << 16) - 4095], [4096]), OutOfRangeError),
-        (_write_frame(d, [0], [4096], key=b"\x00" * 16), AccessDeniedError),
-        (_write_frame(common_pb2.BufferDescriptor(id="nope", access_key=d.access_key), [0], [4096]), UnknownBufferError),
+        (_write_frame(data_stream, d, [(1 << 16) - 4095], [4096]), OutOfRangeError),
+        (_write_frame(data_stream, d, [0], [4096], key=b"\x00" * 16), AccessDeniedError),
+        (_write_frame(data_stream, common_pb2.BufferDescriptor(id="nope", access_key=d.access_key), [0], [4096]), UnknownBufferError),
     ]
     for frame, error in cases:
         data_stream.send(frame, payload)
         assert isinstance(_reply_error(data_stream), error)
     assert (target.numpy() == POISON).all()
-    data_stream.send(_write_frame(d, [10], [4096]), payload)  # the same connection still works
+    data_stream.send(_write_frame(data_stream, d, [10], [4096]), payload)  # the same connection still works
     assert _reply_error(data_stream) is None
     assert (target.numpy()[10:4106] == 1).all() and (target.numpy()[4106:] == POISON).all()
 
 
 def test_negative_lengths_close_the_data_connection(data_stream: FrameStream, target: ConnBuffer) -> None:
-    data_stream.send(_write_frame(target.descriptor, [0], [-5]))
+    data_stream.send(_write_frame(data_stream, target.descriptor, [0], [-5]))
     assert isinstance(_reply_error(data_stream), ProtocolError)
     with pytest.raises(BrokenResourceError):
         data_stream.recv(_deadline())
@@ -126,23 +129,23 @@ def test_short_and_long_range_lists_are_checked_alike(data_stream: FrameStream, 
     payload = [memoryview(b"\x02" * 16 * count)]
     last = count - 1
     for bad_dst, error in (([*dst[:last], -64], OutOfRangeError), ([*dst[:last], size - 8], OutOfRangeError)):
-        data_stream.send(_write_frame(d, bad_dst, [16] * count), payload)
+        data_stream.send(_write_frame(data_stream, d, bad_dst, [16] * count), payload)
         assert isinstance(_reply_error(data_stream), error)
     assert (target.numpy() == POISON).all()
-    data_stream.send(_write_frame(d, dst, [16] * count), payload)
+    data_stream.send(_write_frame(data_stream, d, dst, [16] * count), payload)
     assert _reply_error(data_stream) is None
     assert all((target.numpy()[o : o + 16] == 2).all() for o in dst)
     if count == 1:
         return  # no offsets at all means offset 0 (as RangeList.from_proto reads it)
     wire = RangeList.build(np.zeros(count, np.int64), dst, 16).to_proto()
     wire.dst_offsets = wire.dst_offsets[:-8]  # one offset short
-    data_stream.send(peer_pb2.PeerFrame(request_id=2, write=peer_pb2.DataWrite(buffer_id=d.id, access_key=d.access_key, ranges=wire)), payload)
+    data_stream.send(peer_pb2.PeerFrame(request_id=2, write=peer_pb2.DataWrite(buffer_id=d.id, key_proof=data_stream.proof(d.access_key), ranges=wire)), payload)
     assert isinstance(_reply_error(data_stream), ProtocolError)
 
 
 @pytest.mark.parametrize("count", [1, 20])
 def test_absurd_lengths_close_the_data_connection(data_stream: FrameStream, target: ConnBuffer, count: int) -> None:
-    data_stream.send(_write_frame(target.descriptor, [0] * count, [16] * (count - 1) + [1 << 41]))
+    data_stream.send(_write_frame(data_stream, target.descriptor, [0] * count, [16] * (count - 1) + [1 << 41]))
     assert isinstance(_reply_error(data_stream), ProtocolError)
     with pytest.raises(BrokenResourceError):
         data_stream.recv(_deadline())
@@ -150,13 +153,13 @@ def test_absurd_lengths_close_the_data_connection(data_stream: FrameStream, targ
 
 
 def test_wrong_requests_on_each_channel_get_protocol_errors(agent: Agent, target: ConnBuffer) -> None:
-    control = _open(agent, CONTROL)
-    control.send(_write_frame(target.descriptor, [0], [16]))
+    control = _open(agent, CONTROL, target.descriptor)
+    control.send(_write_frame(control, target.descriptor, [0], [16]))
     assert isinstance(_reply_error(control), ProtocolError)
-    control.send(peer_pb2.PeerFrame(request_id=2, notify=peer_pb2.Notify(buffer_id=target.id, access_key=b"bad", transfer_id="t")))
+    control.send(peer_pb2.PeerFrame(request_id=2, notify=peer_pb2.Notify(buffer_id=target.id, key_proof=control.proof(b"bad"), transfer_id="t")))
     assert isinstance(_reply_error(control), AccessDeniedError)
     control.close()
-    data = _open(agent, DATA)
+    data = _open(agent, DATA, target.descriptor)
     data.send(peer_pb2.PeerFrame(request_id=3, open=peer_pb2.OpenBuffer(buffer_id=target.id)))
     assert isinstance(_reply_error(data), ProtocolError)
     data.close()
@@ -164,7 +167,7 @@ def test_wrong_requests_on_each_channel_get_protocol_errors(agent: Agent, target
 
 
 def test_peer_dying_mid_payload_leaves_the_agent_serving(agent: Agent, target: ConnBuffer, make_agent: object) -> None:
-    stream = _open(agent, DATA)
-    stream.send(_write_frame(target.descriptor, [0], [60000]), [memoryview(b"\x02" * 100)])
+    stream = _open(agent, DATA, target.descriptor)
+    stream.send(_write_frame(stream, target.descriptor, [0], [60000]), [memoryview(b"\x02" * 100)])
     stream.close()
     _agent_still_serves(agent, target, make_agent)

@@ -12,9 +12,10 @@ import pytest
 
 from hmc.agent import Agent
 from hmc.config import Config
+from hmc.errors import ArgumentError
 from hmc.testing import PeerProcess, TransportPair, check_transport
 from hmc.transport._base import TransferOp, TransferRequest
-from hmc.transport._ipc import IpcTransport, _copy_few, _copy_iovecs, _remote_order
+from hmc.transport._ipc import IpcTransport, _copy_few, _copy_iovecs, _remote_order, _Running
 from hmc.transport._ranges import iovec_rows
 from hmc.transport._ranges import RangeList
 from hmc.transport._wire import IOV_MAX
@@ -117,9 +118,9 @@ def test_partial_transfers_resume_mid_iovec(rng: np.random.Generator, few: bool,
     local[:, 1] = remote[:, 1] = ranges.lengths
     request = TransferRequest("t", TransferOp.WRITE, None, None, ranges, float("inf"), _Done())  # type: ignore[arg-type]
     if few:
-        assert _copy_few(stingy, 0, local[:, 0].tolist(), remote[:, 0].tolist(), ranges.lengths.tolist(), request)
+        assert _copy_few(stingy, 0, local[:, 0].tolist(), remote[:, 0].tolist(), ranges.lengths.tolist(), request, _Running())
     else:
-        assert _copy_iovecs(stingy, 0, local, remote, request)
+        assert _copy_iovecs(stingy, 0, local, remote, request, _Running())
     assert len(calls) == -(-ranges.total // budget)
     expected = np.zeros_like(dst)
     for s, d, n in zip(ranges.src.tolist(), ranges.dst.tolist(), ranges.lengths.tolist()):
@@ -164,7 +165,7 @@ def test_sides_with_different_entry_counts_copy_the_same_bytes(rng: np.random.Ge
     assert 2 * IOV_MAX < len(local) <= count and len(remote) == 2  # (random neighbours on the local side merge too)
     calls: list[tuple[int, int]] = []
     request = TransferRequest("t", TransferOp.WRITE, None, None, RangeList.build(0, 0, 1), float("inf"), _Done())  # type: ignore[arg-type]
-    assert _copy_iovecs(_kernel(budget, calls), 0, local, remote, request)
+    assert _copy_iovecs(_kernel(budget, calls), 0, local, remote, request, _Running())
     assert len(calls) >= -(-count // IOV_MAX)
     expected = np.zeros_like(dst)
     for s, d in zip(src_offsets.tolist(), dst_offsets.tolist()):
@@ -185,10 +186,10 @@ def test_remote_order_sorts_only_when_destinations_are_disjoint() -> None:
 
 
 @pytest.mark.parametrize("op", ["write", "read"])
-def test_overlapping_destinations_keep_the_given_order_and_disjoint_ones_any(
+def test_many_range_batches_land_in_any_order_and_overlapping_destinations_are_refused(
     agent: Agent, peer: PeerProcess, rng: np.random.Generator, op: str
 ) -> None:
-    """Large many-range batches are reordered and split across threads; where destinations overlap, the last range must still win."""
+    """Large many-range batches are reordered and split across threads; overlapping destinations are refused before a byte moves."""
     size, block, count = 8 << 20, 64 << 10, 80  # 5 MiB per batch: the threaded path
     theirs = peer.register(size, fill=POISON)
     data = rng.integers(0, 256, size, dtype=np.uint8)
@@ -199,17 +200,18 @@ def test_overlapping_destinations_keep_the_given_order_and_disjoint_ones_any(
     overlapping = (np.arange(count, dtype=np.int64) % 7) * 1000  # every destination overlaps others
     disjoint = rng.permutation(size // block)[:count].astype(np.int64) * block
     for destinations in (overlapping, disjoint):
-        if op == "write":
-            peer.poison(theirs.id, POISON)
-            agent.write(mine, theirs, sources, destinations, block).wait()
-            landed = np.frombuffer(peer.contents(theirs.id), np.uint8)
-        else:
-            mine.numpy()[:] = POISON
-            agent.read(mine, theirs, sources, destinations, block).wait()
-            landed = mine.numpy()
         expected = np.full(size, POISON, np.uint8)
-        for s, d in zip(sources.tolist(), destinations.tolist()):
-            expected[d : d + block] = data[s : s + block]
+        if destinations is disjoint:
+            for s, d in zip(sources.tolist(), destinations.tolist()):
+                expected[d : d + block] = data[s : s + block]
+        with contextlib.nullcontext() if destinations is disjoint else pytest.raises(ArgumentError, match="overlap"):
+            if op == "write":
+                peer.poison(theirs.id, POISON)
+                agent.write(mine, theirs, sources, destinations, block).wait()
+            else:
+                mine.numpy()[:] = POISON
+                agent.read(mine, theirs, sources, destinations, block).wait()
+        landed = np.frombuffer(peer.contents(theirs.id), np.uint8) if op == "write" else mine.numpy()
         assert np.array_equal(landed, expected)
 
 

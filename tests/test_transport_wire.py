@@ -15,7 +15,17 @@ from hmc.errors import AccessDeniedError, BrokenResourceError, ProtocolError, Ti
 from hmc.transport._channel import Channel
 from hmc.transport._ranges import iovec_rows
 from hmc.transport._splice import LEND_MIN_BYTES, Lender
-from hmc.transport._wire import MAX_FRAME, FrameStream, _row_views, accept_handshake, connect, error_reply, handshake
+from hmc.transport._wire import (
+    HELLO_FRAME,
+    MAX_FRAME,
+    FrameStream,
+    _row_views,
+    accept_handshake,
+    connect,
+    error_reply,
+    handshake,
+    key_proof,
+)
 from hmc.v1 import common_pb2, peer_pb2
 
 
@@ -79,22 +89,57 @@ def test_oversized_or_undecodable_frames_are_protocol_errors(streams: tuple[Fram
 def test_handshake_refuses_other_protocol_versions(streams: tuple[FrameStream, FrameStream]) -> None:
     left, right = streams
     me = common_pb2.AgentInfo(id="me")
-    left.send(peer_pb2.PeerFrame(hello=peer_pb2.PeerHello(protocol_version=2, agent=me)))
+    left.send(peer_pb2.PeerFrame(hello=peer_pb2.PeerHello(protocol_version=99, agent=me)))
     with pytest.raises(VersionMismatchError):
-        accept_handshake(right, common_pb2.AgentInfo(id="them"), time.monotonic() + 5)
+        accept_handshake(right, common_pb2.AgentInfo(id="them"), time.monotonic() + 5, _refuse)
     right.send(peer_pb2.PeerFrame(reply=error_reply(VersionMismatchError("speaks 1"))))
     with pytest.raises(VersionMismatchError):
-        handshake(left, me, peer_pb2.PeerHello.CHANNEL_CONTROL, time.monotonic() + 5)
+        handshake(left, me, peer_pb2.PeerHello.CHANNEL_CONTROL, time.monotonic() + 5, KEYED)
 
 
-def test_handshake_exchanges_agent_info(streams: tuple[FrameStream, FrameStream]) -> None:
+def _refuse(stream: FrameStream, auth: peer_pb2.Auth) -> None:
+    raise AccessDeniedError("no buffers here")
+
+
+KEYED = common_pb2.BufferDescriptor(id="b1", access_key=b"k" * 16)
+
+
+def _check_proof(stream: FrameStream, auth: peer_pb2.Auth) -> None:
+    if auth.buffer_id != KEYED.id or auth.key_proof != key_proof(KEYED.access_key, stream.nonce):
+        raise AccessDeniedError("wrong proof")
+
+
+def test_handshake_exchanges_agent_info_and_proves_a_key_without_sending_it(streams: tuple[FrameStream, FrameStream]) -> None:
     left, right = streams
     result: list[peer_pb2.PeerHello] = []
-    server = threading.Thread(target=lambda: result.append(accept_handshake(right, common_pb2.AgentInfo(id="owner"), time.monotonic() + 5)))
+    server = threading.Thread(target=lambda: result.append(accept_handshake(right, common_pb2.AgentInfo(id="owner"), time.monotonic() + 5, _check_proof)))
     server.start()
-    hello = handshake(left, common_pb2.AgentInfo(id="initiator"), peer_pb2.PeerHello.CHANNEL_DATA, time.monotonic() + 5)
+    hello = handshake(left, common_pb2.AgentInfo(id="initiator"), peer_pb2.PeerHello.CHANNEL_DATA, time.monotonic() + 5, KEYED)
     server.join()
     assert hello.agent.id == "owner" and result[0].agent.id == "initiator" and result[0].channel == peer_pb2.PeerHello.CHANNEL_DATA
+    assert left.nonce == right.nonce and len(left.nonce) == 16 and right.max_frame == MAX_FRAME
+    assert left.proof(KEYED.access_key) != KEYED.access_key
+
+
+def test_a_wrong_proof_is_refused_and_the_listener_keeps_its_hello_bound(streams: tuple[FrameStream, FrameStream]) -> None:
+    left, right = streams
+    right.max_frame = HELLO_FRAME
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            accept_handshake(right, common_pb2.AgentInfo(id="owner"), time.monotonic() + 5, _check_proof)
+        except AccessDeniedError as exc:
+            errors.append(exc)
+            right.send(peer_pb2.PeerFrame(reply=error_reply(exc)))
+
+    server = threading.Thread(target=serve)
+    server.start()
+    wrong = common_pb2.BufferDescriptor(id="b1", access_key=b"x" * 16)
+    with pytest.raises(AccessDeniedError):
+        handshake(left, common_pb2.AgentInfo(id="initiator"), peer_pb2.PeerHello.CHANNEL_DATA, time.monotonic() + 5, wrong)
+    server.join()
+    assert errors and right.max_frame == HELLO_FRAME
 
 
 def test_connect_to_a_closed_port_is_unavailable() -> None:
@@ -109,16 +154,16 @@ def test_channel_requests_replies_errors_and_breakage(streams: tuple[FrameStream
     left, right = streams
 
     def owner(frame: peer_pb2.PeerFrame) -> peer_pb2.PeerReply:
-        if frame.notify.access_key != b"k":
+        if frame.notify.key_proof != b"k":
             raise AccessDeniedError("wrong key")
         return peer_pb2.PeerReply(payload_bytes=len(frame.notify.payload))
 
     server = Channel(right, owner, name="hmc-test-owner").start()
     client = Channel(left, lambda frame: peer_pb2.PeerReply(), name="hmc-test-initiator").start()
-    reply = client.request(peer_pb2.PeerFrame(notify=peer_pb2.Notify(access_key=b"k", payload=b"abc")), time.monotonic() + 5)
+    reply = client.request(peer_pb2.PeerFrame(notify=peer_pb2.Notify(key_proof=b"k", payload=b"abc")), time.monotonic() + 5)
     assert reply.payload_bytes == 3
     with pytest.raises(AccessDeniedError):
-        client.request(peer_pb2.PeerFrame(notify=peer_pb2.Notify(access_key=b"x")), time.monotonic() + 5)
+        client.request(peer_pb2.PeerFrame(notify=peer_pb2.Notify(key_proof=b"x")), time.monotonic() + 5)
     outcome: list[BaseException | None] = []
     done = threading.Event()
 

@@ -19,7 +19,10 @@ their arguments once and vet a route once, so a post is a lookup and the copy.
 Concurrency: every public method may be called from any thread. `_lock` guards
 the path cache and the set of remote buffers known to be withdrawn; the buffer
 table, transports, peers and server each guard their own state. hmcd
-instructions run on the "hmc-instr" executor, never on the link's thread.
+instructions run on the "hmc-instr" executor, never on the link's thread;
+hmcd's events (other agents' withdrawals and ends) run on the link's
+"hmc-daemon-events" thread and land in `events()`. Nothing on the transfer path
+touches the link, so transfers go on while hmcd is down.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hmc.agent._buffers import BufferTable, ConnBuffer
+from hmc.agent._events import AgentEvent, AgentEventKind, EventInbox
 from hmc.agent._instructions import Instructions
 from hmc.agent._peers import Peers
 from hmc.agent._prepared import PreparedTransfer
@@ -46,6 +50,7 @@ from hmc.errors import (
     ArgumentError,
     BufferWithdrawnError,
     ClosedResourceError,
+    DeviceError,
     HMCError,
     NoPathError,
     UnavailableError,
@@ -59,7 +64,7 @@ from hmc.transport._ipc import IpcTransport, allow_ptrace_peers
 from hmc.transport._ipc_path import IpcPath
 from hmc.transport._local import LocalTransport
 from hmc.transport._negotiate import Endpoint, PathChoice, negotiate
-from hmc.transport._ranges import RangeList
+from hmc.transport._ranges import MAX_TIMEOUT_S, RangeList, check_timeout
 from hmc.transport._staged import StagedTransport
 from hmc.transport._wire import PROTOCOL_VERSION, raise_for_reply
 from hmc.v1 import common_pb2, daemon_pb2, peer_pb2
@@ -67,6 +72,8 @@ from hmc.v1 import common_pb2, daemon_pb2, peer_pb2
 __all__ = ["Agent"]
 
 _log = logging.getLogger(__name__)
+_UNREGISTER_GRACE_S = 5.0
+"""How long unregister() lets transfers into a buffer finish before it cuts their connections."""
 _INLINE_MAX = 1 << 20
 """Largest single range the inline fast path copies on the caller's thread."""
 
@@ -74,10 +81,6 @@ _DESCRIPTOR = common_pb2.BufferDescriptor
 _PATH_NAMES = frozenset(p.value for p in PathName)
 
 LinkFactory = Callable[[Config, common_pb2.AgentInfo, Callable[[daemon_pb2.TransferInstruction], None]], Any]
-
-
-def _default_link(config: Config, info: common_pb2.AgentInfo, on_instruction: Callable[[daemon_pb2.TransferInstruction], None]) -> DaemonLink:
-    return DaemonLink(config, info, on_instruction)
 
 
 class _Route:
@@ -123,8 +126,15 @@ class Agent:
             self._report,
         )
         allow_ptrace_peers()
-        self._peers = Peers(lambda: self.info, on_withdrawn=self._remote_withdrawn, on_lost=self._peer_lost, buffer_bytes=self.config.socket_buffer_bytes)
-        self._server = PeerServer(self.config.agent_host, info=lambda: self.info, buffers=self._buffers, inbox=self._inbox, buffer_bytes=self.config.socket_buffer_bytes)
+        cfg = self.config
+        self._peers = Peers(
+            lambda: self.info, on_withdrawn=self._remote_withdrawn, on_lost=self._peer_lost,
+            buffer_bytes=cfg.socket_buffer_bytes, keepalive_s=cfg.keepalive_s, unacked_s=cfg.timeout_s,
+        )
+        self._server = PeerServer(
+            cfg.agent_host, info=lambda: self.info, buffers=self._buffers, inbox=self._inbox, buffer_bytes=cfg.socket_buffer_bytes,
+            max_connections=cfg.peer_max_connections, keepalive_s=cfg.keepalive_s, timeout_s=cfg.timeout_s,
+        )
         self._transports = self._usable(transports if transports is not None else self._default_transports())
         self.info = common_pb2.AgentInfo(
             id=self.id,
@@ -135,7 +145,7 @@ class Agent:
             transports=[t.capabilities.to_proto() for t in self._transports.values()],
             protocol_version=PROTOCOL_VERSION,
         )
-        self._link = self._attach(daemon, link_factory or _default_link)
+        self._link = self._attach(daemon, link_factory or self._default_link)
 
     def _default_transports(self) -> list[Transport]:
         cfg = self.config
@@ -170,6 +180,7 @@ class Agent:
         return usable
 
     def _attach(self, daemon: bool | None, factory: LinkFactory) -> Any:
+        self._events = EventInbox()  # before the link exists: its events land here (empty in embedded mode)
         if daemon is False or (daemon is None and not os.path.exists(self.config.socket)):
             return None
         try:
@@ -214,12 +225,18 @@ class Agent:
         return buffer
 
     def unregister(self, buffer: ConnBuffer | str) -> None:
-        """Withdraw a buffer: peers that opened it are told, later transfers get BufferWithdrawnError."""
+        """Withdraw a buffer: later requests get BufferWithdrawnError, peers that opened it are told, and this returns
+        only when no peer can write into the memory any more: receives still running after a grace of
+        min(timeout_s, 5 s) have their connections cut (their transfers fail; nothing of them lands afterwards)."""
         buffer_id = buffer if isinstance(buffer, str) else buffer.id
-        removed = self._buffers.remove(buffer_id, timeout=self.config.timeout_s)
+        removed = self._buffers.remove(buffer_id, timeout=0)
         if removed is None:
             raise UnknownBufferError(f"no buffer {buffer_id!r} on this agent")
-        self._server.withdraw(buffer_id, time.monotonic() + min(self.config.timeout_s, 5.0))
+        grace = time.monotonic() + min(self.config.timeout_s, _UNREGISTER_GRACE_S)
+        self._server.withdraw(buffer_id, grace)  # ipc grantees drop their grants; one that does not answer is cut
+        if not self._buffers.wait_unused(buffer_id, grace) and self._server.cut(buffer_id):
+            if not self._buffers.wait_unused(buffer_id, time.monotonic() + _UNREGISTER_GRACE_S):
+                raise DeviceError(f"buffer {buffer_id}: copies into it still run after its connections were cut")
         self._drop_routes(buffer_id)
         removed.inline_routes.clear()
         for transport in self._transports.values():
@@ -232,7 +249,7 @@ class Agent:
         return self._buffers.values()
 
     def lookup(self, ref: str) -> common_pb2.BufferDescriptor:
-        """Find a buffer by id or name through hmcd (UnavailableError in embedded mode)."""
+        """Find a buffer by id or name through hmcd (UnavailableError in embedded mode, and at once while hmcd is down)."""
         if self._link is None:
             raise UnavailableError("this agent runs embedded (no hmcd): look buffers up by descriptor instead")
         return self._link.lookup(ref)
@@ -248,13 +265,23 @@ class Agent:
         self, local: ConnBuffer, remote: Any, src_offsets: Any, dst_offsets: Any, lengths: Any,
         *, notify: bytes | None = None, timeout: float | None = None, path: str | None = None,
     ) -> TransferHandle:
-        """Push ranges of `local` into `remote` (a BufferDescriptor or a ConnBuffer)."""
+        """Push ranges of `local` into `remote` (a BufferDescriptor or a ConnBuffer).
+
+        Offsets and lengths are ints or 1-D integer arrays (a single length applies to
+        every range); `timeout` is None (the agent's `timeout_s`) or seconds, finite, in
+        (0, 1e6]. Destination ranges in `remote` must not overlap (which bytes would land
+        last is up to the path); source ranges may. Anything else raises ArgumentError
+        (OutOfRangeError for ranges outside a buffer) before a byte moves.
+        """
         if notify is None and type(lengths) is int and type(src_offsets) is int and type(dst_offsets) is int:
-            route = local.inline_routes.get(remote.id if path is None else (remote.id, path))
+            try:
+                route = local.inline_routes.get(remote.id if path is None else (remote.id, path))
+            except (AttributeError, TypeError):  # not a ConnBuffer, a descriptor or a path name: the slow path says which
+                route = None
             if (
                 route is not None
                 and 0 < lengths <= route.max_bytes
-                and (timeout is None or not route.waits)
+                and (timeout is None or (not route.waits and (type(timeout) is float or type(timeout) is int) and 0 < timeout <= MAX_TIMEOUT_S))
                 and 0 <= src_offsets <= route.local_size - lengths
                 and 0 <= dst_offsets <= route.remote_size - lengths
                 and route.key == (remote.access_key if type(remote) is _DESCRIPTOR else remote.descriptor.access_key)
@@ -271,13 +298,20 @@ class Agent:
         self, local: ConnBuffer, remote: Any, remote_offsets: Any, local_offsets: Any, lengths: Any,
         *, notify: bytes | None = None, timeout: float | None = None, path: str | None = None,
     ) -> TransferHandle:
-        """Pull ranges of `remote` (a BufferDescriptor or a ConnBuffer) into `local`."""
+        """Pull ranges of `remote` (a BufferDescriptor or a ConnBuffer) into `local`.
+
+        Arguments as for `write()`; here the destination is `local`: its ranges must not
+        overlap, while ranges of `remote` may (the same bytes read twice).
+        """
         if notify is None and type(lengths) is int and type(local_offsets) is int and type(remote_offsets) is int:
-            route = local.inline_routes.get(remote.id if path is None else (remote.id, path))
+            try:
+                route = local.inline_routes.get(remote.id if path is None else (remote.id, path))
+            except (AttributeError, TypeError):  # not a ConnBuffer, a descriptor or a path name: the slow path says which
+                route = None
             if (
                 route is not None
                 and 0 < lengths <= route.max_bytes
-                and (timeout is None or not route.waits)
+                and (timeout is None or (not route.waits and (type(timeout) is float or type(timeout) is int) and 0 < timeout <= MAX_TIMEOUT_S))
                 and 0 <= local_offsets <= route.read_size - lengths
                 and 0 <= remote_offsets <= route.remote_size - lengths
                 and route.key == (remote.access_key if type(remote) is _DESCRIPTOR else remote.descriptor.access_key)
@@ -305,6 +339,7 @@ class Agent:
         return self._prepare(TransferOp.READ, local, remote, RangeList.build(remote_offsets, local_offsets, lengths), timeout, path)
 
     def _prepare(self, op: TransferOp, local: ConnBuffer, remote: Any, ranges: RangeList, timeout: float | None, path: str | None) -> PreparedTransfer:
+        timeout = None if timeout is None else check_timeout(timeout)
         self._choose(local, self._checked(op, local, remote, ranges), path)  # NoPathError now, not at the first post
         return PreparedTransfer(self, op, local, remote, ranges.coalesced(), timeout=timeout, path=path)
 
@@ -320,6 +355,9 @@ class Agent:
         self, op: TransferOp, local: ConnBuffer, remote: Any, ranges: RangeList,
         notify: bytes | None, timeout: float | None, path: str | None, transfer_id: str | None = None,
     ) -> TransferHandle:
+        timeout = None if timeout is None else check_timeout(timeout)
+        if notify is not None and not isinstance(notify, (bytes, bytearray, memoryview)):
+            raise ArgumentError(f"notify must be bytes, got {type(notify).__name__}")
         descriptor = self._checked(op, local, remote, ranges)
         ranges = ranges.coalesced()
         choice = self._choose(local, descriptor, path)
@@ -344,9 +382,15 @@ class Agent:
         return handle
 
     def _checked(self, op: TransferOp, local: ConnBuffer, remote: Any, ranges: RangeList) -> common_pb2.BufferDescriptor:
-        """The remote side's descriptor, once the agent is open, both buffers usable and `ranges` within them."""
+        """The remote side's descriptor, once the agent is open, both buffers usable and `ranges` within them.
+
+        `ranges.dst` is the destination for both ops (a read's ranges run remote -> local):
+        its ranges must be disjoint.
+        """
         self._check_open()
         descriptor: common_pb2.BufferDescriptor = remote.descriptor if isinstance(remote, ConnBuffer) else remote
+        if type(descriptor) is not _DESCRIPTOR:
+            raise ArgumentError(f"remote must be a BufferDescriptor or a ConnBuffer, got {type(remote).__name__}")
         self._check_buffers(local, descriptor)
         if op is TransferOp.WRITE:
             ranges.check(local.size, descriptor.size)
@@ -354,6 +398,7 @@ class Agent:
             if local.region.readonly:
                 raise AccessDeniedError(f"{local!r} is read-only: it cannot receive a read")
             ranges.check(descriptor.size, local.size)
+        ranges.check_disjoint_dst()
         return descriptor
 
     def _check_buffers(self, local: ConnBuffer, descriptor: common_pb2.BufferDescriptor) -> None:
@@ -449,6 +494,32 @@ class Agent:
             buffer.inline_routes.clear()
         for transport in self._transports.values():
             transport.forget_peer(agent)
+
+    def events(self, timeout: float | None = 0) -> list[AgentEvent]:
+        """What hmcd told this agent about other agents (buffers withdrawn, agents down) and the link's own
+        losses and re-attaches, oldest first (drained); waits up to `timeout` (None: forever) for the first.
+
+        The agent has already acted on each: a withdrawn buffer's next use raises BufferWithdrawnError.
+        """
+        return self._events.drain(timeout if timeout is None or timeout == 0 else check_timeout(timeout))
+
+    def _default_link(self, config: Config, info: common_pb2.AgentInfo, on_instruction: Callable[[daemon_pb2.TransferInstruction], None]) -> DaemonLink:
+        return DaemonLink(config, info, on_instruction, self._on_hmcd_event, on_lost=self._on_hmcd_lost, on_attached=self._on_hmcd_attached)
+
+    def _on_hmcd_event(self, event: daemon_pb2.Event) -> None:
+        """hmcd's word about another agent (thread "hmc-daemon-events"): act as on the peer's own, then tell the user."""
+        if event.kind == daemon_pb2.EVENT_KIND_BUFFER_WITHDRAWN and event.buffer.owner.id != self.id:
+            self._remote_withdrawn(event.agent_id, event.buffer.id)
+            self._events.deliver(AgentEvent(AgentEventKind.BUFFER_WITHDRAWN, event.buffer.id, event.agent_id, event.buffer.name, event.node))
+        elif event.kind == daemon_pb2.EVENT_KIND_AGENT_DOWN and event.agent_id != self.id:
+            self._peer_lost(event.agent if event.HasField("agent") else common_pb2.AgentInfo(id=event.agent_id))
+            self._events.deliver(AgentEvent(AgentEventKind.AGENT_DOWN, agent_id=event.agent_id, node=event.node))
+
+    def _on_hmcd_lost(self, error: HMCError) -> None:
+        self._events.deliver(AgentEvent(AgentEventKind.HMCD_LOST, agent_id=self.id, detail=str(error)))
+
+    def _on_hmcd_attached(self, hello: daemon_pb2.DaemonHello) -> None:
+        self._events.deliver(AgentEvent(AgentEventKind.HMCD_ATTACHED, agent_id=self.id, node=hello.node, detail=f"registry epoch {hello.registry_epoch}"))
 
     def _report(self, report: daemon_pb2.TransferReport) -> None:
         if self._link is not None:

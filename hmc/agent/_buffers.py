@@ -4,8 +4,11 @@ A `ConnBuffer` is registered memory plus its descriptor (plain protobuf data tha
 peers use to address it). The `BufferTable` answers "may this peer touch that
 buffer?": it checks the access key in constant time, remembers withdrawn ids so
 late requests get BufferWithdrawnError rather than UnknownBufferError, and counts
-in-flight users so `remove()` returns only when no receive is still writing into
-the memory.
+in-flight users, each with the connection it serves (its holder), so that
+`unregister()` can wait for them and cut the connections of those that do not
+finish: it returns only when no receive is still writing into the memory.
+Over TCP a peer proves its access key (`prove(key) == proof`, an HMAC bound to
+the connection) rather than sending it.
 
 Concurrency: a table is shared by the user's threads and the agent's server
 threads; one condition variable guards its dicts and user counts.
@@ -13,11 +16,12 @@ threads; one condition variable guards its dicts and user counts.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hmac
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import numpy as np
@@ -68,15 +72,18 @@ class BufferTable:
         self._cond = threading.Condition()  # guards the three dicts/sets below
         self._by_id: dict[str, ConnBuffer] = {}
         self._withdrawn: set[str] = set()
-        self._users: dict[str, int] = {}
+        self._users: dict[str, collections.Counter[Hashable]] = {}
+        """Per buffer id: in-flight uses by holder (the connection each serves; None for local uses)."""
 
     def add(self, buffer: ConnBuffer) -> None:
         with self._cond:
             self._by_id[buffer.id] = buffer
             self._withdrawn.discard(buffer.id)
 
-    def get(self, buffer_id: str, access_key: bytes | None = None) -> ConnBuffer:
-        """The buffer, if it exists and `access_key` (when given) matches; typed error otherwise."""
+    def get(
+        self, buffer_id: str, access_key: bytes | None = None, *, prove: Callable[[bytes], bytes] | None = None, proof: bytes = b""
+    ) -> ConnBuffer:
+        """The buffer, if it exists and `access_key` (when given) matches, or `proof` is `prove(its key)`; typed error otherwise."""
         with self._cond:
             buffer = self._by_id.get(buffer_id)
             if buffer is None:
@@ -85,6 +92,8 @@ class BufferTable:
                 raise UnknownBufferError(f"no buffer {buffer_id!r} on this agent")
         if access_key is not None and not hmac.compare_digest(access_key, buffer.descriptor.access_key):
             raise AccessDeniedError(f"wrong access key for buffer {buffer_id}")
+        if prove is not None and not hmac.compare_digest(prove(buffer.descriptor.access_key), proof):
+            raise AccessDeniedError(f"wrong access key proof for buffer {buffer_id}")
         return buffer
 
     def by_name(self, name: str) -> ConnBuffer:
@@ -103,32 +112,48 @@ class BufferTable:
         finally:
             self.release(buffer_id)
 
-    def acquire(self, buffer_id: str, access_key: bytes) -> ConnBuffer:
+    def acquire(
+        self, buffer_id: str, access_key: bytes | None = None, *, prove: Callable[[bytes], bytes] | None = None, proof: bytes = b"",
+        holder: Hashable = None,
+    ) -> ConnBuffer:
         """`use()` without a context manager (the staged owner's per-request path): pair with `release()`."""
-        buffer = self.get(buffer_id, access_key)
+        buffer = self.get(buffer_id, access_key, prove=prove, proof=proof)
         with self._cond:
             if buffer_id not in self._by_id:
                 raise BufferWithdrawnError(f"buffer {buffer_id} was withdrawn")
-            self._users[buffer_id] = self._users.get(buffer_id, 0) + 1
+            self._users.setdefault(buffer_id, collections.Counter())[holder] += 1
         return buffer
 
-    def release(self, buffer_id: str) -> None:
+    def release(self, buffer_id: str, holder: Hashable = None) -> None:
         with self._cond:
-            left = self._users[buffer_id] - 1
-            if left:
-                self._users[buffer_id] = left
-            else:
+            users = self._users[buffer_id]
+            users[holder] -= 1
+            if users[holder] <= 0:
+                del users[holder]
+            if not users:
                 del self._users[buffer_id]
                 self._cond.notify_all()
 
+    def holders(self, buffer_id: str) -> list[Hashable]:
+        """Who still uses the buffer's memory (the connections whose receives write into it)."""
+        with self._cond:
+            return list(self._users.get(buffer_id, ()))
+
+    def wait_unused(self, buffer_id: str, deadline: float) -> bool:
+        """Wait until no in-flight use touches the buffer's memory, or `deadline` (a monotonic time); True when unused."""
+        with self._cond:
+            while self._users.get(buffer_id):
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
+                    return not self._users.get(buffer_id)
+        return True
+
     def remove(self, buffer_id: str, timeout: float = 5.0) -> ConnBuffer | None:
-        """Withdraw a buffer; wait (bounded) until no in-flight use touches its memory."""
-        deadline = time.monotonic() + timeout
+        """Withdraw a buffer (later requests get BufferWithdrawnError); wait (bounded) until no in-flight use touches it."""
         with self._cond:
             buffer = self._by_id.pop(buffer_id, None)
             self._withdrawn.add(buffer_id)
-            while self._users.get(buffer_id) and self._cond.wait(max(deadline - time.monotonic(), 0.0)):
-                pass
+        self.wait_unused(buffer_id, time.monotonic() + timeout)
         return buffer
 
     def withdrawn(self, buffer_id: str) -> bool:

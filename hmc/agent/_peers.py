@@ -2,6 +2,11 @@
 
 The control channel (initiator -> owner) carries OpenBuffer and Notify requests;
 the owner sends Withdrawn frames back over it when a buffer we opened goes away.
+A Withdrawn is accepted only for a buffer opened over that very channel, i.e.
+from its owner: another peer cannot make this agent refuse a third agent's buffer.
+Every connection proves, at its handshake, the access key of the buffer it was
+opened for (`hmc.transport._wire.handshake`), and is tuned so that a silent peer
+is detected (keepalive; unacknowledged data for `unacked_s` resets it).
 Channels are opened lazily, cached per peer agent id, and dropped when they
 break, which also tells the agent that the peer is lost. Reconnecting to a lost
 peer that no longer answers is BrokenResourceError (it died), not
@@ -17,9 +22,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from hmc.errors import BrokenResourceError, ClosedResourceError, ProtocolError, UnavailableError
+from hmc.errors import AccessDeniedError, BrokenResourceError, ClosedResourceError, ProtocolError, UnavailableError
 from hmc.transport._channel import Channel, ReplyCallback
-from hmc.transport._wire import FrameStream, connect, handshake
+from hmc.transport._wire import FrameStream, connect, handshake, tune_socket
 from hmc.v1 import common_pb2, peer_pb2
 
 __all__ = ["Peers"]
@@ -38,33 +43,49 @@ class Peers:
         on_withdrawn: Callable[[str, str], None],
         on_lost: Callable[[common_pb2.AgentInfo], None],
         buffer_bytes: int,
+        keepalive_s: float,
+        unacked_s: float,
     ) -> None:
         self._local_info = local_info
         self._on_withdrawn = on_withdrawn
         self._on_lost = on_lost
         self._buffer_bytes = buffer_bytes
-        self._lock = threading.Lock()  # guards _channels, _connecting, _lost, _closed
+        self._keepalive_s = keepalive_s
+        self._unacked_s = unacked_s
+        self._lock = threading.Lock()  # guards _channels, _opened, _connecting, _lost, _closed
         self._channels: dict[str, Channel] = {}
+        self._opened: dict[Channel, set[str]] = {}
+        """Buffers opened (or notified) over each control channel: the only ones its peer may withdraw."""
         self._lost: set[str] = set()
         self._connecting: dict[str, threading.Lock] = {}
         self._closed = False
 
-    def _stream(self, agent: common_pb2.AgentInfo, channel: int, deadline: float, buffer_bytes: int = 0) -> FrameStream:
+    def _stream(self, descriptor: common_pb2.BufferDescriptor, channel: int, deadline: float, buffer_bytes: int = 0) -> FrameStream:
+        agent = descriptor.owner
         sock = connect(agent.endpoint, deadline, buffer_bytes=buffer_bytes)
+        tune_socket(sock, self._keepalive_s, self._unacked_s)
         stream = FrameStream(sock, peer=f"agent {agent.id} at {agent.endpoint.host}:{agent.endpoint.port}")
         try:
-            handshake(stream, self._local_info(), channel, deadline)
+            handshake(stream, self._local_info(), channel, deadline, descriptor)
         except BaseException:
             stream.close()
             raise
         return stream
 
-    def connect_data(self, agent: common_pb2.AgentInfo, deadline: float) -> FrameStream:
-        """A new data connection to `agent` (for the staged path), handshake done."""
-        return self._stream(agent, _DATA, deadline, self._buffer_bytes)
+    def connect_data(self, descriptor: common_pb2.BufferDescriptor, deadline: float) -> FrameStream:
+        """A new data connection to `descriptor`'s owner (for the staged path), handshake and proof done."""
+        return self._stream(descriptor, _DATA, deadline, self._buffer_bytes)
 
-    def control(self, agent: common_pb2.AgentInfo, deadline: float) -> Channel:
-        """The control channel to `agent`, connecting on first use."""
+    def control(self, descriptor: common_pb2.BufferDescriptor, deadline: float) -> Channel:
+        """The control channel to `descriptor`'s owner, connecting (and proving its key) on first use; the buffer
+        is recorded as opened over it, so its owner may withdraw it."""
+        channel = self._control(descriptor, deadline)
+        with self._lock:
+            self._opened.setdefault(channel, set()).add(descriptor.id)
+        return channel
+
+    def _control(self, descriptor: common_pb2.BufferDescriptor, deadline: float) -> Channel:
+        agent = descriptor.owner
         with self._lock:
             if self._closed:
                 raise ClosedResourceError("agent is closed")
@@ -78,7 +99,7 @@ class Peers:
             if channel is not None and not channel.closed:
                 return channel
             try:
-                stream = self._stream(agent, _CONTROL, deadline)
+                stream = self._stream(descriptor, _CONTROL, deadline)
             except UnavailableError as exc:
                 with self._lock:
                     gone = agent.id in self._lost
@@ -90,7 +111,12 @@ class Peers:
             def handler(frame: peer_pb2.PeerFrame) -> peer_pb2.PeerReply:
                 if frame.WhichOneof("kind") != "withdrawn":
                     raise ProtocolError(f"agent {lost.id} sent {frame.WhichOneof('kind')} on our control channel")
-                self._on_withdrawn(lost.id, frame.withdrawn.buffer_id)
+                buffer_id = frame.withdrawn.buffer_id
+                with self._lock:
+                    owned = buffer_id in self._opened.get(channel, ())
+                if not owned:
+                    raise AccessDeniedError(f"agent {lost.id} withdrew buffer {buffer_id!r}, which this agent did not open from it")
+                self._on_withdrawn(lost.id, buffer_id)
                 return peer_pb2.PeerReply()
 
             channel = Channel(stream, handler, name=f"hmc-peer-ctl-{agent.id[:8]}", on_close=lambda ch: self._closed_channel(lost, ch))
@@ -102,6 +128,7 @@ class Peers:
         with self._lock:
             if self._channels.get(agent.id) is channel:
                 del self._channels[agent.id]
+            self._opened.pop(channel, None)
             self._lost.add(agent.id)
             closing = self._closed
         if not closing:
@@ -109,15 +136,16 @@ class Peers:
 
     def open_grant(self, descriptor: common_pb2.BufferDescriptor, deadline: float) -> peer_pb2.BufferGrant:
         """Ask the owner for one-sided (ipc) access to a buffer."""
-        frame = peer_pb2.PeerFrame(open=peer_pb2.OpenBuffer(buffer_id=descriptor.id, access_key=descriptor.access_key, path="ipc"))
-        return self.control(descriptor.owner, deadline).request(frame, deadline).grant
+        channel = self.control(descriptor, deadline)
+        frame = peer_pb2.PeerFrame(open=peer_pb2.OpenBuffer(buffer_id=descriptor.id, key_proof=channel.stream.proof(descriptor.access_key), path="ipc"))
+        return channel.request(frame, deadline).grant
 
     def notify(self, descriptor: common_pb2.BufferDescriptor, transfer_id: str, payload: bytes, deadline: float, callback: ReplyCallback) -> None:
         """Send a Notify to the owner; `callback` runs when it acknowledged (or failed)."""
-        frame = peer_pb2.PeerFrame(
-            notify=peer_pb2.Notify(buffer_id=descriptor.id, access_key=descriptor.access_key, transfer_id=transfer_id, payload=payload)
-        )
-        self.control(descriptor.owner, deadline).request_async(frame, deadline, callback)
+        channel = self.control(descriptor, deadline)
+        proof = channel.stream.proof(descriptor.access_key)
+        frame = peer_pb2.PeerFrame(notify=peer_pb2.Notify(buffer_id=descriptor.id, key_proof=proof, transfer_id=transfer_id, payload=payload))
+        channel.request_async(frame, deadline, callback)
 
     def close(self) -> None:
         """Close every control channel (joining their readers); idempotent."""

@@ -17,17 +17,37 @@ Peers connect over TCP and say in their hello which channel they open:
   (`_staged_tcp_ring`); either way its copies are queued on the GPU and replied
   to in frame order.
 
+Admission. A connection must say hello and prove the access key of one of this
+agent's buffers within `_HANDSHAKE_S`, and until it has, its frames are bounded
+by HELLO_FRAME: nothing is reserved for a peer without a key. Every later request
+proves its buffer's key on that connection (`key_proof`, never the key). At most
+`max_connections` connections are served at once (bounded further by the file
+descriptors this process may open); at the bound the oldest connection that has
+not authenticated yet is dropped for the newcomer, or the newcomer is refused.
+Running out of file descriptors (EMFILE) never stops the accept loop: it sheds
+the connection it cannot serve and goes on.
+
+Deadlines. A data frame names its transfer and what was left of its deadline; the
+owner drops a frame that arrives after its transfer's deadline (as first seen
+here) and stops receiving a payload at that deadline, breaking the connection.
+An idle connection is probed by keepalive. `cut(buffer_id)` aborts the
+connections still writing into a buffer (`Agent.unregister` uses it).
+
 Concurrency: one accept thread ("hmc-peer-accept") and one thread per
 connection ("hmc-peer-<addr>"), all daemon threads joined (bounded) on close.
-`_lock` guards the connection set and the record of who opened which buffer.
+`_lock` guards the connection sets and the record of who opened which buffer;
+`_freed` (on `_lock`) wakes the accept loop when a connection ends.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import errno
 import functools
 import logging
 import os
+import resource
 import socket
 import struct
 import threading
@@ -36,21 +56,30 @@ from collections.abc import Callable
 
 from hmc.agent._buffers import BufferTable, ConnBuffer
 from hmc.agent._transfer import Notification, NotificationInbox
-from hmc.errors import AccessDeniedError, HMCError, OutOfRangeError, ProtocolError, UnsupportedError
+from hmc.errors import AccessDeniedError, HMCError, OutOfRangeError, ProtocolError, TimeoutError, UnsupportedError
 from hmc.memory import MemoryKind
 from hmc.transport._channel import Channel
 from hmc.transport._ranges import RangeList
 from hmc.transport._pinned import PinnedMapping
 from hmc.transport._staged_owner import OwnerSegments
 from hmc.transport._staged_tcp_ring import BOUNCE_WAIT_S, BounceSlots
-from hmc.transport._wire import FrameStream, accept_handshake, error_reply
+from hmc.transport._wire import HELLO_FRAME, FrameStream, accept_handshake, error_reply, tune_socket
 from hmc.v1 import common_pb2, peer_pb2
 
 __all__ = ["PeerServer"]
 
 _log = logging.getLogger(__name__)
-_HANDSHAKE_S = 10.0
+_HANDSHAKE_S = 5.0
+"""A new connection must have said hello and proved a key within this."""
 _JOIN_S = 2.0
+_SHED_WAIT_S = 0.5
+"""Out of file descriptors: how long the accept loop waits for a connection to end before it sheds the next one."""
+_FDS_PER_CONNECTION = 4
+"""File descriptors one served connection may hold (its socket, the dup for the receiving thread, a lending pipe)."""
+_FDS_KEPT = 64
+"""File descriptors left to the rest of the process (its own outgoing connections, files) when bounding connections."""
+_EXPECTED_MAX = 4096
+"""Transfers a data connection remembers the deadline of; older entries past their deadline are forgotten."""
 
 
 class PeerServer:
@@ -64,14 +93,28 @@ class PeerServer:
         buffers: BufferTable,
         inbox: NotificationInbox,
         buffer_bytes: int,
+        max_connections: int = 1024,
+        keepalive_s: float = 5.0,
+        timeout_s: float = 30.0,
     ) -> None:
         self._info = info
         self._buffers = buffers
         self._inbox = inbox
-        self._lock = threading.Lock()  # guards _streams, _threads, _opened
+        self._keepalive_s = keepalive_s
+        self._timeout_s = timeout_s
+        soft_fds = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.max_connections = max(8, min(max_connections, (soft_fds - _FDS_KEPT) // _FDS_PER_CONNECTION)) if soft_fds > 0 else max_connections
+        """Connections served at once: the configured bound, or fewer where file descriptors would run out first."""
+        self._lock = threading.Lock()  # guards _streams, _pending_auth, _threads, _opened, _closed
+        self._freed = threading.Condition(self._lock)  # a connection ended
         self._streams: set[FrameStream] = set()
+        self._pending_auth: collections.OrderedDict[FrameStream, None] = collections.OrderedDict()
+        """Connections that have not proved a key yet, oldest first (the first to go at the bound)."""
         self._threads: list[threading.Thread] = []
         self._opened: dict[str, set[Channel]] = {}
+        self._closed = False
+        self._spare: int | None = _open_spare()
+        """A descriptor held in reserve: out of descriptors, it is given up to accept and shed one connection."""
         self._listener = socket.create_server((host, 0), backlog=128)
         if buffer_bytes:  # accepted sockets inherit these (and the window scale they imply)
             self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
@@ -84,27 +127,72 @@ class PeerServer:
         while True:
             try:
                 sock, address = self._listener.accept()
-            except OSError:
-                return  # listener closed
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            stream = FrameStream(sock, peer=f"{address[0]}:{address[1]}")
+            except OSError as exc:
+                if self._closed or exc.errno not in _OUT_OF_RESOURCES:
+                    return  # listener closed
+                self._shed(exc)
+                continue
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                tune_socket(sock, self._keepalive_s, self._timeout_s)
+                stream = FrameStream(sock, peer=f"{address[0]}:{address[1]}", max_frame=HELLO_FRAME)
+            except OSError as exc:  # EMFILE on the dup: shed this one
+                sock.close()
+                _log.warning("peer port: cannot serve %s:%s: %s", address[0], address[1], exc)
+                continue
             thread = threading.Thread(target=self._serve, args=(stream,), name=f"hmc-peer-{address[1]}", daemon=True)
             with self._lock:
+                if not self._admit():
+                    _log.warning("peer port: %d connections already served; refusing %s:%s", len(self._streams), address[0], address[1])
+                    stream.close()
+                    continue
                 self._streams.add(stream)
+                self._pending_auth[stream] = None
                 self._threads = [t for t in self._threads if t.is_alive()]
                 self._threads.append(thread)
             thread.start()
 
+    def _admit(self) -> bool:
+        """Room for one more connection (under `_lock`): at the bound, the oldest one without a proof is dropped."""
+        if len(self._streams) < self.max_connections:
+            return True
+        if not self._pending_auth:
+            return False
+        oldest, _ = self._pending_auth.popitem(last=False)
+        oldest.shutdown()  # its thread ends and forgets it
+        self._streams.discard(oldest)
+        return True
+
+    def _shed(self, exc: OSError) -> None:
+        """Out of descriptors: give the spare one up to accept and close a waiting connection (so its peer is told at
+        once rather than left hanging), then wait a little for a served connection to end."""
+        _log.warning("peer port: %s; shedding a connection", exc)
+        if self._spare is not None:
+            os.close(self._spare)
+            self._spare = None
+            with contextlib.suppress(OSError):
+                self._listener.accept()[0].close()
+            self._spare = _open_spare()
+        with self._lock:
+            if not self._closed:
+                self._freed.wait(_SHED_WAIT_S)
+
+    def _authenticate(self, stream: FrameStream, auth: peer_pb2.Auth) -> None:
+        """The initiator's proof of one buffer's key (any error refuses the connection)."""
+        self._buffers.get(auth.buffer_id, prove=stream.proof, proof=auth.key_proof)
+        with self._lock:
+            self._pending_auth.pop(stream, None)
+
     def _serve(self, stream: FrameStream) -> None:
         try:
-            hello = accept_handshake(stream, self._info(), time.monotonic() + _HANDSHAKE_S)
+            hello = accept_handshake(stream, self._info(), time.monotonic() + _HANDSHAKE_S, self._authenticate)
             if hello.channel == peer_pb2.PeerHello.CHANNEL_CONTROL:
                 self._serve_control(stream, hello.agent)
             elif hello.channel == peer_pb2.PeerHello.CHANNEL_DATA:
                 self._serve_data(stream)
             else:
                 raise ProtocolError(f"unknown channel {hello.channel} in hello")
-        except ProtocolError as exc:
+        except (ProtocolError, AccessDeniedError) as exc:
             with contextlib.suppress(HMCError):
                 stream.send(peer_pb2.PeerFrame(reply=error_reply(exc)), deadline=time.monotonic() + 1.0)
         except HMCError as exc:
@@ -113,6 +201,8 @@ class PeerServer:
             stream.close()
             with self._lock:
                 self._streams.discard(stream)
+                self._pending_auth.pop(stream, None)
+                self._freed.notify_all()
 
     # -- control ----------------------------------------------------------------
 
@@ -125,14 +215,14 @@ class PeerServer:
                 assert channel is not None
                 return self._open(frame.open, channel)
             if kind == "notify":
-                return self._notify(frame.notify, peer.id)
+                return self._notify(frame.notify, peer.id, stream)
             raise ProtocolError(f"{kind or 'empty frame'} is not a control request")
 
         channel = Channel(stream, handler, name=threading.current_thread().name, on_close=self._forget_channel)
         channel.run()
 
     def _open(self, request: peer_pb2.OpenBuffer, channel: Channel) -> peer_pb2.PeerReply:
-        buffer = self._buffers.get(request.buffer_id, request.access_key)
+        buffer = self._buffers.get(request.buffer_id, prove=channel.stream.proof, proof=request.key_proof)
         if request.path != "ipc":
             raise UnsupportedError(f"buffer {buffer.id} cannot be opened for path {request.path!r}")
         handles = _grant_handles(buffer)
@@ -141,8 +231,8 @@ class PeerServer:
         grant = peer_pb2.BufferGrant(buffer_id=buffer.id, size=buffer.size, handles=handles, read_only=buffer.region.readonly)
         return peer_pb2.PeerReply(grant=grant)
 
-    def _notify(self, request: peer_pb2.Notify, sender: str) -> peer_pb2.PeerReply:
-        self._buffers.get(request.buffer_id, request.access_key)
+    def _notify(self, request: peer_pb2.Notify, sender: str, stream: FrameStream) -> peer_pb2.PeerReply:
+        self._buffers.get(request.buffer_id, prove=stream.proof, proof=request.key_proof)
         self._inbox.deliver(Notification(request.buffer_id, request.transfer_id, request.payload, sender))
         return peer_pb2.PeerReply()
 
@@ -159,8 +249,16 @@ class PeerServer:
         for channel in holders:
             try:
                 channel.request(frame, deadline)
-            except HMCError as exc:  # a dead or slow peer cannot use the buffer any more either way
-                _log.debug("withdrawn %s not acknowledged by %s: %s", buffer_id, channel.name, exc)
+            except HMCError as exc:  # cut it: a peer whose channel breaks drops every grant it holds from this agent
+                _log.info("withdrawn %s not acknowledged by %s (%s): connection cut", buffer_id, channel.name, exc)
+                channel.stream.abort()
+
+    def cut(self, buffer_id: str) -> int:
+        """Abort every connection whose receive still writes into `buffer_id`; how many were cut."""
+        holders = [holder for holder in self._buffers.holders(buffer_id) if isinstance(holder, FrameStream)]
+        for stream in holders:
+            stream.abort()
+        return len(holders)
 
     # -- data -------------------------------------------------------------------
 
@@ -168,25 +266,35 @@ class PeerServer:
         segments = OwnerSegments(stream)  # device memory's copies: shared ring slots (same host), bounce slots (between hosts)
         bounce = BounceSlots()
         try:
-            self._serve_frames(stream, segments, bounce)
+            self._serve_frames(stream, segments, bounce, _Expiry(self._timeout_s))
         finally:
             segments.close()
             bounce.close()
 
-    def _serve_frames(self, stream: FrameStream, segments: OwnerSegments, bounce: BounceSlots) -> None:
+    def _serve_frames(self, stream: FrameStream, segments: OwnerSegments, bounce: BounceSlots, expiry: _Expiry) -> None:
         while True:
             frame = stream.recv()
             kind = frame.WhichOneof("kind")
+            request = frame.write if kind == "write" else frame.read if kind == "read" else None
+            if request is not None:
+                deadline = expiry.deadline(request.transfer_id, request.expires_ms)
+                if deadline < time.monotonic():  # its transfer has ended: nothing of it is written or read any more
+                    late = TimeoutError(f"transfer {request.transfer_id} is past its deadline; frame dropped")
+                    if kind == "write" and not request.HasField("shm"):
+                        stream.discard(_Side(request.ranges, "dst_offsets").total, time.monotonic() + self._timeout_s)
+                    segments.drain()
+                    stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=error_reply(late)))
+                    continue
             if kind == "write" and frame.write.HasField("shm"):
-                self._shm_copy(frame.request_id, frame.write, "dst_offsets", segments, write=True)
+                self._shm_copy(stream, frame.request_id, frame.write, "dst_offsets", segments, write=True)
                 continue
             if kind == "read" and frame.read.HasField("shm"):
-                self._shm_copy(frame.request_id, frame.read, "src_offsets", segments, write=False)
+                self._shm_copy(stream, frame.request_id, frame.read, "src_offsets", segments, write=False)
                 continue
             if kind == "write":
-                reply = self._receive_write(stream, frame.request_id, frame.write, segments, bounce)
+                reply = self._receive_write(stream, frame.request_id, frame.write, segments, bounce, deadline)
             elif kind == "read":
-                reply = self._send_read(stream, frame, segments, bounce)
+                reply = self._send_read(stream, frame, segments, bounce, deadline)
             else:
                 raise ProtocolError(f"{kind or 'empty frame'} is not a data request")
             if reply is None:
@@ -197,13 +305,13 @@ class PeerServer:
             else:
                 stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=reply))
 
-    def _shm_copy(self, request_id: int, request: peer_pb2.DataWrite | peer_pb2.DataRead, field: str, segments: OwnerSegments, *, write: bool) -> None:
+    def _shm_copy(self, stream: FrameStream, request_id: int, request: peer_pb2.DataWrite | peer_pb2.DataRead, field: str, segments: OwnerSegments, *, write: bool) -> None:
         """A staged chunk through a shared ring slot: queue the copy of the slot into the buffer (write) or the
         buffer into it; `segments` replies once it finished, in frame order, and releases the buffer then."""
         side = _Side(request.ranges, field)
         slot = segments.slot(request.shm, side.total)  # a malformed slot is a ProtocolError: the connection ends
         try:
-            buffer = self._buffers.acquire(request.buffer_id, request.access_key)
+            buffer = self._buffers.acquire(request.buffer_id, prove=stream.proof, proof=request.key_proof, holder=stream)
         except HMCError as exc:
             segments.reply(request_id, error_reply(exc))
             return
@@ -212,22 +320,24 @@ class PeerServer:
                 raise AccessDeniedError(f"buffer {buffer.id} is read-only")
             side.check(buffer.size)
         except HMCError as exc:
-            self._buffers.release(buffer.id)
+            self._buffers.release(buffer.id, stream)
             segments.reply(request_id, error_reply(exc))
             return
         offsets, lengths = side.lists()
-        segments.start(request_id, buffer.region, offsets, lengths, slot, to_slot=not write, release=functools.partial(self._buffers.release, buffer.id))
+        release = functools.partial(self._buffers.release, buffer.id, stream)
+        segments.start(request_id, buffer.region, offsets, lengths, slot, to_slot=not write, release=release)
 
     def _receive_write(
-        self, stream: FrameStream, request_id: int, request: peer_pb2.DataWrite, segments: OwnerSegments, bounce: BounceSlots
+        self, stream: FrameStream, request_id: int, request: peer_pb2.DataWrite, segments: OwnerSegments, bounce: BounceSlots, deadline: float
     ) -> peer_pb2.PeerReply | None:
         """Receive a write's payload into host memory (the reply to send), or into a bounce slot whose copy into
-        device memory `segments` queues and answers (None)."""
+        device memory `segments` queues and answers (None). The payload must have arrived by `deadline`, its
+        transfer's: a receive cut off there breaks the connection, and nothing lands afterwards."""
         side = _Side(request.ranges, "dst_offsets")
         buffer = None
         slot = None
         try:
-            buffer = self._buffers.acquire(request.buffer_id, request.access_key)
+            buffer = self._buffers.acquire(request.buffer_id, prove=stream.proof, proof=request.key_proof, holder=stream)
             if buffer.region.readonly:
                 raise AccessDeniedError(f"buffer {buffer.id} is read-only")
             side.check(buffer.size)
@@ -235,18 +345,18 @@ class PeerServer:
                 slot = _bounce_slot(bounce, side.total)
         except HMCError as exc:
             if buffer is not None:
-                self._buffers.release(buffer.id)
-            stream.discard(side.total)
+                self._buffers.release(buffer.id, stream)
+            stream.discard(side.total, deadline)
             return error_reply(exc)
         if slot is None:
             try:
-                stream.recv_into(side.views(buffer.view))
+                stream.recv_into(side.views(buffer.view), deadline)
             finally:
-                self._buffers.release(buffer.id)
+                self._buffers.release(buffer.id, stream)
             return _OK
-        release = _releaser(self._buffers, buffer.id, bounce, slot)
+        release = _releaser(self._buffers, buffer.id, bounce, slot, stream)
         try:
-            stream.recv_into([slot.view(0, side.total)], time.monotonic() + BOUNCE_WAIT_S)
+            stream.recv_into([slot.view(0, side.total)], min(deadline, time.monotonic() + BOUNCE_WAIT_S))
         except BaseException:
             release()
             raise
@@ -254,38 +364,46 @@ class PeerServer:
         segments.start(request_id, buffer.region, offsets, lengths, slot.address, to_slot=False, release=release)
         return None
 
-    def _send_read(self, stream: FrameStream, frame: peer_pb2.PeerFrame, segments: OwnerSegments, bounce: BounceSlots) -> peer_pb2.PeerReply | None:
-        """Send a read's reply and payload straight from host memory, or queue device memory's copy into a bounce
-        slot that `segments` sends once it finished; returns a refusal to send, else None."""
+    def _send_read(
+        self, stream: FrameStream, frame: peer_pb2.PeerFrame, segments: OwnerSegments, bounce: BounceSlots, deadline: float
+    ) -> peer_pb2.PeerReply | None:
+        """Send a read's reply and payload straight from host memory (by `deadline`), or queue device memory's copy
+        into a bounce slot that `segments` sends once it finished; returns a refusal to send, else None."""
         side = _Side(frame.read.ranges, "src_offsets")
         try:
-            buffer = self._buffers.acquire(frame.read.buffer_id, frame.read.access_key)
+            buffer = self._buffers.acquire(frame.read.buffer_id, prove=stream.proof, proof=frame.read.key_proof, holder=stream)
         except HMCError as exc:
             return error_reply(exc)
         try:
             side.check(buffer.size)
             slot = _bounce_slot(bounce, side.total) if buffer.region.kind in _BOUNCED else None
         except HMCError as exc:
-            self._buffers.release(buffer.id)
+            self._buffers.release(buffer.id, stream)
             return error_reply(exc)
         if slot is not None:
             offsets, lengths = side.lists()
-            release = _releaser(self._buffers, buffer.id, bounce, slot)
+            release = _releaser(self._buffers, buffer.id, bounce, slot, stream)
             segments.start(frame.request_id, buffer.region, offsets, lengths, slot.address, to_slot=True, release=release, payload=slot.view(0, side.total))
             return None
         try:
             segments.drain()  # replies go out in frame order
             reply = peer_pb2.PeerReply(payload_bytes=side.total)
-            stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=reply), side.views(buffer.view))
+            stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=reply), side.views(buffer.view), deadline)
         finally:
-            self._buffers.release(buffer.id)
+            self._buffers.release(buffer.id, stream)
         return None
 
     def close(self) -> None:
         """Stop accepting, break every connection, join the threads (bounded); idempotent."""
+        with self._lock:
+            self._closed = True
+            self._freed.notify_all()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
+        if self._spare is not None:
+            os.close(self._spare)
+            self._spare = None
         with self._lock:
             streams, threads = list(self._streams), list(self._threads)
         for stream in streams:
@@ -301,16 +419,49 @@ def _bounce_slot(bounce: BounceSlots, nbytes: int) -> PinnedMapping:
     return bounce.take(time.monotonic() + BOUNCE_WAIT_S)
 
 
-def _releaser(buffers: BufferTable, buffer_id: str, bounce: BounceSlots, slot: PinnedMapping) -> Callable[[], None]:
+def _releaser(buffers: BufferTable, buffer_id: str, bounce: BounceSlots, slot: PinnedMapping, holder: FrameStream) -> Callable[[], None]:
     """What runs once a bounced chunk is answered: the slot is given back and the buffer released."""
 
     def release() -> None:
         try:
             bounce.give(slot)
         finally:
-            buffers.release(buffer_id)
+            buffers.release(buffer_id, holder)
 
     return release
+
+
+def _open_spare() -> int | None:
+    try:
+        return os.open(os.devnull, os.O_RDONLY)
+    except OSError:
+        return None
+
+
+_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+class _Expiry:
+    """A data connection's record of its transfers' deadlines, as first seen here (see the module's "Deadlines")."""
+
+    __slots__ = ("_default_s", "_deadlines")
+
+    def __init__(self, default_s: float) -> None:
+        self._default_s = default_s
+        self._deadlines: dict[str, float] = {}
+
+    def deadline(self, transfer_id: str, expires_ms: int) -> float:
+        """The monotonic deadline of `transfer_id`'s frames (a frame without one gets the agent's default budget)."""
+        now = time.monotonic()
+        budget = expires_ms / 1000 if expires_ms else self._default_s
+        if not transfer_id:
+            return now + budget
+        known = self._deadlines.get(transfer_id)
+        if known is None:
+            if len(self._deadlines) >= _EXPECTED_MAX:
+                self._deadlines = {tid: when for tid, when in self._deadlines.items() if when >= now}
+            known = self._deadlines[transfer_id] = now + budget
+        return known
 
 
 def _grant_handles(buffer: ConnBuffer) -> common_pb2.TransportHandles:

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 
 from hmc.errors import CancelledError, HMCError, TimeoutError
+from hmc.transport._ranges import check_timeout
 from hmc.v1 import common_pb2
 
 __all__ = ["Notification", "NotificationInbox", "NotifyStep", "TransferHandle", "TransferState"]
@@ -162,7 +163,13 @@ class TransferHandle:
         return self.state in _FINAL
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until finished; raise the transfer's typed error, or TimeoutError (see module doc)."""
+        """Block until finished; raise the transfer's typed error, or TimeoutError (see module doc).
+
+        `timeout` is None or seconds as `hmc.transport._ranges.check_timeout` takes them
+        (finite, in (0, 1e6]); anything else raises ArgumentError and the transfer runs on.
+        """
+        if timeout is not None:
+            timeout = check_timeout(timeout)
         latch = self._latch
         if latch is not None:
             now = time.monotonic()
@@ -195,10 +202,11 @@ class TransferHandle:
         self._drive = drive
 
     def _stop(self, error: BaseException, state: TransferState) -> None:
-        if self._settle(error, state):
-            hook, self.on_cancel = self.on_cancel, None
-            if hook is not None:
-                hook()
+        hook = self.on_cancel
+        if hook is not None and self.state not in _FINAL:
+            self.on_cancel = None
+            hook()  # the transport stops the transfer (nothing of it lands afterwards) before its end is visible
+        self._settle(error, state)
 
     # -- Completion protocol (called by transports) --------------------------------
 
@@ -279,6 +287,14 @@ class NotifyStep:
 
     def drive_with(self, drive: Callable[[float], None]) -> None:
         self.handle.drive_with(drive)
+
+    @property
+    def on_cancel(self) -> Callable[[], None] | None:
+        return self.handle.on_cancel
+
+    @on_cancel.setter
+    def on_cancel(self, hook: Callable[[], None] | None) -> None:
+        self.handle.on_cancel = hook
 
     def finish(self, error: BaseException | None = None) -> None:
         if error is not None or self.handle.cancelled:

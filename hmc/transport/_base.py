@@ -99,6 +99,10 @@ class Completion(Protocol):
     @property
     def cancelled(self) -> bool: ...
 
+    on_cancel: Callable[[], None] | None
+    """Set by a transport that must stop writing when the transfer is cancelled or expires: it runs once,
+    before the end is reported, and returns only when nothing of the transfer can land any more."""
+
 
 @dataclasses.dataclass(frozen=True)
 class TransferRequest:

@@ -114,15 +114,43 @@ class _Grant:
             time.sleep(0.0002)
 
 
+class _Running:
+    """The copies of one request still running; the handle's cancel hook stops them and waits for them to return,
+    so nothing of a transfer that has ended lands afterwards (a syscall in progress finishes first)."""
+
+    __slots__ = ("cond", "count", "stopped")
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()  # guards count
+        self.count = 0
+        self.stopped = False
+
+    def enter(self) -> None:
+        with self.cond:
+            self.count += 1
+
+    def exit(self) -> None:
+        with self.cond:
+            self.count -= 1
+            self.cond.notify_all()
+
+    def stop(self) -> None:
+        self.stopped = True
+        with self.cond:
+            self.cond.wait_for(lambda: self.count == 0, _STOP_WAIT_S)
+
+
+_STOP_WAIT_S = 5.0
+"""Bound on how long a cancel waits for a running copy to return (one syscall of at most a part's bytes)."""
 _FEW = 16
 """Up to this many ranges, iovecs are packed from Python ints with struct: numpy's fixed costs exceed the whole job."""
 _IOV_STRUCTS = [struct.Struct(f"={2 * n}Q") for n in range(_FEW + 1)]
 
 
-def _copy_few(call: Any, pid: int, local: list[int], remote: list[int], lengths: list[int], request: TransferRequest) -> bool:
+def _copy_few(call: Any, pid: int, local: list[int], remote: list[int], lengths: list[int], request: TransferRequest, running: _Running) -> bool:
     """`_copy_iovecs` for at most `_FEW` ranges (addresses and lengths as lists, consumed)."""
     while True:
-        if request.completion.cancelled or time.monotonic() > request.deadline:
+        if running.stopped or request.completion.cancelled or time.monotonic() > request.deadline:
             return False
         count = len(lengths)
         if count == 1:
@@ -168,7 +196,7 @@ def _widen(rows: np.ndarray, first: int, last: int, saved: tuple[int, int, int])
     rows[first, 0], rows[first, 1] = saved[0], saved[1]
 
 
-def _copy_iovecs(call: Any, pid: int, local: np.ndarray, remote: np.ndarray, request: TransferRequest) -> bool:
+def _copy_iovecs(call: Any, pid: int, local: np.ndarray, remote: np.ndarray, request: TransferRequest, running: _Running) -> bool:
     """Copy the bytes of `local` iovec rows to/from `remote` rows (same total, any entry counts).
 
     Each call takes at most IOV_MAX entries per side, cut at a byte boundary both
@@ -181,7 +209,7 @@ def _copy_iovecs(call: Any, pid: int, local: np.ndarray, remote: np.ndarray, req
     local_at, remote_at = local.ctypes.data, remote.ctypes.data
     done = li = ri = 0
     while done < total:
-        if request.completion.cancelled or time.monotonic() > request.deadline:
+        if running.stopped or request.completion.cancelled or time.monotonic() > request.deadline:
             return False
         stop = min(int(local_ends[min(li + IOV_MAX, local_ends.size) - 1]), int(remote_ends[min(ri + IOV_MAX, remote_ends.size) - 1]))
         lj = int(np.searchsorted(local_ends, stop, side="left"))
@@ -314,16 +342,18 @@ class IpcTransport(Transport):
             request.completion.finish(exc)
             return
         request.completion.set_running()
+        running = _Running()
+        request.completion.on_cancel = running.stop
         ranges, total = request.ranges, request.ranges.total
         ordered = ranges if ranges.lengths.size <= _FEW or _same_memory(request.local, grant) else _remote_order(ranges, request.op)
         if ordered is not None:
             ranges = ordered
         if total <= self._inline_bytes or self._threads == 1:
-            self._run(request, grant, ranges)
+            self._run(request, grant, ranges, running)
             return
         count = 1 if ordered is None else max(1, min(self._threads, total // _PART_MIN))
         if count == 1:  # one thread; the given order when destination ranges overlap
-            self._executor().submit(self._run, request, grant, ranges)
+            self._executor().submit(self._run, request, grant, ranges, running)
             return
         parts = ranges.chunks(-(-total // count))
         remaining = [len(parts)]
@@ -333,28 +363,31 @@ class IpcTransport(Transport):
             with lock:
                 remaining[0] -= 1
                 last = remaining[0] == 0
-            if last:
+            if last and not running.stopped:  # a stopped request's handle reports its own end
                 request.completion.finish()
 
         pool = self._executor()
         for part in parts:
-            pool.submit(self._run_part, request, grant, part).add_done_callback(part_done)
+            pool.submit(self._run_part, request, grant, part, running).add_done_callback(part_done)
 
-    def _run_part(self, request: TransferRequest, grant: _Grant, ranges: RangeList) -> None:
+    def _run_part(self, request: TransferRequest, grant: _Grant, ranges: RangeList, running: _Running) -> None:
         try:
-            self._copy(request, grant, ranges)
+            self._copy(request, grant, ranges, running)
         except HMCError as exc:
-            request.completion.finish(exc)
+            if not running.stopped:
+                request.completion.finish(exc)
 
-    def _run(self, request: TransferRequest, grant: _Grant, ranges: RangeList) -> None:
+    def _run(self, request: TransferRequest, grant: _Grant, ranges: RangeList, running: _Running) -> None:
         try:
-            self._copy(request, grant, ranges)
+            self._copy(request, grant, ranges, running)
         except HMCError as exc:
-            request.completion.finish(exc)
+            if not running.stopped:
+                request.completion.finish(exc)
             return
-        request.completion.finish()
+        if not running.stopped:  # a stopped request's handle reports its own end
+            request.completion.finish()
 
-    def _copy(self, request: TransferRequest, grant: _Grant, ranges: RangeList) -> None:
+    def _copy(self, request: TransferRequest, grant: _Grant, ranges: RangeList, running: _Running) -> None:
         """Copy `ranges` on this thread (the agent checked and coalesced them)."""
         local_base = request.local.region.address
         if request.op is TransferOp.WRITE:
@@ -366,9 +399,11 @@ class IpcTransport(Transport):
             local_few = [local_base + o for o in local_offsets.tolist()]
             remote_few = [grant.address + o for o in remote_offsets.tolist()]
             grant.enter()
+            running.enter()
             try:
-                complete = _copy_few(call, grant.pid, local_few, remote_few, few, request)
+                complete = _copy_few(call, grant.pid, local_few, remote_few, few, request, running)
             finally:
+                running.exit()
                 grant.inflight.pop()
             if not complete and not request.completion.cancelled:
                 raise TimeoutError("ipc transfer missed its deadline")
@@ -377,11 +412,13 @@ class IpcTransport(Transport):
         local = iovec_rows(local_offsets + local_base, ranges.lengths)
         remote = iovec_rows(remote_offsets + grant.address, ranges.lengths)
         grant.enter()
+        running.enter()
         try:
-            complete = _copy_iovecs(call, grant.pid, local, remote, request)
+            complete = _copy_iovecs(call, grant.pid, local, remote, request, running)
         finally:
+            running.exit()
             grant.inflight.pop()
-        if not complete and not request.completion.cancelled:
+        if not complete and not (request.completion.cancelled or running.stopped):
             raise TimeoutError("ipc transfer missed its deadline")
         request.completion.add_bytes(ranges.total)
 

@@ -30,16 +30,24 @@ all busy uses the streams instead. Once a pair has moved one range this way,
 the agent's fast path (`inline()`) sends later single ranges without building
 range lists, requests or handles (it waits for a free connection instead).
 
-Deadlines and failures: a transfer's deadline is enforced by its handle; a
-stream is torn down only when the connection breaks or makes no progress for
-`stall_s`, because one transfer expiring must not fail the others queued
-behind it. A torn-down stream fails every chunk queued or in flight on it and
-is replaced on the next transfer. Chunks of a transfer that already expired or
-was cancelled are skipped, and read payloads for it are discarded, never
-written into user memory.
+Deadlines and failures. A transfer that has ended never writes another byte.
+Every frame names its transfer and what was left of its deadline when sent
+(the owner drops frames of transfers past their deadline and stops receiving a
+payload at it). A stream is torn down when the connection breaks or makes no
+progress for `stall_s`; when a transfer expires or is cancelled while chunks of
+it are in flight, the streams carrying them are aborted (`FrameStream.abort`:
+RST, the kernel drops what it still held to send, lent pages included; a read
+payload being received is cut off) before the handle reports the end, and the
+other transfers' chunks on those streams fail with BrokenResourceError (their
+callers may retry: nothing of theirs is half-acknowledged). Queued chunks of an
+ended transfer are skipped. A torn-down stream fails every chunk queued or in
+flight on it and is replaced on the next transfer.
 
 Deadlines hold for small transfers too: a round trip that misses its deadline
-(or fails in any way but a typed refusal from the owner) drops its connection.
+(or fails in any way but a typed refusal from the owner) aborts its connection.
+
+Frames stay within what the owner accepts (`MAX_FRAME`): a chunk carries at
+most `_FRAME_RANGES` ranges, so batches of any size go through.
 
 Concurrency: `post()` runs on the caller's thread (it may open connections
 within the request's deadline) and only enqueues, except for small transfers,
@@ -68,7 +76,7 @@ from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, 
 from hmc.transport._ranges import RangeList, iovec_rows
 from hmc.transport._staged_shm import ShmStaging, same_host
 from hmc.transport._staged_tcp_ring import TcpRingStaging
-from hmc.transport._wire import FrameStream, raise_for_reply
+from hmc.transport._wire import FrameStream, expires_ms, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
 __all__ = ["StagedTransport"]
@@ -81,22 +89,37 @@ _ROUND_TRIP_CONNECTIONS = 4
 _STREAM_CHUNK_MAX = 64 << 20
 """Cap on the one-chunk-per-stream cut of large transfers: progress (and a failure's loss) moves in
 steps of at most this much, at no cost in speed (64 MiB chunks moved 256 MiB as fast as 256 MiB ones)."""
+_FRAME_RANGES = 1 << 20
+"""Most ranges in one chunk's frame (16 MiB of offsets and lengths, well inside MAX_FRAME)."""
 _JOIN_S = 2.0
+_LANDING_S = 2.0
+"""How long an abort waits for a read payload's receive to let go of user memory (it is woken at once)."""
 _I64 = struct.Struct("<q")
 _HOST_KINDS = (common_pb2.DEVICE_KIND_UNSPECIFIED, common_pb2.DEVICE_KIND_HOST)
 
-Connect = Callable[[common_pb2.AgentInfo, float], FrameStream]
+Connect = Callable[[common_pb2.BufferDescriptor, float], FrameStream]
+"""Opens an authenticated data connection to the owner of a buffer (proving that buffer's key)."""
 
 
 class _Transfer:
-    """Counts one request's chunks down to completion."""
+    """Counts one request's chunks down to completion; aborts the streams carrying them when it ends early."""
 
-    __slots__ = ("left", "lock", "request")
+    __slots__ = ("aborted", "left", "lock", "request", "streams")
 
     def __init__(self, request: TransferRequest, chunks: int) -> None:
         self.request = request
         self.left = chunks
         self.lock = threading.Lock()  # guards `left`
+        self.aborted = False
+        """Set once the transfer ended early: its chunks are not sent any more (read under each stream's lock)."""
+        self.streams: list[_Stream] = []
+        """The streams its chunks were dealt to."""
+
+    def abort(self) -> None:
+        """The handle's cancel hook: no chunk of this transfer is sent or lands after this returns."""
+        self.aborted = True
+        for stream in self.streams:
+            stream.abort_if_carrying(self)
 
     def chunk_done(self, nbytes: int) -> None:
         completion = self.request.completion
@@ -119,8 +142,8 @@ class _Chunk:
     def local_views(self, local_offsets: Any) -> list[memoryview]:
         return _views(self.transfer.request, local_offsets, self.ranges.lengths)
 
-    def frame(self) -> peer_pb2.PeerFrame:
-        return _frame(self.transfer.request, self.ranges)
+    def frame(self, stream: FrameStream) -> peer_pb2.PeerFrame:
+        return _frame(self.transfer.request, self.ranges, stream)
 
     def payload_rows(self) -> np.ndarray | None:
         """A WRITE's payload as iovec rows, to lend: its source stays unchanged until the owner replied."""
@@ -135,15 +158,16 @@ def _views(request: TransferRequest, local_offsets: Any, lengths: Any) -> list[m
     return [view[o : o + n] for o, n in zip(local_offsets.tolist(), lengths.tolist())]
 
 
-def _frame(request: TransferRequest, ranges: RangeList) -> peer_pb2.PeerFrame:
-    """The DataWrite or DataRead asking for `ranges` of the request (a write's payload goes after it)."""
+def _frame(request: TransferRequest, ranges: RangeList, stream: FrameStream) -> peer_pb2.PeerFrame:
+    """The DataWrite or DataRead asking for `ranges` of the request on `stream` (a write's payload goes after it)."""
     lengths = ranges.lengths.tobytes()
     remote = request.remote
+    proof, tid, expires = stream.proof(remote.access_key), request.transfer_id, expires_ms(request.deadline)
     if request.op is TransferOp.WRITE:
         wire = common_pb2.RangeList(dst_offsets=ranges.dst.tobytes(), lengths=lengths)
-        return peer_pb2.PeerFrame(write=peer_pb2.DataWrite(buffer_id=remote.id, access_key=remote.access_key, ranges=wire))
+        return peer_pb2.PeerFrame(write=peer_pb2.DataWrite(buffer_id=remote.id, key_proof=proof, ranges=wire, transfer_id=tid, expires_ms=expires))
     wire = common_pb2.RangeList(src_offsets=ranges.src.tobytes(), lengths=lengths)
-    return peer_pb2.PeerFrame(read=peer_pb2.DataRead(buffer_id=remote.id, access_key=remote.access_key, ranges=wire))
+    return peer_pb2.PeerFrame(read=peer_pb2.DataRead(buffer_id=remote.id, key_proof=proof, ranges=wire, transfer_id=tid, expires_ms=expires))
 
 
 def _round_trip(stream: FrameStream, request: TransferRequest) -> peer_pb2.PeerReply:
@@ -152,7 +176,7 @@ def _round_trip(stream: FrameStream, request: TransferRequest) -> peer_pb2.PeerR
     write = request.op is TransferOp.WRITE
     payload = _views(request, ranges.src, ranges.lengths) if write else []
     into = None if write else _views(request, ranges.dst, ranges.lengths)
-    return _exchange(stream, _frame(request, ranges), payload, into, ranges.total, request.deadline)
+    return _exchange(stream, _frame(request, ranges, stream), payload, into, ranges.total, request.deadline)
 
 
 def _exchange(
@@ -171,6 +195,18 @@ def _exchange(
     return reply
 
 
+def _within_frames(chunks: list[RangeList]) -> list[RangeList]:
+    """`chunks` with any of more than `_FRAME_RANGES` ranges cut, so that every frame fits what the owner accepts."""
+    if all(len(chunk) <= _FRAME_RANGES for chunk in chunks):
+        return chunks
+    out = []
+    for chunk in chunks:
+        for start in range(0, len(chunk), _FRAME_RANGES):
+            end = start + _FRAME_RANGES
+            out.append(RangeList(chunk.src[start:end], chunk.dst[start:end], chunk.lengths[start:end]))
+    return out
+
+
 def _stream_error(exc: HMCError) -> HMCError:
     """What a caller sees of a failed data connection (the connection is dropped)."""
     return exc if isinstance(exc, (TimeoutError, BrokenResourceError)) else BrokenResourceError(f"data connection failed: {exc}")
@@ -186,6 +222,8 @@ class _Stream:
         self._lock = threading.Lock()  # guards _alive, _running, and _queue/_sent against failure draining
         self._order = threading.Lock()  # held across "record as sent" + send, so replies match _sent's order
         self._alive = True
+        self._landing = threading.Lock()  # held while a read payload is received into user memory (an abort waits for it)
+        self._receiving: _Chunk | None = None  # the chunk whose read payload is being received (under _lock)
         self._running = 2  # threads still using the socket; the last one out closes it
         self._queue: queue.SimpleQueue[_Chunk | None] = queue.SimpleQueue()
         self._sent: collections.deque[_Chunk] = collections.deque()
@@ -234,10 +272,12 @@ class _Stream:
                 return
 
     def _send(self, chunk: _Chunk) -> HMCError | None:
-        frame = chunk.frame()
+        frame = chunk.frame(self._stream)
         with self._order:
             chunk.sent_at = time.monotonic()
             with self._lock:
+                if chunk.transfer.aborted:  # ended meanwhile: never sent (an abort checks _sent under this lock)
+                    return None
                 self._sent.append(chunk)
             try:
                 self._stream.send(frame, deadline=chunk.sent_at + self._stall_s, lend=chunk.payload_rows())
@@ -281,13 +321,35 @@ class _Stream:
         if request.op is TransferOp.READ:
             if frame.reply.payload_bytes != chunk.ranges.total:
                 raise ProtocolError(f"peer announced {frame.reply.payload_bytes} bytes for a {chunk.ranges.total}-byte read")
-            if request.completion.cancelled:
-                self._stream.discard(chunk.ranges.total, time.monotonic() + self._stall_s)
-                return
-            self._stream.recv_into(chunk.local_views(chunk.ranges.dst), time.monotonic() + self._stall_s)
+            deadline = min(request.deadline, time.monotonic() + self._stall_s)
+            with self._landing:
+                with self._lock:
+                    landing = not chunk.transfer.aborted and not request.completion.cancelled
+                    self._receiving = chunk if landing else None
+                try:
+                    if landing:
+                        self._stream.recv_into(chunk.local_views(chunk.ranges.dst), deadline)
+                    else:
+                        self._stream.discard(chunk.ranges.total, deadline)
+                        return
+                finally:
+                    self._receiving = None
         chunk.transfer.chunk_done(chunk.ranges.total)
 
+    def abort_if_carrying(self, transfer: _Transfer) -> None:
+        """Abort this stream if a chunk of `transfer` is in flight on it (sent and not answered, or its read payload
+        being received); returns once no byte of it can land."""
+        with self._lock:
+            carrying = any(chunk.transfer is transfer for chunk in self._sent) or (
+                self._receiving is not None and self._receiving.transfer is transfer
+            )
+        if carrying:
+            self._fail(BrokenResourceError(f"data stream aborted: transfer {transfer.request.transfer_id} ended with chunks in flight"))
+
     def _fail(self, exc: HMCError) -> None:
+        self._stream.abort()  # first: nothing the kernel still holds is sent, no payload lands, before anyone hears of it
+        if self._landing.acquire(timeout=_LANDING_S):  # a read payload's receive was woken: wait until it let go
+            self._landing.release()
         with self._lock:
             first = self._alive
             self._alive = False
@@ -303,16 +365,13 @@ class _Stream:
             self._queue.put(None)  # wake the sender so it exits
         error = exc if isinstance(exc, (TimeoutError, BrokenResourceError)) else BrokenResourceError(f"data stream failed: {exc}")
         for chunk in doomed:
-            chunk.transfer.request.completion.finish(error)
-        self._stream.shutdown()
+            if not chunk.transfer.aborted:  # an aborted transfer's handle reports its own end (timeout, cancel)
+                chunk.transfer.request.completion.finish(error)
         if first:
             self._on_broken(self)
 
     def close(self) -> None:
-        with self._lock:
-            self._alive = False
-            self._queue.put(None)
-        self._stream.shutdown()
+        self._fail(BrokenResourceError("the staged path was closed"))
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(_JOIN_S)
@@ -372,29 +431,34 @@ class StagedTransport(Transport):
         if total <= self._round_trip_bytes and self._round_trip(request):
             return
         try:
-            streams, first = self._streams_for(request.remote.owner, request.deadline)
+            streams, first = self._streams_for(request.remote, request.deadline)
         except HMCError as exc:
             request.completion.finish(exc)
             return
-        chunks = request.ranges.chunks(max(self._chunk_bytes, min(-(-total // len(streams)), _STREAM_CHUNK_MAX)))
+        chunks = _within_frames(request.ranges.chunks(max(self._chunk_bytes, min(-(-total // len(streams)), _STREAM_CHUNK_MAX))))
         request.completion.set_running()
         transfer = _Transfer(request, len(chunks))
+        request.completion.on_cancel = transfer.abort
         for index, ranges in enumerate(chunks):
             chunk = _Chunk(transfer, ranges)
             stream = streams[(first + index) % len(streams)]
+            if stream not in transfer.streams:
+                transfer.streams.append(stream)
             while not stream.put(chunk):
                 try:  # a stream died since we listed them: list again, opening replacements
-                    streams, first = self._streams_for(request.remote.owner, request.deadline)
+                    streams, first = self._streams_for(request.remote, request.deadline)
                 except HMCError as exc:
                     request.completion.finish(exc)
                     return
                 stream = streams[(first + index) % len(streams)]
+                if stream not in transfer.streams:
+                    transfer.streams.append(stream)
 
     def _round_trip(self, request: TransferRequest) -> bool:
         """Run a small transfer on this thread over an idle round-trip connection; False when none is free."""
         owner = request.remote.owner
         try:
-            taken = self._take_connection(owner, request.deadline)
+            taken = self._take_connection(request.remote, request.deadline)
         except HMCError as exc:
             request.completion.finish(exc)
             return True
@@ -417,8 +481,9 @@ class StagedTransport(Transport):
         request.completion.finish()
         return True
 
-    def _take_connection(self, owner: common_pb2.AgentInfo, deadline: float, *, wait: bool = False) -> tuple[_Pipe, FrameStream] | None:
-        """An idle round-trip connection to `owner`, a new one, or (all busy) None or, with `wait`, the first freed."""
+    def _take_connection(self, remote: common_pb2.BufferDescriptor, deadline: float, *, wait: bool = False) -> tuple[_Pipe, FrameStream] | None:
+        """An idle round-trip connection to `remote`'s owner, a new one, or (all busy) None or, with `wait`, the first freed."""
+        owner = remote.owner
         with self._freed:
             pipe = self._pipes.setdefault(owner.id, _Pipe())
             while not pipe.idle and pipe.round_trips >= _ROUND_TRIP_CONNECTIONS:
@@ -431,7 +496,7 @@ class StagedTransport(Transport):
                 return pipe, pipe.idle.pop()
             pipe.round_trips += 1
         try:
-            return pipe, self._connect(owner, deadline)
+            return pipe, self._connect(remote, deadline)
         except BaseException:
             with self._freed:
                 pipe.round_trips -= 1
@@ -447,6 +512,8 @@ class StagedTransport(Transport):
                 pipe.round_trips -= 1
             self._freed.notify()
         if not keep:
+            if broken:
+                stream.abort()  # a failed round trip's bytes never leave late
             stream.close()
 
     def inline(self, local: Any, remote: common_pb2.BufferDescriptor) -> InlineCopy | None:
@@ -456,9 +523,12 @@ class StagedTransport(Transport):
         owner, view, buffer_id, key = remote.owner, local.view, remote.id, remote.access_key
         pack = _I64.pack
 
-        def run(frame: peer_pb2.PeerFrame, payload: list[memoryview], into: list[memoryview] | None, nbytes: int) -> None:
+        def run(message: Any, payload: list[memoryview], into: list[memoryview] | None, nbytes: int) -> None:
             deadline = time.monotonic() + self._stall_s
-            pipe, stream = self._take_connection(owner, deadline, wait=True)  # type: ignore[misc]
+            pipe, stream = self._take_connection(remote, deadline, wait=True)  # type: ignore[misc]
+            message.key_proof = stream.proof(key)
+            message.expires_ms = expires_ms(deadline)
+            frame = peer_pb2.PeerFrame(write=message) if isinstance(message, peer_pb2.DataWrite) else peer_pb2.PeerFrame(read=message)
             try:
                 reply = _exchange(stream, frame, payload, into, nbytes, deadline)
             except HMCError as exc:
@@ -469,24 +539,23 @@ class StagedTransport(Transport):
 
         def write(local_offset: int, remote_offset: int, length: int) -> None:
             wire = common_pb2.RangeList(dst_offsets=pack(remote_offset), lengths=pack(length))
-            frame = peer_pb2.PeerFrame(write=peer_pb2.DataWrite(buffer_id=buffer_id, access_key=key, ranges=wire))
-            run(frame, [view[local_offset : local_offset + length]], None, length)
+            run(peer_pb2.DataWrite(buffer_id=buffer_id, ranges=wire), [view[local_offset : local_offset + length]], None, length)
 
         def read(local_offset: int, remote_offset: int, length: int) -> None:
             wire = common_pb2.RangeList(src_offsets=pack(remote_offset), lengths=pack(length))
-            frame = peer_pb2.PeerFrame(read=peer_pb2.DataRead(buffer_id=buffer_id, access_key=key, ranges=wire))
-            run(frame, [], [view[local_offset : local_offset + length]], length)
+            run(peer_pb2.DataRead(buffer_id=buffer_id, ranges=wire), [], [view[local_offset : local_offset + length]], length)
 
         return InlineCopy(write=write, read=read, local_size=local.size, remote_size=remote.size, max_bytes=self._round_trip_bytes, waits=True)
 
-    def _streams_for(self, owner: common_pb2.AgentInfo, deadline: float) -> tuple[list[_Stream], int]:
+    def _streams_for(self, remote: common_pb2.BufferDescriptor, deadline: float) -> tuple[list[_Stream], int]:
+        owner = remote.owner
         with self._lock:
             pipe = self._pipes.setdefault(owner.id, _Pipe())
         with pipe.opening:
             with self._lock:
                 pipe.streams = [s for s in pipe.streams if s.alive]
             while len(pipe.streams) < self._streams:
-                stream = self._open(owner, deadline, pipe)
+                stream = self._open(remote, deadline, pipe)
                 with self._lock:
                     pipe.streams.append(stream)
         with self._lock:
@@ -495,9 +564,9 @@ class StagedTransport(Transport):
             pipe.next += 1
         return streams, first
 
-    def _open(self, owner: common_pb2.AgentInfo, deadline: float, pipe: _Pipe) -> _Stream:
-        stream = self._connect(owner, deadline)
-        name = f"{owner.id[:8]}-{len(pipe.streams)}"
+    def _open(self, remote: common_pb2.BufferDescriptor, deadline: float, pipe: _Pipe) -> _Stream:
+        stream = self._connect(remote, deadline)
+        name = f"{remote.owner.id[:8]}-{len(pipe.streams)}"
 
         def broken(dead: _Stream) -> None:
             with self._lock:

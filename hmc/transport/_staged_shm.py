@@ -70,7 +70,7 @@ RING_NAME = re.compile(r"hmc-staged-[0-9a-f]{32}")
 """The names ring files have (the owner maps no other file)."""
 SLOT_BYTES = 16 << 20
 """A ring slot: the most one chunk of a staged device-memory transfer holds."""
-Connect = Callable[[common_pb2.AgentInfo, float], FrameStream]
+Connect = Callable[[common_pb2.BufferDescriptor, float], FrameStream]
 
 
 def ring_dirs() -> tuple[str, ...]:
@@ -239,7 +239,7 @@ class ShmStaging:
         try:
             if link.closed:
                 raise BrokenResourceError(f"agent {owner.id} went away")
-            self._prepare(link, owner, request.deadline)
+            self._prepare(link, request.remote, request.deadline)
             if request.op is TransferOp.WRITE:
                 self._write(link, request)
             else:
@@ -256,12 +256,12 @@ class ShmStaging:
             link.lock.release()
         request.completion.finish()
 
-    def _prepare(self, link: _Link, owner: common_pb2.AgentInfo, deadline: float) -> None:
+    def _prepare(self, link: _Link, remote: common_pb2.BufferDescriptor, deadline: float) -> None:
         if link.ring is None:
             link.ring, link.name = self._new_ring(self._slots * self._slot_bytes)
         if link.stream is None or link.stream.broken:
             link.drop_stream()
-            link.stream = self._connect(owner, deadline)
+            link.stream = self._connect(remote, deadline)
 
     def _new_ring(self, size: int) -> tuple[PinnedMapping, str]:
         """A ring the owner maps too: a new file in the ring directory, and its path (named in every hand-off)."""
@@ -306,7 +306,7 @@ class ShmStaging:
                     local, far, lengths = chunks[started]
                     slot = started % self._slots
                     wait = self._copier.start(region, local, lengths, ring.address + slot * self._slot_bytes, to_slot=True)
-                    write = peer_pb2.DataWrite(buffer_id=remote.id, access_key=remote.access_key, ranges=_range_list(far, lengths, "dst_offsets"))
+                    write = peer_pb2.DataWrite(buffer_id=remote.id, key_proof=stream.proof(remote.access_key), ranges=_range_list(far, lengths, "dst_offsets"), transfer_id=request.transfer_id)
                     queued.append((wait, write, slot, sum(lengths)))
                     started += 1
                 if queued:
@@ -332,7 +332,7 @@ class ShmStaging:
 
         def ask(index: int) -> None:
             _, far, lengths = chunks[index]
-            read = peer_pb2.DataRead(buffer_id=remote.id, access_key=remote.access_key, ranges=_range_list(far, lengths, "src_offsets"))
+            read = peer_pb2.DataRead(buffer_id=remote.id, key_proof=stream.proof(remote.access_key), ranges=_range_list(far, lengths, "src_offsets"), transfer_id=request.transfer_id)
             self._hand_off(link, stream, read, index % self._slots, sum(lengths), deadline)
 
         asked = min(self._slots, len(chunks))

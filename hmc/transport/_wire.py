@@ -10,6 +10,20 @@ timeout becomes `TimeoutError`, EOF and every other `OSError` become
 `BrokenResourceError`, an undecodable frame becomes `ProtocolError`, and a
 failed connect becomes `UnavailableError`.
 
+Handshake (protocol 2): the initiator sends its hello; the listener answers with
+its own, carrying a fresh nonce; the initiator then proves it holds the access
+key of one of the listener's buffers (`Auth`, HMAC-SHA256 of the nonce keyed by
+the access key) and the listener acknowledges. Access keys never travel: every
+request carries such a proof, valid on its connection only (`FrameStream.proof`).
+Until a connection is authenticated its frames are bounded by `HELLO_FRAME`;
+afterwards by `MAX_FRAME`, what both ends announce in their hellos.
+
+Every receive has a deadline: a frame whose first byte arrived must be complete
+within `_FRAME_REST_S` whatever the caller asked, and an idle connection is
+probed by TCP keepalive (`tune_socket`), so a silent peer is detected.
+`abort()` resets a connection (RST) and makes the kernel drop what it still
+holds to send, lent pages included: a failed transfer's bytes never leave late.
+
 Concurrency: a FrameStream holds two socket objects over one connection (the
 second a dup), so one sending thread and one receiving thread can each apply
 their own deadline. Sends are serialized by a lock; receives belong to a
@@ -20,13 +34,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
+import hmac
 import os
+import secrets
 import select
 import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -44,19 +61,28 @@ from hmc.transport._splice import LEND_MIN_BYTES, Lender
 from hmc.v1 import common_pb2, peer_pb2
 
 __all__ = [
+    "HELLO_FRAME",
     "IOV_MAX",
+    "MAX_FRAME",
     "PROTOCOL_VERSION",
     "FrameStream",
     "accept_handshake",
     "connect",
     "error_reply",
+    "expires_ms",
     "handshake",
+    "key_proof",
     "raise_for_reply",
+    "tune_socket",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME = 64 << 20
-"""Largest frame accepted (a range list of ~2.8 million ranges)."""
+"""Largest frame an authenticated connection accepts (a range list of ~2.8 million ranges)."""
+HELLO_FRAME = 64 << 10
+"""Largest frame before a connection is authenticated: a hello or an Auth, never a range list."""
+_PROOF_BYTES = 16
+_NONCE_BYTES = 16
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _NO_DEADLINE_S = 86400.0
 """Stand-in for "no deadline": sockets always stay in timeout (non-blocking) mode."""
@@ -96,6 +122,44 @@ def _row_views(rows: np.ndarray, skip: int) -> list[memoryview | bytes]:
     return views
 
 
+def key_proof(access_key: bytes, nonce: bytes) -> bytes:
+    """What proves `access_key` on the connection whose listener sent `nonce` (the key itself never travels)."""
+    return hmac.new(access_key, nonce, hashlib.sha256).digest()[:_PROOF_BYTES]
+
+
+class _SockaddrUnspec(ctypes.Structure):
+    _fields_ = [("family", ctypes.c_ushort), ("data", ctypes.c_char * 14)]
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_UNSPEC = _SockaddrUnspec(socket.AF_UNSPEC)
+
+
+def _disconnect(sock: socket.socket) -> None:
+    """connect(AF_UNSPEC): the kernel resets the TCP connection (RST), drops its send queue (lent pages
+    included) and wakes every thread blocked on the socket."""
+    with contextlib.suppress(OSError, ValueError):
+        _LIBC.connect(sock.fileno(), ctypes.byref(_UNSPEC), ctypes.sizeof(_UNSPEC))
+
+
+def tune_socket(sock: socket.socket, keepalive_s: float, unacked_s: float) -> None:
+    """Detect a silent peer: keepalive probes after `keepalive_s` idle (3 probes, `keepalive_s`/3 apart), and
+    the kernel resets the connection when sent data stays unacknowledged for `unacked_s` (TCP_USER_TIMEOUT),
+    which also drops what it still held to send."""
+    idle = max(1, int(keepalive_s))
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, idle // 3))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1000, int(unacked_s * 1000)))
+
+
+def expires_ms(deadline: float) -> int:
+    """What is left of `deadline` in whole milliseconds, as a frame carries it (at least 1, fits a uint32)."""
+    return min(max(int((deadline - time.monotonic()) * 1000), 1), 0xFFFFFFFF)
+
+
 def _remaining(deadline: float | None) -> float:
     if deadline is None:
         return _NO_DEADLINE_S
@@ -105,8 +169,13 @@ def _remaining(deadline: float | None) -> float:
 class FrameStream:
     """Length-prefixed PeerFrames plus raw payloads over one connected stream socket."""
 
-    def __init__(self, sock: socket.socket, peer: str = "peer") -> None:
+    def __init__(self, sock: socket.socket, peer: str = "peer", *, max_frame: int = MAX_FRAME) -> None:
         self.peer = peer
+        self.max_frame = max_frame
+        """Largest frame `recv()` accepts: HELLO_FRAME until the listener authenticated the connection."""
+        self.nonce = b""
+        """The listener's nonce, which every key proof on this connection is computed over."""
+        self._proofs: dict[bytes, bytes] = {}
         self._tx = sock
         self._rx = sock.dup()
         self._send_lock = threading.Lock()  # serializes whole frames (+ payload) from several threads; guards _lender
@@ -115,6 +184,13 @@ class FrameStream:
         """Bytes a large receive waits for before waking (a quarter of the receive buffer at most: more could never arrive)."""
         self._broken: BrokenResourceError | None = None
         self._closed = False
+
+    def proof(self, access_key: bytes) -> bytes:
+        """`key_proof(access_key, nonce)` of this connection, computed once per key."""
+        proof = self._proofs.get(access_key)
+        if proof is None:
+            proof = self._proofs[access_key] = key_proof(access_key, self.nonce)
+        return proof
 
     def send(
         self, frame: peer_pb2.PeerFrame, payload: Sequence[memoryview] = (), deadline: float | None = None, *, lend: np.ndarray | None = None
@@ -167,11 +243,11 @@ class FrameStream:
         """The next frame. With `idle_ok`, a timeout before its first byte leaves the stream usable."""
         header = bytearray(4)
         self._recv_exact(memoryview(header), deadline, idle_ok=idle_ok)
-        if deadline is not None:
-            deadline = max(deadline, time.monotonic() + _FRAME_REST_S)
+        rest = time.monotonic() + _FRAME_REST_S
+        deadline = rest if deadline is None else max(deadline, rest)
         (length,) = _HEADER.unpack(header)
-        if length > MAX_FRAME:
-            raise self._protocol_error(f"frame of {length} bytes from {self.peer} exceeds {MAX_FRAME}")
+        if length > self.max_frame:
+            raise self._protocol_error(f"frame of {length} bytes from {self.peer} exceeds {self.max_frame}")
         body = bytearray(length)
         self._recv_exact(memoryview(body), deadline)
         frame = peer_pb2.PeerFrame()
@@ -275,6 +351,13 @@ class FrameStream:
     def broken(self) -> bool:
         return self._broken is not None
 
+    def abort(self) -> None:
+        """Reset the connection now: what the kernel still holds to send (lent pages included) is dropped, never
+        sent, and every thread blocked on the stream wakes with BrokenResourceError."""
+        self._break(BrokenResourceError("aborted locally"))
+        _disconnect(self._tx)
+        self.shutdown()
+
     def shutdown(self) -> None:
         """Wake any thread blocked on this stream; it sees BrokenResourceError."""
         self._break(BrokenResourceError("closed locally"))
@@ -316,8 +399,9 @@ def connect(endpoint: common_pb2.TcpEndpoint, deadline: float, *, buffer_bytes: 
     return sock
 
 
-def _hello(local: common_pb2.AgentInfo, channel: int) -> peer_pb2.PeerFrame:
-    return peer_pb2.PeerFrame(hello=peer_pb2.PeerHello(protocol_version=PROTOCOL_VERSION, agent=local, channel=channel))
+def _hello(local: common_pb2.AgentInfo, channel: int, nonce: bytes = b"") -> peer_pb2.PeerFrame:
+    hello = peer_pb2.PeerHello(protocol_version=PROTOCOL_VERSION, agent=local, channel=channel, nonce=nonce, max_frame=MAX_FRAME)
+    return peer_pb2.PeerFrame(hello=hello)
 
 
 def _check_version(hello: peer_pb2.PeerHello, peer: str) -> None:
@@ -327,30 +411,55 @@ def _check_version(hello: peer_pb2.PeerHello, peer: str) -> None:
         )
 
 
-def handshake(stream: FrameStream, local: common_pb2.AgentInfo, channel: int, deadline: float) -> peer_pb2.PeerHello:
-    """Initiator side: send our hello, return the listener's (typed error if it refused us)."""
-    stream.send(_hello(local, channel), deadline=deadline)
+def _expect(stream: FrameStream, deadline: float, kind: str, what: str) -> peer_pb2.PeerFrame:
+    """The next frame, which must be of `kind` (a reply carrying an error raises that error)."""
     frame = stream.recv(deadline)
-    kind = frame.WhichOneof("kind")
-    if kind == "reply":
+    got = frame.WhichOneof("kind")
+    if got == "reply":
         raise_for_reply(frame.reply)
-    if kind != "hello":
-        raise ProtocolError(f"{stream.peer} answered the hello with {kind or 'an empty frame'}")
-    _check_version(frame.hello, stream.peer)
-    return frame.hello
+    if got != kind:
+        raise ProtocolError(f"{stream.peer} answered {what} with {got or 'an empty frame'}")
+    return frame
 
 
-def accept_handshake(stream: FrameStream, local: common_pb2.AgentInfo, deadline: float) -> peer_pb2.PeerHello:
-    """Listener side: read the initiator's hello, check its version, answer with ours.
+def handshake(
+    stream: FrameStream, local: common_pb2.AgentInfo, channel: int, deadline: float, proves: common_pb2.BufferDescriptor
+) -> peer_pb2.PeerHello:
+    """Initiator side: hellos, then prove `proves`' access key (a buffer of the listener's); typed error if refused."""
+    stream.send(_hello(local, channel), deadline=deadline)
+    hello = _expect(stream, deadline, "hello", "the hello").hello
+    _check_version(hello, stream.peer)
+    if len(hello.nonce) != _NONCE_BYTES:
+        raise ProtocolError(f"{stream.peer} sent a hello without a nonce")
+    stream.nonce = hello.nonce
+    auth = peer_pb2.Auth(buffer_id=proves.id, key_proof=stream.proof(proves.access_key))
+    stream.send(peer_pb2.PeerFrame(auth=auth), deadline=deadline)
+    _expect(stream, deadline, "reply", "the proof")
+    return hello
 
-    Raises ProtocolError (VersionMismatchError for other versions); the caller
-    sends it back as an error reply before hanging up.
+
+def accept_handshake(
+    stream: FrameStream, local: common_pb2.AgentInfo, deadline: float, authenticate: Callable[[FrameStream, peer_pb2.Auth], None]
+) -> peer_pb2.PeerHello:
+    """Listener side: read the initiator's hello, check its version, answer with ours and a nonce, then check the
+    initiator's proof (`authenticate` raises AccessDeniedError & co); only then may larger frames come.
+
+    Raises ProtocolError (VersionMismatchError for other versions) and the
+    authentication's error; the caller sends it back as an error reply before
+    hanging up.
     """
     frame = stream.recv(deadline)
     if frame.WhichOneof("kind") != "hello":
         raise ProtocolError(f"{stream.peer} did not start with a hello")
     _check_version(frame.hello, stream.peer)
-    stream.send(_hello(local, frame.hello.channel), deadline=deadline)
+    stream.nonce = secrets.token_bytes(_NONCE_BYTES)
+    stream.send(_hello(local, frame.hello.channel, stream.nonce), deadline=deadline)
+    auth = stream.recv(deadline)
+    if auth.WhichOneof("kind") != "auth":
+        raise ProtocolError(f"{stream.peer} did not prove a key after the hello")
+    authenticate(stream, auth.auth)
+    stream.max_frame = MAX_FRAME
+    stream.send(peer_pb2.PeerFrame(reply=peer_pb2.PeerReply()), deadline=deadline)
     return frame.hello
 
 
