@@ -5,7 +5,8 @@
     │   ├── OutOfRangeError      a range falls outside a ConnBuffer
     │   └── UnsupportedError     a device, memory kind or option this build cannot serve
     ├── AccessDeniedError        wrong access key
-    ├── AuthenticationError      wrong or missing token on a TCP call
+    ├── AuthenticationError      wrong or missing token on a TCP call; a uid hmcd does not admit
+    │   └── UntrustedSocketError a unix socket or its directory that another user could have put there
     ├── UnknownBufferError       no ConnBuffer with that id or name
     │   └── BufferWithdrawnError the ConnBuffer existed and was withdrawn
     ├── NoPathError              negotiation found no usable path
@@ -51,6 +52,7 @@ __all__ = [
     "UnavailableError",
     "UnknownBufferError",
     "UnsupportedError",
+    "UntrustedSocketError",
     "VersionMismatchError",
     "error_from_code",
 ]
@@ -104,6 +106,10 @@ class AccessDeniedError(HMCError, PermissionError):
 
 class AuthenticationError(HMCError, PermissionError):
     code = ErrorCode.AUTHENTICATION
+
+
+class UntrustedSocketError(AuthenticationError):
+    """hmcd's socket, or its directory, is not owned by this user (or root) or is open to others: refused, never used."""
 
 
 class UnknownBufferError(HMCError, LookupError):

@@ -36,3 +36,9 @@ def test_lifecycle_errors_are_distinct_from_argument_errors() -> None:
     assert issubclass(errors.OutOfRangeError, errors.ArgumentError)
     assert issubclass(errors.BufferWithdrawnError, errors.UnknownBufferError)
     assert issubclass(errors.TimeoutError, builtins.TimeoutError)
+
+
+def test_an_untrusted_socket_is_an_authentication_error() -> None:
+    assert issubclass(errors.UntrustedSocketError, errors.AuthenticationError)
+    assert issubclass(errors.UntrustedSocketError, PermissionError)
+    assert errors.UntrustedSocketError("x").code is errors.ErrorCode.AUTHENTICATION

@@ -54,6 +54,7 @@ from typing import Any
 import grpc
 
 from hmc.config import Config
+from hmc.control._auth import check_socket_dir
 from hmc.control._errors import error_from_proto, error_to_proto, rpc_errors, translate_rpc_error
 from hmc.errors import ArgumentError, BrokenResourceError, ClosedResourceError, HMCError, TimeoutError, UnavailableError, UnknownBufferError
 from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
@@ -81,6 +82,7 @@ class _Stream:
     """One attach attempt: its channel, request queue and call."""
 
     def __init__(self, address: str, hello: Message) -> None:
+        check_socket_dir(address.removeprefix("unix:"))  # never hand keys to an hmcd in someone else's directory
         self.channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self.registry = daemon_pb2_grpc.RegistryServiceStub(self.channel)
         # Messages to hmcd; drained by gRPC's request thread through _outgoing(); None ends the stream.

@@ -6,7 +6,10 @@
         hmcd.migrate("prefill-kv", "decode-kv", (src_offsets, dst_offsets, lengths))
 
 Addresses are `unix:/path` or `host:port` (TCP, with the token from the argument
-or `Config.token`). Every call has a deadline (`timeout`, default
+or `Config.token`, over TLS trusting `Config.tls_ca` when that is set). On a unix
+socket, every call first checks that the socket and its directory belong to this
+user or root and are closed to others (`UntrustedSocketError` otherwise: an
+impostor hmcd must not learn anything). Every call has a deadline (`timeout`, default
 `Config.timeout_s`); every failure is a typed `hmc.errors.HMCError`, with
 UnavailableError naming the address when hmcd is not there.
 
@@ -16,21 +19,23 @@ Concurrency: one sync gRPC channel; methods may be called from several threads.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hmc.config import Config
-from hmc.control._auth import bearer_metadata
+from hmc.control._auth import bearer_metadata, check_socket_dir, open_channel, socket_path
 from hmc.control._errors import error_from_proto, rpc_errors, translate_rpc_error
 from hmc.errors import ArgumentError, ClosedResourceError, TimeoutError
 from hmc.transport._negotiate import PathChoice
-from hmc.transport._ranges import RangeList
+from hmc.transport._ranges import RangeList, check_timeout
 from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
-__all__ = ["Client", "EventStream"]
+__all__ = ["Client", "EventStream", "NodeHealth"]
 
 _FINAL = frozenset({common_pb2.TRANSFER_STATE_DONE, common_pb2.TRANSFER_STATE_FAILED, common_pb2.TRANSFER_STATE_CANCELLED})
 
@@ -76,26 +81,44 @@ class EventStream:
         self.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class NodeHealth:
+    """What `Client.health()` learned: hmcd's grpc.health.v1 status, and which node answered."""
+
+    serving: bool
+    """True while hmcd serves (SERVING); False once it has begun to stop (NOT_SERVING)."""
+    node: str
+    """The node's name (from GetNodeInfo); empty when hmcd is not serving."""
+
+
 class Client:
     """A connection to one hmcd."""
 
     def __init__(self, address: str | None = None, *, config: Config | None = None, token: str | None = None, timeout: float | None = None) -> None:
         self._config = config or Config.load()
         self.address = address or f"unix:{self._config.socket}"
-        self.timeout = self._config.timeout_s if timeout is None else timeout
-        is_tcp = not self.address.startswith("unix:")
-        self._metadata = bearer_metadata(self._config.token if token is None else token) if is_tcp else ()
-        self._channel = grpc.insecure_channel(self.address)
+        self.timeout = self._config.timeout_s if timeout is None else check_timeout(timeout)
+        self._socket = socket_path(self.address)
+        self._metadata = bearer_metadata(self._config.token if token is None else token) if self._socket is None else ()
+        self._channel = open_channel(self.address, self._config)
         self._nodes = daemon_pb2_grpc.NodeServiceStub(self._channel)
         self._registry = daemon_pb2_grpc.RegistryServiceStub(self._channel)
         self._paths = daemon_pb2_grpc.PathServiceStub(self._channel)
         self._transfers = daemon_pb2_grpc.TransferServiceStub(self._channel)
         self._events = daemon_pb2_grpc.EventServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
         self._closed = False
 
-    def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+    def _check_usable(self) -> None:
+        """Refuse a closed client, and an hmcd socket that another user could have put there (checked on every call:
+        gRPC reconnects on its own)."""
         if self._closed:
             raise ClosedResourceError("client is closed")
+        if self._socket is not None:
+            check_socket_dir(self._socket)
+
+    def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        self._check_usable()
         with rpc_errors(self.address):
             return method(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata)
 
@@ -105,8 +128,14 @@ class Client:
         """Inventory, addresses, peers and counts of the node."""
         return self._call(self._nodes.GetNodeInfo, daemon_pb2.NodeInfoRequest())
 
-    def health(self) -> daemon_pb2.HealthResponse:
-        return self._call(self._nodes.Health, daemon_pb2.HealthRequest())
+    def health(self) -> NodeHealth:
+        """hmcd's overall grpc.health.v1 status (service ""), and the node's name while it serves.
+
+        On TCP the check itself needs no token (probes carry none); the node's name does.
+        """
+        reply = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=""))
+        serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+        return NodeHealth(serving=serving, node=self.node_info().node if serving else "")
 
     def devices(self) -> list[common_pb2.DeviceInfo]:
         return list(self.node_info().devices)
@@ -145,7 +174,7 @@ class Client:
         """Ask hmcd to move ranges from src to dst; returns the PENDING status (with its `transfer_id`)."""
         ranges = RangeList.build(src_offsets, dst_offsets, lengths)
         request = daemon_pb2.SubmitTransferRequest(
-            src=_ref(src), dst=_ref(dst), ranges=ranges.to_proto(), notification=notify or b"", timeout_s=self.timeout if timeout is None else timeout
+            src=_ref(src), dst=_ref(dst), ranges=ranges.to_proto(), notification=notify or b"", timeout_s=self.timeout if timeout is None else check_timeout(timeout)
         )
         return self._call(self._transfers.Submit, request)
 
@@ -155,7 +184,7 @@ class Client:
 
     def wait(self, transfer_id: str, timeout: float | None = None) -> daemon_pb2.TransferStatus:
         """Block until the transfer is DONE (its status) or failed (its typed error); TimeoutError after `timeout`."""
-        limit = self.timeout if timeout is None else timeout
+        limit = self.timeout if timeout is None else check_timeout(timeout)
         deadline = time.monotonic() + limit
         while True:
             remaining = max(deadline - time.monotonic(), 0.0)
@@ -191,8 +220,7 @@ class Client:
 
     def events(self, timeout: float | None = None, include_peers: bool = False) -> EventStream:
         """Watch hmcd's events; returns once subscribed. `timeout` ends the stream (None: never)."""
-        if self._closed:
-            raise ClosedResourceError("client is closed")
+        self._check_usable()
         call = self._events.Watch(daemon_pb2.WatchRequest(include_peers=include_peers), timeout=timeout, metadata=self._metadata)
         try:
             call.initial_metadata()  # hmcd sends it once the subscription exists

@@ -1,15 +1,19 @@
 """The static directory: peer hmcd daemons at fixed TCP addresses (`Config.static_peers`).
 
-- Health: each peer is checked every `Config.peer_check_interval_s` with a Health
-  call; a change publishes PEER_UP or PEER_DOWN (the first successful check is
-  an "up" change; the first failed one of a never-seen peer is a "down" change).
-  A peer that turns out to be this very node (a shared peer list) is skipped.
+- Health: each peer is checked every `Config.peer_check_interval_s` with a
+  grpc.health.v1 Check (service ""); a change publishes PEER_UP or PEER_DOWN (the
+  first successful check is an "up" change; the first failed one of a never-seen
+  peer is a "down" change). A peer coming up is also asked its node name
+  (GetNodeInfo, which needs our token: a peer refusing it stays down, with the
+  reason). A peer that turns out to be this very node (a shared peer list) is skipped.
 - Events: while a peer is up, its BUFFER_* and AGENT_* events are followed
   (Watch) and republished here as relayed events, so local agents hear about
   withdrawals on other nodes.
 - Lookups fall through to peers with `local_only=True` (so they never bounce on),
   asked concurrently; the first peer in configuration order that knows the buffer
-  wins. Unreachable peers are skipped and named in the error.
+  wins. Peers marked down are skipped; they and the peers that fail to answer are
+  returned, so that hmcd says "unavailable" rather than "unknown" when they might
+  hold the buffer.
 
 Concurrency: owned by hmcd's event loop: one health task per peer ("hmc-peer:<addr>")
 and, while it is up, one watch task; `close()` cancels and awaits them.
@@ -23,9 +27,10 @@ import logging
 
 import grpc
 import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hmc.config import Config
-from hmc.control._auth import bearer_metadata
+from hmc.control._auth import bearer_metadata, open_aio_channel
 from hmc.control._errors import translate_rpc_error
 from hmc.control._events import EventBus
 from hmc.control._metrics import DaemonMetrics
@@ -73,6 +78,7 @@ class Peer:
         self.registry = daemon_pb2_grpc.RegistryServiceStub(self.channel)
         self.transfers = daemon_pb2_grpc.TransferServiceStub(self.channel)
         self.events = daemon_pb2_grpc.EventServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
 
     def status(self) -> daemon_pb2.PeerStatus:
         return daemon_pb2.PeerStatus(address=self.address, node=self.node, up=bool(self.up), error=self.error)
@@ -86,7 +92,7 @@ class StaticDirectory:
         self._events = events
         self._metrics = metrics
         self._metadata = bearer_metadata(config.token)
-        self._peers = [Peer(address, grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)) for address in dict.fromkeys(config.static_peers)]
+        self._peers = [Peer(address, open_aio_channel(address, config, CHANNEL_OPTIONS)) for address in dict.fromkeys(config.static_peers)]
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -118,18 +124,21 @@ class StaticDirectory:
             await asyncio.sleep(interval)
 
     async def check(self, peer: Peer, timeout: float) -> None:
-        """One health check; publishes PEER_UP/PEER_DOWN on a change."""
+        """One health check (and the node's name when the peer comes up); publishes PEER_UP/PEER_DOWN on a change."""
         try:
-            reply = await peer.nodes.Health(daemon_pb2.HealthRequest(), timeout=timeout, metadata=self._metadata)
+            reply = await peer.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout, metadata=self._metadata)
+            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            if serving and peer.up is not True:
+                info = await peer.nodes.GetNodeInfo(daemon_pb2.NodeInfoRequest(), timeout=timeout, metadata=self._metadata)
+                peer.node = info.node
         except grpc.RpcError as exc:
             self._mark(peer, False, str(translate_rpc_error(exc, peer.address, "peer hmcd")))
             return
-        if reply.node == self._config.node:
-            log.info("static peer %s is this node (%s); skipping it", peer.address, reply.node)
+        if peer.node == self._config.node:
+            log.info("static peer %s is this node (%s); skipping it", peer.address, peer.node)
             peer.is_self = True
             return
-        peer.node = reply.node
-        self._mark(peer, reply.serving, "" if reply.serving else "peer reports not serving")
+        self._mark(peer, serving, "" if serving else "peer reports not serving")
 
     def _mark(self, peer: Peer, up: bool, error: str) -> None:
         peer.error = error
@@ -165,16 +174,20 @@ class StaticDirectory:
     def _askable(self) -> list[Peer]:
         return [peer for peer in self.peers if peer.up is not False]
 
-    async def lookup(self, ref: daemon_pb2.BufferRef, timeout: float) -> tuple[common_pb2.BufferDescriptor, Peer] | None:
-        """Ask the peers (local_only) for `ref`; the descriptor and the peer that has it, or None."""
+    async def lookup(self, ref: daemon_pb2.BufferRef, timeout: float) -> tuple[tuple[common_pb2.BufferDescriptor, Peer] | None, list[str]]:
+        """Ask the peers (local_only) for `ref`: the descriptor and the peer that has it (or None), and the
+        peers that could not answer ("address: why"; those marked down are not asked)."""
         peers = self._askable()
         timeout = min(timeout, _PEER_CALL_S)  # a peer that hangs must not hold every lookup for the full timeout
         request = daemon_pb2.LookupBufferRequest(ref=ref, local_only=True)
         replies = await asyncio.gather(*(self._lookup_one(peer, request, timeout) for peer in peers))
+        unanswered = [f"{peer.address}: {peer.error or 'down'}" for peer in self.peers if peer.up is False]
         for peer, reply in zip(peers, replies):
             if isinstance(reply, common_pb2.BufferDescriptor):
-                return reply, peer
-        return None
+                return (reply, peer), []
+            if not isinstance(reply, UnknownBufferError):
+                unanswered.append(f"{peer.address}: {reply}")
+        return None, unanswered
 
     async def _lookup_one(self, peer: Peer, request: daemon_pb2.LookupBufferRequest, timeout: float) -> common_pb2.BufferDescriptor | HMCError:
         try:
@@ -199,9 +212,6 @@ class StaticDirectory:
         timeout = min(timeout, _PEER_CALL_S)
         lists = await asyncio.gather(*(one(peer) for peer in self._askable()))
         return [descriptor for found in lists for descriptor in found]
-
-    def unreachable(self) -> list[str]:
-        return [peer.address for peer in self.peers if peer.up is False]
 
     # -- forwarded transfers ------------------------------------------------------------
 

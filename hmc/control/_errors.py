@@ -3,8 +3,12 @@
 Server side: `ErrorBoundary` is a server interceptor wrapped around every method
 of hmcd. Servicers raise `HMCError`s; the boundary aborts the call with the
 matching gRPC status and puts the `ErrorCode` into the trailing metadata key
-`hmc-error-code`. Any other exception is a bug: it is logged with its traceback
-and the call ends INTERNAL; hmcd never crashes on a request.
+`hmc-error-code`. Requests are parsed inside the boundary (gRPC's own parsing
+would end a malformed one UNKNOWN with a traceback), so bytes that are not the
+method's message end INVALID_ARGUMENT with code PROTOCOL; a refused request
+(bad argument, malformed message) is logged in one line. Any other exception
+is a bug: it is logged with its traceback and the call ends INTERNAL; hmcd
+never crashes on a request.
 
 Client side: `rpc_errors(address)` is a context manager that turns a
 `grpc.RpcError` into the typed error `hmc.errors.error_from_code` rebuilds from
@@ -25,12 +29,15 @@ from typing import Any
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
 
 from hmc.errors import (
+    ArgumentError,
     AuthenticationError,
     CancelledError,
     ErrorCode,
     HMCError,
+    ProtocolError,
     TimeoutError,
     UnavailableError,
     error_from_code,
@@ -132,8 +139,11 @@ class ErrorBoundary(grpc.aio.ServerInterceptor):
         method = details.method.rsplit("/", 1)[-1]
         for attr in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
             behavior = getattr(handler, attr)
-            if behavior is not None:
-                return handler._replace(**{attr: self._wrap(method, behavior)})
+            if behavior is None:
+                continue
+            if handler.request_streaming:  # context.read() parses inside the behavior, within the boundary
+                return handler._replace(**{attr: self._wrap(method, behavior, None)})
+            return handler._replace(request_deserializer=None, **{attr: self._wrap(method, behavior, handler.request_deserializer)})
         return handler
 
     @contextlib.asynccontextmanager
@@ -155,25 +165,36 @@ class ErrorBoundary(grpc.aio.ServerInterceptor):
         finally:
             self._observe(method, status)
 
-    def _wrap(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap(self, method: str, behavior: Callable[..., Any], parse: Callable[[bytes], Any] | None) -> Callable[..., Any]:
+        """`behavior` inside the boundary; `parse` (the method's request deserializer) runs there too."""
+
+        def parsed(request: Any) -> Any:
+            return request if parse is None else parse(request)
+
         if inspect.isasyncgenfunction(behavior):
 
             async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 async with self._served(method, context):
-                    async for item in behavior(request, context):
+                    async for item in behavior(parsed(request), context):
                         yield item
 
             return streaming
 
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             async with self._served(method, context):
-                return await behavior(request, context)
+                return await behavior(parsed(request), context)
 
         return unary
 
 
 def _typed(method: str, exc: Exception) -> HMCError:
-    """`exc` as an HMCError; anything else is a bug, logged with its traceback."""
+    """`exc` as an HMCError, logged in one line; anything else is a bug, logged with its traceback."""
+    if isinstance(exc, DecodeError):
+        log.warning("hmcd %s refused a malformed request: %s", method, exc)
+        return ProtocolError(f"malformed request to hmcd {method}: {exc}")
+    if isinstance(exc, (ArgumentError, ProtocolError)):
+        log.info("hmcd %s refused the request: %s", method, exc)
+        return exc
     if not isinstance(exc, HMCError):
         log.error("bug: hmcd %s raised %s: %s", method, type(exc).__name__, exc, exc_info=exc)
         return HMCError(f"internal error in hmcd {method}: {type(exc).__name__}: {exc}")
@@ -201,9 +222,10 @@ def rpc_errors(address: str, what: str = "hmcd") -> Iterator[None]:
 
 def translate_rpc_error(exc: grpc.RpcError, address: str, what: str = "hmcd") -> HMCError:
     """The typed error of a failed call (the client-side half of the boundary)."""
-    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
-    metadata = exc.trailing_metadata() if isinstance(exc, grpc.Call) else None
+    call = isinstance(exc, (grpc.Call, grpc.aio.AioRpcError))  # an aio call's error is no grpc.Call
+    code = exc.code() if call else grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
+    details = (exc.details() if call else None) or str(exc)  # type: ignore[attr-defined]
+    metadata = exc.trailing_metadata() if call else None  # type: ignore[attr-defined]
     for key, value in metadata or ():
         if key == ERROR_CODE_KEY:
             try:

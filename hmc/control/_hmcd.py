@@ -3,22 +3,28 @@
     Daemon(config)
       inventory    host, devices (vendor override applied), RDMA NICs, transports
       events       EventBus: Watch subscribers, sequence numbers
-      registry     ConnBuffers of attached agents, withdrawn with their stream
+      registry     ConnBuffers of attached agents; names leased across restarts (state file beside the socket)
       directory    static peers: health, event relay, lookups that fall through
       transfers    third-party transfers executed by agents on instruction
       metrics      a CollectorRegistry of this daemon only
 
-Two grpc.aio servers share the servicers: one on `unix:<config.socket>` (file
-permissions guard it) and, when `config.listen` is set, one on TCP with the
-token interceptor. Port 0 picks a free port; `tcp_address` reports it.
+Two grpc.aio servers share the servicers: one behind `unix:<config.socket>`
+and, when `config.listen` is set, one on TCP with the token interceptor (and TLS
+when `config.tls_cert`/`tls_key` are set). Port 0 picks a free port;
+`tcp_address` reports it. The unix socket is hmcd's `UnixDoor` (see `_auth`): a
+private 0700 directory, a 0600 socket, and peer credentials checked per
+connection (hmcd's own uid and root are admitted), spliced to the gRPC server's
+socket beside it (`<socket>.grpc`).
 
 Concurrency: everything runs on one asyncio loop (uvloop when importable, see
 `_hmcd_main`), the loop that called `start()`. The only other thread is the
 optional metrics HTTP exporter ("hmc-metrics-http"), which only reads metrics.
+The door's splices are asyncio protocols on the same loop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
 import os
@@ -26,13 +32,15 @@ import time
 
 import grpc
 import grpc.aio
+from grpc_health.v1 import health, health_pb2
 
 from hmc.config import Config
-from hmc.control._auth import TokenInterceptor, prepare_socket_path, secure_socket_file
+from hmc.control._auth import TokenInterceptor, UnixDoor, prepare_socket_path, served_path, server_credentials
 from hmc.control._directory import Peer, StaticDirectory
 from hmc.control._errors import ErrorBoundary
 from hmc.control._events import EventBus
 from hmc.control._inventory import Inventory
+from hmc.control._leases import state_path_for
 from hmc.control._metrics import DaemonMetrics
 from hmc.control._registry import Registry, describe_ref
 from hmc.control._services import PROTOCOL_VERSION, add_services
@@ -64,22 +72,26 @@ def _version() -> str:
 class Daemon:
     """One hmcd. `await start()`, then `await wait_stopped()`; `await stop()` from anywhere on its loop."""
 
-    def __init__(self, config: Config, *, inventory: Inventory | None = None) -> None:
+    def __init__(self, config: Config, *, inventory: Inventory | None = None, lease_grace_s: float = 30.0) -> None:
+        """`lease_grace_s`: how long a buffer name waits for its holder to attach again (after a restart or a broken stream)."""
         self.config = config
         self.inventory = inventory or Inventory.collect(config)
         self.metrics = DaemonMetrics()
         self.events = EventBus(config.node)
         self.events.add_listener(self._observe_event)
-        self.registry = Registry(config.node, self.events)
+        self.registry = Registry(config.node, self.events, state_path=state_path_for(config.socket), grace_s=lease_grace_s, host_id=self.inventory.host_id)
         self.directory = StaticDirectory(config, self.events, self.metrics)
         self.transfers = TransferTable(config, self.registry, self.directory, self.resolve, self.metrics)
         self.tcp_address = ""
         self.metrics_port = 0
-        self.serving = False
+        self.health = health.aio.HealthServicer()
+        """grpc.health.v1 on every server: NOT_SERVING until started, SERVING while up, NOT_SERVING from stop() on."""
         self._servers: list[grpc.aio.Server] = []
         self._started = time.monotonic()
         self._stopped: bool = False
-        self._owns_socket = False  # True once this daemon bound the socket file (only then may it remove it)
+        self._owns_socket = False  # True once this daemon bound the socket files (only then may it remove them)
+        self._door: UnixDoor | None = None
+        self._tls = False
 
     @property
     def unix_address(self) -> str:
@@ -99,18 +111,24 @@ class Daemon:
 
     async def _start(self, metrics_port: int | None) -> None:
         boundary = ErrorBoundary(self.metrics.observe_rpc)
+        await self.health.set(health.OVERALL_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)  # until every part is up
         prepare_socket_path(self.config.socket)
+        self.registry.restore()  # the state file lives in the socket's directory, checked just above
         unix = grpc.aio.server(interceptors=[boundary], options=SERVER_OPTIONS)
         add_services(self, unix)
-        unix.add_insecure_port(self.unix_address)
+        served = served_path(self.config.socket)
         old_umask = os.umask(0o177)  # the socket file is born 0600 (no window before the chmod)
         try:
+            if not unix.add_insecure_port(f"unix:{served}"):
+                raise UnavailableError(f"cannot listen on unix:{served}")
             await unix.start()
         finally:
             os.umask(old_umask)
         self._servers.append(unix)
         self._owns_socket = True
-        secure_socket_file(self.config.socket)
+        os.chmod(served, 0o600)
+        self._door = UnixDoor(self.config.socket, served)
+        await self._door.start()
         if self.config.listen:
             await self._start_tcp(boundary)
         if metrics_port is not None and not self.config.metrics:
@@ -119,14 +137,14 @@ class Daemon:
             host = self.config.listen.rsplit(":", 1)[0] if self.config.listen else "127.0.0.1"
             self.metrics_port = self.metrics.serve_http(host.strip("[]") or "0.0.0.0", metrics_port)
         self.directory.start()
-        self.serving = True
+        await self.health.set(health.OVERALL_HEALTH, health_pb2.HealthCheckResponse.SERVING)
         self._started = time.monotonic()
         log.info(
             "hmcd %s serving node %s on %s%s%s",
             _version(),
             self.config.node,
             self.unix_address,
-            f" and tcp {self.tcp_address}" if self.tcp_address else "",
+            f" and tcp {self.tcp_address}{' (TLS)' if self._tls else ''}" if self.tcp_address else "",
             f"; metrics on http port {self.metrics_port}" if self.metrics_port else "",
         )
 
@@ -134,15 +152,18 @@ class Daemon:
         host, sep, port = self.config.listen.rpartition(":")
         if not sep or not port.isdigit():
             raise ArgumentError(f"listen address {self.config.listen!r} must look like HOST:PORT")
+        credentials = server_credentials(self.config)
         interceptors: list[grpc.aio.ServerInterceptor] = [boundary]
         if self.config.token:
             interceptors.insert(0, TokenInterceptor(self.config.token))
+            if credentials is None:
+                log.warning("hmcd listens on TCP %s with a token but without TLS: the token crosses the network in clear (set tls_cert and tls_key)", self.config.listen)
         else:
             log.warning("hmcd listens on TCP %s without a token: anyone who can reach it may use it", self.config.listen)
         tcp = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
         add_services(self, tcp)
         try:
-            bound = tcp.add_insecure_port(self.config.listen)
+            bound = tcp.add_insecure_port(self.config.listen) if credentials is None else tcp.add_secure_port(self.config.listen, credentials)
         except RuntimeError as exc:
             raise UnavailableError(f"cannot listen on {self.config.listen}: {exc}") from exc
         if bound == 0:
@@ -150,6 +171,7 @@ class Daemon:
         await tcp.start()
         self._servers.append(tcp)
         self.tcp_address = f"{host}:{bound}"
+        self._tls = credentials is not None
 
     async def stop(self, grace: float = 0.5) -> None:
         """Stop serving: end watches, fail pending transfers, give unary calls `grace` seconds,
@@ -157,18 +179,20 @@ class Daemon:
         if self._stopped:
             return
         self._stopped = True
-        self.serving = False
+        await self.health.enter_graceful_shutdown()  # NOT_SERVING for good, while calls drain
         self.events.close()
         self.transfers.close()
         for server in self._servers:
             await server.stop(grace)
+        if self._door is not None:
+            await self._door.close()
         await self.directory.close()
+        self.registry.close()
         self.metrics.close()
         if self._owns_socket:
-            try:
-                os.unlink(self.config.socket)
-            except OSError:
-                pass
+            for path in (self.config.socket, served_path(self.config.socket)):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
         log.info("hmcd stopped")
 
     async def wait_stopped(self) -> None:
@@ -178,22 +202,26 @@ class Daemon:
     # -- shared by the services ----------------------------------------------------------
 
     async def resolve(self, ref: daemon_pb2.BufferRef, local_only: bool, timeout: float) -> tuple[common_pb2.BufferDescriptor, Peer | None]:
-        """The buffer `ref` names: here first, then at the static peers unless `local_only`."""
+        """The buffer `ref` names: here first, then at the static peers unless `local_only`.
+
+        Not found, and a peer that might hold it did not answer (down, partitioned,
+        refusing our token): UnavailableError naming those peers, never "unknown".
+        """
         what = describe_ref(ref)
         local = self.registry.find(ref)
         if local is not None:
             return local, None
         if local_only or not self.directory.peers:
             self.registry.require(ref)
-        found = await self.directory.lookup(ref, timeout)
+        found, unanswered = await self.directory.lookup(ref, timeout)
         if found is not None:
             return found
         if self.registry.was_withdrawn(ref):
             raise BufferWithdrawnError(f"buffer {what} was withdrawn from node {self.config.node}")
+        if unanswered:
+            raise UnavailableError(f"buffer {what} is not on node {self.config.node}, and peers that may hold it did not answer: {'; '.join(unanswered)}")
         asked = ", ".join(peer.node or peer.address for peer in self.directory.peers)
-        unreachable = self.directory.unreachable()
-        note = f"; unreachable: {', '.join(unreachable)}" if unreachable else ""
-        raise UnknownBufferError(f"no buffer with {what} on node {self.config.node} or its peers ({asked}){note}")
+        raise UnknownBufferError(f"no buffer with {what} on node {self.config.node} or its peers ({asked})")
 
     def node_info(self) -> daemon_pb2.NodeInfo:
         inv = self.inventory

@@ -30,6 +30,11 @@ $HMC_CONFIG), HMC_* environment variables, then these options.
 examples:
   hmcd                                   local agents only, on the default socket
   hmcd --listen 0.0.0.0:7710 --token s3cret --static-peer 10.0.0.2:7710
+  hmcd --listen 0.0.0.0:7710 --tls-cert node.pem --tls-key node.key --tls-ca ca.pem --static-peer 10.0.0.2:7710
+
+The unix socket's directory is created 0700; hmcd refuses an existing one that is
+not its own or that grants anything to group or others, and admits on the socket
+only its own uid and root (checked by peer credentials).
   hmcd --socket /tmp/a.sock --listen 127.0.0.1:0 --port-file /tmp/a.port
 """
 
@@ -47,6 +52,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--listen", metavar="HOST:PORT", help="also serve on TCP (port 0 picks a free port; see --port-file)")
     parser.add_argument("--port-file", metavar="FILE", help="write the bound TCP port here once serving (for scripts and tests)")
     parser.add_argument("--token", help="shared secret every TCP call must carry (prefer HMC_TOKEN or the config file: argv is visible to other users)")
+    parser.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain: serve TCP over TLS (with --tls-key)")
+    parser.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert (unencrypted; keep it 0600)")
+    parser.add_argument("--tls-ca", metavar="FILE", help="PEM CA bundle: speak TLS to static peers, trusting only this CA")
     parser.add_argument("--node", help="this node's name (default: the hostname)")
     parser.add_argument("--static-peer", action="append", default=None, metavar="HOST:PORT", help="another hmcd's TCP address; repeat for several")
     parser.add_argument("--metrics-port", type=int, metavar="PORT", help="also serve Prometheus /metrics over HTTP on this port (0 picks one)")
@@ -59,7 +67,15 @@ def build_config(args: argparse.Namespace) -> Config:
     config = Config.load(args.config)
     changes = {
         name: value
-        for name, value in (("socket", args.socket), ("listen", args.listen), ("token", args.token), ("node", args.node))
+        for name, value in (
+            ("socket", args.socket),
+            ("listen", args.listen),
+            ("token", args.token),
+            ("node", args.node),
+            ("tls_cert", args.tls_cert),
+            ("tls_key", args.tls_key),
+            ("tls_ca", args.tls_ca),
+        )
         if value is not None
     }
     if args.static_peer is not None:
