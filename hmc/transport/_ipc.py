@@ -97,19 +97,20 @@ class _Grant:
         self.read_only = message.read_only
         self.buffer_id = message.buffer_id
         self.inflight: list[None] = []
-        self.revoked = False
+        self.revoked: HMCError | None = None
+        """Why the grant is void (the owner withdrew the buffer, or its agent is gone); raised by every later copy."""
 
     def denied(self) -> AccessDeniedError:
         return AccessDeniedError(f"buffer {self.buffer_id} is read-only: its owner grants reads only")
 
     def enter(self) -> None:
         self.inflight.append(None)
-        if self.revoked:
+        if self.revoked is not None:
             self.inflight.pop()
-            raise BufferWithdrawnError("the buffer's owner withdrew it")
+            raise self.revoked
 
     def drain(self, deadline: float) -> None:
-        self.revoked = True
+        self.revoked = BufferWithdrawnError("the buffer's owner withdrew it")
         while self.inflight and time.monotonic() < deadline:
             time.sleep(0.0002)
 
@@ -317,7 +318,7 @@ class IpcTransport(Transport):
         with self._lock:
             gone = [bid for bid, grant in self._grants.items() if grant.pid == agent.pid]
             for bid in gone:
-                self._grants.pop(bid).revoked = True
+                self._grants.pop(bid).revoked = BrokenResourceError(f"the buffer's owner, agent {agent.id} (pid {agent.pid}), is gone")
 
     def _grant(self, remote: common_pb2.BufferDescriptor, deadline: float) -> _Grant:
         with self._lock:
@@ -464,8 +465,8 @@ def _single(call: Any, explain: Any, grant: _Grant, local_base: int) -> Callable
     def copy(local_offset: int, remote_offset: int, length: int) -> None:
         inflight.append(None)
         try:
-            if grant.revoked:
-                raise BufferWithdrawnError("the buffer's owner withdrew it")
+            if grant.revoked is not None:
+                raise grant.revoked
             local_iov, remote_iov = pack(local_base + local_offset, length), pack(remote_base + remote_offset, length)
             got = call(pid, local_iov, 1, remote_iov, 1, 0)
             if got != length:  # rare: redo with errno captured (copying the same bytes twice is harmless)
