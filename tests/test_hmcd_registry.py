@@ -8,6 +8,7 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -85,8 +86,8 @@ def test_same_agent_id_twice_is_busy(hmcd: Hmcd, agent: FakeAgent) -> None:
         DaemonLink(hmcd.config(), agent.info, lambda instruction: None)
 
 
-def test_link_without_hmcd_is_unavailable(tmp_path: object) -> None:
-    config = Config(socket=f"/tmp/hmc-missing-{uuid.uuid4().hex[:8]}.sock", timeout_s=2.0)
+def test_link_without_hmcd_is_unavailable(tmp_path: Path) -> None:
+    config = Config(socket=str(tmp_path / f"hmc-missing-{uuid.uuid4().hex[:8]}.sock"), timeout_s=2.0)
     with pytest.raises(UnavailableError, match="hmc-missing"):
         DaemonLink(config, agent_info(), lambda instruction: None)
 
