@@ -89,8 +89,9 @@ _ROUND_TRIP_CONNECTIONS = 4
 _STREAM_CHUNK_MAX = 64 << 20
 """Cap on the one-chunk-per-stream cut of large transfers: progress (and a failure's loss) moves in
 steps of at most this much, at no cost in speed (64 MiB chunks moved 256 MiB as fast as 256 MiB ones)."""
-_FRAME_RANGES = 1 << 20
-"""Most ranges in one chunk's frame (16 MiB of offsets and lengths, well inside MAX_FRAME)."""
+_FRAME_RANGES = 1 << 18
+"""Most ranges in one chunk's frame (4 MiB of offsets and lengths, well inside MAX_FRAME): a frame of tiny ranges
+costs both ends a little per range, and each frame must be answered within the stall bound."""
 _JOIN_S = 2.0
 _LANDING_S = 2.0
 """How long an abort waits for a read payload's receive to let go of user memory (it is woken at once)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -243,3 +243,18 @@ def test_read_into_overlapping_local_ranges_is_refused_for_a_connbuffer_remote(s
     expected = np.full(SIZE, POISON, np.uint8)
     expected[0:BLOCK] = expected[2 * BLOCK : 3 * BLOCK] = source.numpy()[BLOCK : 2 * BLOCK]
     assert sink.numpy().tobytes() == expected.tobytes()
+
+
+def test_a_batch_past_one_frame_goes_through_staged_as_it_does_ipc(make_agent: Callable[..., Agent], make_peer: Callable[..., PeerProcess], rng: np.random.Generator) -> None:
+    """4.3 million one-byte ranges (their offsets and lengths alone exceed a 64 MiB frame): staged cuts them into frames."""
+    count = 4_300_000
+    peer = make_peer(("staged",))
+    agent = make_agent(("staged",))
+    remote = peer.register(2 * count)
+    peer.poison(remote.id, 0xA5)
+    data = rng.integers(1, 255, 2 * count, dtype=np.uint8)
+    local = agent.register(data)
+    offsets = np.arange(0, 2 * count, 2, dtype=np.int64)  # every other byte: nothing coalesces
+    agent.write(local, remote, offsets, offsets, 1, timeout=120).wait()
+    landed = np.frombuffer(peer.contents(remote.id), np.uint8)
+    assert np.array_equal(landed[0::2], data[0::2]) and (landed[1::2] == 0xA5).all()
