@@ -193,8 +193,8 @@ def _cuda_rows(agent: Any, peer: Any, source: Any, size: int, name: str, timeout
             host_bytes = source.numpy()[:gpu_size]
             memory.copy(region, host_bytes)
             expected = ranges_digest(host_bytes)
-            gpu_source = agent.register(region, name=f"{name}-{here.name}")
-            remote = peer.register(gpu_size, name=f"{name}-{there.name}", device=there.name)
+            gpu_source = agent.register(region, name=f"{name}-source-{here.name}")
+            remote = peer.register(gpu_size, name=f"{name}-target-{there.name}", device=there.name)  # one GPU: here is there
             try:
                 for path in PathName:
                     if path is not PathName.LOCAL:

@@ -21,7 +21,9 @@ SIZE = 256 << 20
 
 def test_demo_moves_and_verifies_cuda_memory_over_ipc_and_staged(tmp_path: Path) -> None:
     env = {key: value for key, value in os.environ.items() if not key.startswith("HMC_")}
-    env["HMC_SOCKET"] = str(tmp_path / "demo.sock")
+    private = tmp_path / "hmc"
+    private.mkdir(mode=0o700)  # hmcd refuses a socket directory open to others
+    env["HMC_SOCKET"] = str(private / "demo.sock")
     result = subprocess.run(
         [sys.executable, "-m", "hmc.cli._main", "demo", "--size", f"{SIZE >> 20}MiB", "--json"],
         capture_output=True, text=True, timeout=240, env=env, cwd=REPO,
