@@ -211,3 +211,17 @@ def test_destination_overlap_is_refused_exactly_when_two_ranges_share_a_byte(row
         refused = True
         assert "overlap" in str(exc)
     assert refused == _overlaps(rows)
+
+
+@pytest.mark.parametrize("max_ranges", [1, 7, 1000])
+def test_chunks_bound_the_range_count_too(max_ranges: int) -> None:
+    rng = np.random.default_rng(max_ranges)
+    lengths = rng.integers(1, 300, 2500)
+    starts = np.concatenate(([0], np.cumsum(lengths + 1)[:-1]))  # gaps: nothing coalesces
+    ranges = RangeList.build(starts, starts[::-1].copy(), lengths)
+    pieces = ranges.chunks(4096, max_ranges)
+    assert all(len(piece) <= max_ranges and piece.total <= 4096 + 300 for piece in pieces)
+    joined = [np.concatenate([getattr(piece, name) for piece in pieces]) for name in ("src", "dst", "lengths")]
+    assert np.array_equal(joined[2].sum(), lengths.sum()) and len(joined[0]) >= len(ranges)
+    with pytest.raises(ArgumentError):
+        ranges.chunks(4096, 0)

@@ -232,11 +232,12 @@ class RangeList:
         cumulative = np.concatenate(([0], np.cumsum(lens)))
         return RangeList(src[starts], dst[starts], cumulative[ends] - cumulative[starts])
 
-    def chunks(self, chunk_bytes: int) -> list[RangeList]:
-        """Split into pieces of about `chunk_bytes` each, cutting long ranges, order kept."""
-        if chunk_bytes <= 0:
-            raise ArgumentError("chunk size must be positive")
-        if self.total <= chunk_bytes:
+    def chunks(self, chunk_bytes: int, max_ranges: int | None = None) -> list[RangeList]:
+        """Split into pieces of about `chunk_bytes` each (and at most `max_ranges` ranges each), cutting long ranges,
+        order kept."""
+        if chunk_bytes <= 0 or (max_ranges is not None and max_ranges <= 0):
+            raise ArgumentError("chunk size and range count must be positive")
+        if self.total <= chunk_bytes and (max_ranges is None or len(self) <= max_ranges):
             return [self]
         pieces = np.maximum((self.lengths + chunk_bytes - 1) // chunk_bytes, 1)
         if int(pieces.max()) > 1:
@@ -250,6 +251,8 @@ class RangeList:
             flat = self
         ends = np.cumsum(flat.lengths)
         bounds = np.searchsorted(ends, np.arange(chunk_bytes, int(ends[-1]), chunk_bytes), side="left") + 1
+        if max_ranges is not None:
+            bounds = np.concatenate((bounds, np.arange(max_ranges, flat.lengths.size, max_ranges)))
         out = []
         for part in np.split(np.arange(flat.lengths.size), np.unique(bounds[bounds < flat.lengths.size])):
             if part.size:

@@ -119,7 +119,7 @@ class _Transfer:
     def abort(self) -> None:
         """The handle's cancel hook: no chunk of this transfer is sent or lands after this returns."""
         self.aborted = True
-        for stream in self.streams:
+        for stream in list(self.streams):
             stream.abort_if_carrying(self)
 
     def chunk_done(self, nbytes: int) -> None:
@@ -196,18 +196,6 @@ def _exchange(
     return reply
 
 
-def _within_frames(chunks: list[RangeList]) -> list[RangeList]:
-    """`chunks` with any of more than `_FRAME_RANGES` ranges cut, so that every frame fits what the owner accepts."""
-    if all(len(chunk) <= _FRAME_RANGES for chunk in chunks):
-        return chunks
-    out = []
-    for chunk in chunks:
-        for start in range(0, len(chunk), _FRAME_RANGES):
-            end = start + _FRAME_RANGES
-            out.append(RangeList(chunk.src[start:end], chunk.dst[start:end], chunk.lengths[start:end]))
-    return out
-
-
 def _stream_error(exc: HMCError) -> HMCError:
     """What a caller sees of a failed data connection (the connection is dropped)."""
     return exc if isinstance(exc, (TimeoutError, BrokenResourceError)) else BrokenResourceError(f"data connection failed: {exc}")
@@ -240,10 +228,13 @@ class _Stream:
         return self._alive
 
     def put(self, chunk: _Chunk) -> bool:
-        """Queue a chunk; False when the stream died meanwhile (the caller picks another)."""
+        """Queue a chunk (its transfer learns the stream, to abort it); False when the stream died meanwhile (the
+        caller picks another)."""
         with self._lock:
             if self._alive:
                 self._queue.put(chunk)
+                if self not in chunk.transfer.streams:
+                    chunk.transfer.streams.append(self)
             return self._alive
 
     def _exit(self) -> None:
@@ -436,15 +427,13 @@ class StagedTransport(Transport):
         except HMCError as exc:
             request.completion.finish(exc)
             return
-        chunks = _within_frames(request.ranges.chunks(max(self._chunk_bytes, min(-(-total // len(streams)), _STREAM_CHUNK_MAX))))
+        chunks = request.ranges.chunks(max(self._chunk_bytes, min(-(-total // len(streams)), _STREAM_CHUNK_MAX)), _FRAME_RANGES)
         request.completion.set_running()
         transfer = _Transfer(request, len(chunks))
         request.completion.on_cancel = transfer.abort
         for index, ranges in enumerate(chunks):
             chunk = _Chunk(transfer, ranges)
             stream = streams[(first + index) % len(streams)]
-            if stream not in transfer.streams:
-                transfer.streams.append(stream)
             while not stream.put(chunk):
                 try:  # a stream died since we listed them: list again, opening replacements
                     streams, first = self._streams_for(request.remote, request.deadline)
@@ -452,8 +441,6 @@ class StagedTransport(Transport):
                     request.completion.finish(exc)
                     return
                 stream = streams[(first + index) % len(streams)]
-                if stream not in transfer.streams:
-                    transfer.streams.append(stream)
 
     def _round_trip(self, request: TransferRequest) -> bool:
         """Run a small transfer on this thread over an idle round-trip connection; False when none is free."""
