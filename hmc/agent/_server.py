@@ -48,6 +48,7 @@ import functools
 import logging
 import os
 import resource
+import select
 import socket
 import struct
 import threading
@@ -136,9 +137,12 @@ class PeerServer:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 tune_socket(sock, self._keepalive_s, self._timeout_s)
                 stream = FrameStream(sock, peer=f"{address[0]}:{address[1]}", max_frame=HELLO_FRAME)
-            except OSError as exc:  # EMFILE on the dup: shed this one
+            except OSError as exc:  # EMFILE on the dup: this one is shed, like one accept could not take
                 sock.close()
-                _log.warning("peer port: cannot serve %s:%s: %s", address[0], address[1], exc)
+                if exc.errno in _OUT_OF_RESOURCES:
+                    self._shed(exc)
+                else:
+                    _log.warning("peer port: cannot serve %s:%s: %s", address[0], address[1], exc)
                 continue
             thread = threading.Thread(target=self._serve, args=(stream,), name=f"hmc-peer-{address[1]}", daemon=True)
             with self._lock:
@@ -170,8 +174,9 @@ class PeerServer:
         if self._spare is not None:
             os.close(self._spare)
             self._spare = None
-            with contextlib.suppress(OSError):
-                self._listener.accept()[0].close()
+            if select.select([self._listener], [], [], 0)[0]:  # the connection it could not take (never block here)
+                with contextlib.suppress(OSError):
+                    self._listener.accept()[0].close()
             self._spare = _open_spare()
         with self._lock:
             if not self._closed:

@@ -8,6 +8,7 @@ honest peer (a real agent in another process) keeps moving verified bytes during
 
 from __future__ import annotations
 
+import os
 import resource
 import subprocess
 import sys
@@ -161,3 +162,34 @@ def test_withdrawn_is_accepted_only_from_the_buffers_owner(make_agent: Callable[
     owner.poison(third.id, 0xA5)
     victim.write(local, third, 0, 0, SIZE).wait()  # still served: the spoof changed nothing
     assert owner.contents(third.id) == data.tobytes()
+
+
+def test_running_out_of_descriptors_sheds_connections_and_the_port_recovers(
+    few_descriptors: None, make_agent: Callable[..., Agent], make_peer: Callable[..., PeerProcess], rng: np.random.Generator,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Descriptors run out below the connection bound (the process holds them elsewhere): accept fails with EMFILE,
+    the agent sheds the connection it cannot serve and goes on; once the attacker leaves, honest peers are served."""
+    victim = make_agent(("staged",))
+    target = victim.register(np.full(SIZE, 0xA5, np.uint8))
+    peer = make_peer(("staged",))
+    _honest_write(peer, target, rng)
+    held: list[int] = []
+    try:
+        while True:  # leave this process a handful of descriptors
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        for _ in range(12):
+            os.close(held.pop())
+    try:
+        with caplog.at_level("WARNING", logger="hmc.agent._server"):
+            attacker = _attack(victim, "idle", 200)
+            try:
+                assert any("shedding a connection" in record.getMessage() for record in caplog.records), "EMFILE never hit"
+                assert any(t.name == "hmc-peer-accept" and t.is_alive() for t in threading.enumerate())
+            finally:
+                _stop(attacker)
+    finally:
+        for fd in held:
+            os.close(fd)
+    _honest_write(peer, target, rng)
