@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from hmc.errors import AccessDeniedError, BrokenResourceError, ProtocolError, TimeoutError, UnavailableError, VersionMismatchError
+from hmc.errors import AccessDeniedError, BrokenResourceError, ProtocolError, TimeoutError, UnavailableError, UnsupportedError, VersionMismatchError
 from hmc.transport._channel import Channel
 from hmc.transport._ranges import iovec_rows
 from hmc.transport._splice import LEND_MIN_BYTES, Lender
@@ -118,6 +118,16 @@ def test_handshake_exchanges_agent_info_and_proves_a_key_without_sending_it(stre
     server.join()
     assert hello.agent.id == "owner" and result[0].agent.id == "initiator" and result[0].channel == peer_pb2.PeerHello.CHANNEL_DATA
     assert left.nonce == right.nonce and len(left.nonce) == 16 and right.max_frame == MAX_FRAME
+    assert left.peer_max_frame == MAX_FRAME
+
+
+def test_a_frame_past_what_the_peer_accepts_never_leaves(streams: tuple[FrameStream, FrameStream]) -> None:
+    left, right = streams
+    left.peer_max_frame = 1024
+    with pytest.raises(UnsupportedError):
+        left.send(peer_pb2.PeerFrame(notify=peer_pb2.Notify(payload=b"x" * 2048)))
+    left.send(peer_pb2.PeerFrame(notify=peer_pb2.Notify(payload=b"y" * 16)))  # the stream is intact
+    assert right.recv(time.monotonic() + 5).notify.payload == b"y" * 16
     assert left.proof(KEYED.access_key) != KEYED.access_key
 
 

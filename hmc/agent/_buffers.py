@@ -17,11 +17,10 @@ threads; one condition variable guards its dicts and user counts.
 from __future__ import annotations
 
 import collections
-import contextlib
 import hmac
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
@@ -103,20 +102,12 @@ class BufferTable:
                     return buffer
         raise UnknownBufferError(f"no buffer named {name!r} on this agent")
 
-    @contextlib.contextmanager
-    def use(self, buffer_id: str, access_key: bytes) -> Iterator[ConnBuffer]:
-        """Check access, then hold the buffer so `remove()` waits for this use to end."""
-        buffer = self.acquire(buffer_id, access_key)
-        try:
-            yield buffer
-        finally:
-            self.release(buffer_id)
-
     def acquire(
         self, buffer_id: str, access_key: bytes | None = None, *, prove: Callable[[bytes], bytes] | None = None, proof: bytes = b"",
         holder: Hashable = None,
     ) -> ConnBuffer:
-        """`use()` without a context manager (the staged owner's per-request path): pair with `release()`."""
+        """Check access, then hold the buffer so `unregister()` waits for this use to end (or cuts `holder`): pair
+        with `release()`."""
         buffer = self.get(buffer_id, access_key, prove=prove, proof=proof)
         with self._cond:
             if buffer_id not in self._by_id:

@@ -16,7 +16,8 @@ key of one of the listener's buffers (`Auth`, HMAC-SHA256 of the nonce keyed by
 the access key) and the listener acknowledges. Access keys never travel: every
 request carries such a proof, valid on its connection only (`FrameStream.proof`).
 Until a connection is authenticated its frames are bounded by `HELLO_FRAME`;
-afterwards by `MAX_FRAME`, what both ends announce in their hellos.
+afterwards by `MAX_FRAME`; each end announces its bound in its hello and `send()`
+refuses a frame past the other's (UnsupportedError) before any byte leaves.
 
 Every receive has a deadline: a frame whose first byte arrived must be complete
 within `_FRAME_REST_S` whatever the caller asked, and an idle connection is
@@ -54,6 +55,7 @@ from hmc.errors import (
     ProtocolError,
     TimeoutError,
     UnavailableError,
+    UnsupportedError,
     VersionMismatchError,
     error_from_code,
 )
@@ -175,6 +177,8 @@ class FrameStream:
         """Largest frame `recv()` accepts: HELLO_FRAME until the listener authenticated the connection."""
         self.nonce = b""
         """The listener's nonce, which every key proof on this connection is computed over."""
+        self.peer_max_frame = MAX_FRAME
+        """Largest frame the other end announced it accepts: `send()` refuses a larger one before it leaves."""
         self._proofs: dict[bytes, bytes] = {}
         self._tx = sock
         self._rx = sock.dup()
@@ -210,6 +214,8 @@ class FrameStream:
     ) -> None:
         """`send()` of a frame serialized beforehand (constant replies are serialized once)."""
         assert lend is None or not payload, "a payload is given as views or as rows to lend, not both"
+        if len(body) > self.peer_max_frame:
+            raise UnsupportedError(f"a frame of {len(body)} bytes exceeds the {self.peer_max_frame} {self.peer} accepts")
         parts: list[memoryview | bytes] = [_HEADER.pack(len(body)) + body]
         with self._send_lock:
             self._check()
@@ -432,6 +438,7 @@ def handshake(
     if len(hello.nonce) != _NONCE_BYTES:
         raise ProtocolError(f"{stream.peer} sent a hello without a nonce")
     stream.nonce = hello.nonce
+    stream.peer_max_frame = hello.max_frame or MAX_FRAME
     auth = peer_pb2.Auth(buffer_id=proves.id, key_proof=stream.proof(proves.access_key))
     stream.send(peer_pb2.PeerFrame(auth=auth), deadline=deadline)
     _expect(stream, deadline, "reply", "the proof")
