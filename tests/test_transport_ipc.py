@@ -174,15 +174,19 @@ def test_sides_with_different_entry_counts_copy_the_same_bytes(rng: np.random.Ge
     assert iovec_rows(dst_offsets, lengths).tolist() == [[0, block * (count // 2)], [(count // 2 + 3) * block, block * (count - count // 2)]]
 
 
-def test_remote_order_sorts_only_when_destinations_are_disjoint() -> None:
+def test_remote_order_sorts_and_overlapping_destinations_never_reach_it() -> None:
     ranges = RangeList.build([0, 100, 200], [300, 0, 150], [50, 50, 50])
     write = _remote_order(ranges, TransferOp.WRITE)
     assert write is not None and write.dst.tolist() == [0, 150, 300] and write.src.tolist() == [100, 200, 0]
     read = _remote_order(ranges, TransferOp.READ)  # remote = src, already sorted; local destinations (dst) disjoint
     assert read is not None and read.src.tolist() == [0, 100, 200]
-    assert _remote_order(RangeList.build([0, 100], [60, 0], [50, 70]), TransferOp.WRITE) is None  # [0,70) meets [60,110)
-    assert _remote_order(RangeList.build([100, 0], [0, 40], [50, 50]), TransferOp.READ) is None  # local [0,50) meets [40,90)
-    assert _remote_order(RangeList.build([100, 0], [0, 50], [50, 50]), TransferOp.READ) is not None  # touching is fine
+    # Overlapping destinations are the agent's to refuse, before a transport sees them (the check moved there):
+    with pytest.raises(ArgumentError):
+        RangeList.build([0, 100], [60, 0], [50, 70]).check_disjoint_dst()  # [0,70) meets [60,110)
+    with pytest.raises(ArgumentError):
+        RangeList.build([100, 0], [0, 40], [50, 50]).check_disjoint_dst()  # local [0,50) meets [40,90)
+    RangeList.build([100, 0], [0, 50], [50, 50]).check_disjoint_dst()  # touching is fine
+    assert _remote_order(RangeList.build([100, 0], [0, 50], [50, 50]), TransferOp.READ) is not None
 
 
 @pytest.mark.parametrize("op", ["write", "read"])

@@ -16,8 +16,8 @@ unregister() returns before the memory can be reused. The kernel's ptrace access
 agent with PR_SET_PTRACER_ANY) is the process-level guard.
 
 Speed. The kernel pins the remote pages of every remote iovec entry separately,
-so many-range batches are sorted by remote address (unless destination ranges
-overlap: then the given order is kept, on one thread) and each side's touching
+so many-range batches are sorted by remote address (destination ranges never
+overlap: the agent refuses such batches) and each side's touching
 neighbours are merged into one entry; the two sides' entries need not match,
 only their bytes. Up to 16 ranges, iovecs are packed with struct; beyond, built
 with numpy, at most IOV_MAX entries per side per call, partial transfers
@@ -232,25 +232,14 @@ def _copy_iovecs(call: Any, pid: int, local: np.ndarray, remote: np.ndarray, req
     return True
 
 
-def _remote_order(ranges: RangeList, op: TransferOp) -> RangeList | None:
-    """`ranges` sorted by remote offset (the kernel pins remote pages per entry: neighbours merge and
-    walk in order), or None when destination ranges overlap: then only the given order is right."""
+def _remote_order(ranges: RangeList, op: TransferOp) -> RangeList:
+    """`ranges` sorted by remote offset (the kernel pins remote pages per entry: neighbours merge and walk in
+    order). Any order lands the same bytes: the agent refused overlapping destinations (`check_disjoint_dst`)."""
     remote = ranges.dst if op is TransferOp.WRITE else ranges.src
-    if remote.size < 2:
+    if remote.size < 2 or (remote[1:] >= remote[:-1]).all():
         return ranges
-    if not (remote[1:] >= remote[:-1]).all():
-        order = np.argsort(remote)  # not stable: equal remote offsets are equal sources (READ) or overlap (WRITE, refused below)
-        ranges = RangeList(ranges.src[order], ranges.dst[order], ranges.lengths[order])
-    dst, lengths = ranges.dst, ranges.lengths
-    if op is TransferOp.READ:  # the destination is local memory, in remote order: sort it to compare neighbours
-        if lengths[0] == lengths.min() == lengths.max():
-            dst = np.sort(dst)
-        else:
-            order = np.argsort(dst)
-            dst, lengths = dst[order], lengths[order]
-    if (dst[:-1] + lengths[:-1] > dst[1:]).any():
-        return None
-    return ranges
+    order = np.argsort(remote)
+    return RangeList(ranges.src[order], ranges.dst[order], ranges.lengths[order])
 
 
 _PART_MIN = 4 << 20
@@ -346,14 +335,13 @@ class IpcTransport(Transport):
         running = _Running()
         request.completion.on_cancel = running.stop
         ranges, total = request.ranges, request.ranges.total
-        ordered = ranges if ranges.lengths.size <= _FEW or _same_memory(request.local, grant) else _remote_order(ranges, request.op)
-        if ordered is not None:
-            ranges = ordered
+        if ranges.lengths.size > _FEW and not _same_memory(request.local, grant):
+            ranges = _remote_order(ranges, request.op)
         if total <= self._inline_bytes or self._threads == 1:
             self._run(request, grant, ranges, running)
             return
-        count = 1 if ordered is None else max(1, min(self._threads, total // _PART_MIN))
-        if count == 1:  # one thread; the given order when destination ranges overlap
+        count = max(1, min(self._threads, total // _PART_MIN))
+        if count == 1:
             self._executor().submit(self._run, request, grant, ranges, running)
             return
         parts = ranges.chunks(-(-total // count))
