@@ -117,6 +117,9 @@ def test_client_life_cycle(hmcd: Hmcd) -> None:
 def test_events_end_quietly_at_their_timeout(hmcd: Hmcd) -> None:
     with hmcd.client() as client:
         assert list(client.events(timeout=0.3)) == []
+        for bad in (float("nan"), float("inf"), -1.0, "abc"):
+            with pytest.raises(ArgumentError, match="timeout"):
+                client.events(timeout=bad)  # type: ignore[arg-type]
 
 
 def test_migrate_checks_its_ranges(hmcd: Hmcd) -> None:

@@ -221,7 +221,8 @@ class Client:
     def events(self, timeout: float | None = None, include_peers: bool = False) -> EventStream:
         """Watch hmcd's events; returns once subscribed. `timeout` ends the stream (None: never)."""
         self._check_usable()
-        call = self._events.Watch(daemon_pb2.WatchRequest(include_peers=include_peers), timeout=timeout, metadata=self._metadata)
+        deadline = None if timeout is None else check_timeout(timeout)
+        call = self._events.Watch(daemon_pb2.WatchRequest(include_peers=include_peers), timeout=deadline, metadata=self._metadata)
         try:
             call.initial_metadata()  # hmcd sends it once the subscription exists
         except grpc.RpcError as exc:  # pragma: no cover - initial_metadata() returns on failure too

@@ -31,11 +31,11 @@ examples:
   hmcd                                   local agents only, on the default socket
   hmcd --listen 0.0.0.0:7710 --token s3cret --static-peer 10.0.0.2:7710
   hmcd --listen 0.0.0.0:7710 --tls-cert node.pem --tls-key node.key --tls-ca ca.pem --static-peer 10.0.0.2:7710
+  hmcd --socket /tmp/a.sock --listen 127.0.0.1:0 --port-file /tmp/a.port
 
 The unix socket's directory is created 0700; hmcd refuses an existing one that is
 not its own or that grants anything to group or others, and admits on the socket
 only its own uid and root (checked by peer credentials).
-  hmcd --socket /tmp/a.sock --listen 127.0.0.1:0 --port-file /tmp/a.port
 """
 
 

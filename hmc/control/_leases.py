@@ -181,7 +181,7 @@ class ProcessWatch:
     """Calls `on_exit` on the running loop once `process` has exited (at once if it already has).
 
     Uses a pidfd (Linux 5.3+). Where pidfds are unavailable nothing is watched
-    (`watching` is False) and the caller relies on its own checks and deadline.
+    and the caller relies on its own checks and deadline.
     """
 
     def __init__(self, process: ProcessIdentity, on_exit: Callable[[], None]) -> None:
@@ -202,10 +202,6 @@ class ProcessWatch:
             return
         self._fd = fd
         self._loop.add_reader(fd, self._fire)
-
-    @property
-    def watching(self) -> bool:
-        return self._fd is not None
 
     def _fire(self) -> None:
         on_exit = self._on_exit

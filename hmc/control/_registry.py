@@ -254,14 +254,19 @@ class Registry:
             alive = process_identity(holder.process.pid) == holder.process
             log.info("agent %s did not take back %s within %gs; released", holder.agent_id, sorted(holder.names) or "its buffers", self._grace_s)
             self._release(holder, down=not alive)
+            self._save()
 
     def _died(self, holder: _Holder) -> None:
         if self._holders.get(holder.agent_id) is holder:
             log.info("process %d of agent %s exited; its reserved names %s are free", holder.process.pid, holder.agent_id, sorted(holder.names))
             self._release(holder, down=True)
+            self._save()
 
     def _release(self, holder: _Holder, *, down: bool) -> None:
-        """Free a holder's reservations; publish the withdrawal of what it never took back (and AGENT_DOWN when `down`)."""
+        """Free a holder's reservations; publish the withdrawal of what it never took back (and AGENT_DOWN when `down`).
+
+        The caller saves the state file (each caller changes more, and saves once).
+        """
         if self._holders.get(holder.agent_id) is holder:
             del self._holders[holder.agent_id]
         holder.close()
@@ -274,7 +279,6 @@ class Registry:
         holder.buffers.clear()
         if down and holder.agent_id not in self._sessions:
             self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_AGENT_DOWN, agent_id=holder.agent_id, agent=holder.agent))
-        self._save()
 
     def _reclaim(self, holder: _Holder, descriptor: common_pb2.BufferDescriptor) -> None:
         """The holder registered `descriptor` again: that buffer and name are no longer waiting."""
