@@ -11,6 +11,7 @@ import pytest
 
 import hmc.memory as memory
 from hmc.agent import Agent, ConnBuffer
+from hmc.agent._events import AgentEvent, AgentEventKind, EventInbox
 from hmc.config import Config
 from hmc.errors import ArgumentError, ClosedResourceError, OutOfRangeError, UnavailableError, UnknownBufferError
 from hmc.transport._ranges import RangeList
@@ -223,6 +224,22 @@ def test_embedded_mode_and_daemon_requirements(config: Config) -> None:
             a.lookup("kv-cache")
     with pytest.raises(UnavailableError):
         Agent(config, daemon=True)
+
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), -1.0, "abc", 2e6], ids=repr)
+def test_events_refuses_a_bad_timeout_and_an_embedded_agent_has_none(agent: Agent, timeout: Any) -> None:
+    assert agent.events() == [] and agent.events(timeout=0.01) == []
+    with pytest.raises(ArgumentError):
+        agent.events(timeout=timeout)
+
+
+def test_an_undrained_event_inbox_keeps_the_newest_and_counts_the_dropped() -> None:
+    inbox = EventInbox(capacity=3)
+    for i in range(5):
+        inbox.deliver(AgentEvent(AgentEventKind.AGENT_DOWN, agent_id=str(i)))
+    assert [e.agent_id for e in inbox.drain()] == ["2", "3", "4"] and inbox.dropped == 2
+    assert inbox.drain(timeout=0.01) == []
 
 
 class FakeLink:

@@ -158,3 +158,17 @@ def test_wait_takes_any_real_number_of_seconds() -> None:
     pending = TransferHandle("staged", 1, time.monotonic() + 5)
     with pytest.raises(TimeoutError, match="still running"):
         pending.wait(np.float64(0.01))  # type: ignore[arg-type]
+
+
+def test_the_cancel_hook_runs_once_and_before_the_end_is_visible() -> None:
+    seen: list[TransferState] = []
+    handle = TransferHandle("staged", 1, time.monotonic() + 5)
+
+    def hook() -> None:
+        seen.append(handle.state)  # the transport stops the transfer while it still counts as running
+        handle.cancel()  # a transport that cancels from inside its own hook does not run it again
+
+    handle.on_cancel = hook
+    handle.cancel()
+    handle.cancel()
+    assert seen == [TransferState.PENDING] and handle.state is TransferState.CANCELLED and handle.on_cancel is None

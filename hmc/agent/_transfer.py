@@ -202,9 +202,11 @@ class TransferHandle:
         self._drive = drive
 
     def _stop(self, error: BaseException, state: TransferState) -> None:
-        hook = self.on_cancel
-        if hook is not None and self.state not in _FINAL:
-            self.on_cancel = None
+        with _TRANSITION:  # take the hook once: two threads that cancel (or expire) it together run it once
+            if self.state in _FINAL:  # (a handle born finished has no hook to take)
+                return
+            hook, self.on_cancel = self.on_cancel, None
+        if hook is not None:
             hook()  # the transport stops the transfer (nothing of it lands afterwards) before its end is visible
         self._settle(error, state)
 

@@ -176,6 +176,8 @@ class RangeList:
         before anything moves. Source ranges may overlap. The verdict is cached with the
         list, as a prepared transfer posts the same list again and again.
         """
+        if self.dst.size < 2:  # the usual single range: no cached_property (its lock costs ~0.7 us on 3.11)
+            return
         overlap = self._dst_overlap
         if overlap is not None:
             i, j = overlap
@@ -186,8 +188,6 @@ class RangeList:
     def _dst_overlap(self) -> tuple[int, int] | None:
         """Indices of two destination ranges that share a byte, or None when all are disjoint."""
         starts, lengths = self.dst, self.lengths
-        if starts.size < 2:
-            return None
         if starts.size <= _SMALL:
             spans = sorted((d, d + n, i) for i, (d, n) in enumerate(zip(starts.tolist(), lengths.tolist())) if n > 0)
             for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
