@@ -234,7 +234,8 @@ class Agent:
             raise UnknownBufferError(f"no buffer {buffer_id!r} on this agent")
         grace = time.monotonic() + min(self.config.timeout_s, _UNREGISTER_GRACE_S)
         self._server.withdraw(buffer_id, grace)  # ipc grantees drop their grants; one that does not answer is cut
-        if not self._buffers.wait_unused(buffer_id, grace) and self._server.cut(buffer_id):
+        if not self._buffers.wait_unused(buffer_id, grace):
+            self._server.cut(buffer_id)
             if not self._buffers.wait_unused(buffer_id, time.monotonic() + _UNREGISTER_GRACE_S):
                 raise DeviceError(f"buffer {buffer_id}: copies into it still run after its connections were cut")
         self._drop_routes(buffer_id)
