@@ -7,6 +7,7 @@
     _nixl        NIXL 1.5.1 (UCX backend) in two child processes
     _report      the issue's ratio checks, machine and provenance
     _run         one run over all of them
+    _soak        bench/soak.py's random batches, outcomes, records and bounded waits
 
 Every module is private; the CLI (`hmc.cli._bench`) and the scripts in `bench/`
 use `BenchSpec`, `run` and the workload lists from here.

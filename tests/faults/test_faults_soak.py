@@ -24,7 +24,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 @pytest.fixture
 def soak(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    """bench/soak.py as the module `soak` (bench/ is not a package; load workers import it by that name)."""
+    """bench/soak.py as the module `soak` (bench/ is not a package; load workers import bench/soak_load.py by name)."""
     monkeypatch.syspath_prepend(str(BENCH))
     yield importlib.import_module("soak")
 
