@@ -8,16 +8,19 @@ after the other, then `--batches` batches of every prompt at once. Greedy, `--ma
 each, no prefix caching (every request moves all its blocks); the prompts run from 4 to about 480
 tokens (1 to 15 KV blocks of 32 tokens).
 
-Per request it records the client's end-to-end latency and, from the decode server, the KV
-transfer time:
-  hmc   the decode worker's log line "HMCConnector: loaded request <id> (<n> blocks) in <ms> ms":
-        from the connector thread taking the load (want message sent) to the last pushed part landed;
-  nixl  NIXL's own telemetry of the READ (post to completion, `xferDuration`), read as the change in
-        `vllm:nixl_xfer_time_seconds_sum` / `_count` on the decode server's /metrics after each request
-        (sequential requests only: concurrent ones give a sum and a count per batch);
+Per request it records the client's end-to-end latency and, from the decode server's /metrics, the
+KV transfer time, each as the change of a histogram's _sum / _count across one sequential request
+(concurrent ones give a sum and a count per batch, not per request):
+  hmc   `vllm:hmc_transfer_time_seconds{kind="load"}` (HMCConnector's KVConnectorStats): from the
+        decode worker's connector thread taking the load to the last block landed;
+  nixl  `vllm:nixl_xfer_time_seconds`: NIXL's own telemetry of the READ (post to completion, `xferDuration`);
 and for both, from the servers' /metrics around each sequential request: the prefill server's request
 latency, the decode server's request latency and its time to first token (which holds the wait for
 the KV plus one decode step, whatever the connector): where the client's time goes.
+Per-request KV fields: hmc_load_ms, hmc_loads, hmc_bytes / nixl_xfer_ms, nixl_xfers, nixl_bytes,
+nixl_post_ms; per batch: <hmc_load_ms|nixl_xfer_ms>_sum and <hmc_loads|nixl_xfers>. (Until issue 10
+HMC's time came from the decode log, per request also in batches, with an hmc_blocks field; the
+blocks are the per-prompt kv_blocks, and kv_transfer_ms_per_request.concurrent is now null for both.)
 The greedy outputs of both connectors are compared prompt by prompt.
 
 The JSON (default bench/results/vllm-pd-<machine>-<date>.json, -2, -3 ... for later runs that day)
@@ -37,7 +40,6 @@ import importlib.metadata
 import json
 import os
 import random
-import re
 import signal
 import socket
 import statistics
@@ -62,7 +64,21 @@ BLOCK_SIZE = 32  # VllmServer's --block-size
 #: Without prefix caching every request moves all its prompt's blocks (the prompts share prefixes, and each repeats).
 SERVER_EXTRA_ARGS = ("--no-enable-prefix-caching",)
 REQUEST_TIMEOUT_S = 120.0  # per request through the proxy
-HMC_LOADED = re.compile(r"HMCConnector: loaded request (\S+) \((\d+) blocks\) in ([0-9.]+) ms")
+#: The /metrics histograms read, by key: (metric, a label its lines must carry, or "" for all label sets).
+SERIES = {
+    "ttft": ("vllm:time_to_first_token_seconds", ""),
+    "e2e": ("vllm:e2e_request_latency_seconds", ""),
+    "nixl_xfer": ("vllm:nixl_xfer_time_seconds", ""),
+    "nixl_post": ("vllm:nixl_post_time_seconds", ""),
+    "nixl_bytes": ("vllm:nixl_bytes_transferred", ""),
+    "hmc_xfer": ("vllm:hmc_transfer_time_seconds", 'kind="load"'),
+    "hmc_bytes": ("vllm:hmc_transfer_bytes", 'kind="load"'),
+}
+#: Per connector, the record fields filled from its SERIES "<connector>_xfer" and "<connector>_bytes".
+KV_FIELDS = {
+    "hmc": {"ms": "hmc_load_ms", "count": "hmc_loads", "bytes": "hmc_bytes"},
+    "nixl": {"ms": "nixl_xfer_ms", "count": "nixl_xfers", "bytes": "nixl_bytes"},
+}
 
 
 def bench_prompts() -> list[str]:
@@ -92,30 +108,29 @@ def side_channel_port() -> int:
 
 
 def metrics(url: str) -> dict[str, float]:
-    """The decode server's Prometheus counters this benchmark reads, summed over label sets."""
-    wanted = ("vllm:nixl_xfer_time_seconds", "vllm:nixl_post_time_seconds", "vllm:nixl_bytes_transferred",
-              "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds")
+    """A server's SERIES as "<key>_sum" and "<key>_count", each summed over the label sets it takes."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
         text = reply.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in wanted:
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        for key, (metric, label) in SERIES.items():
+            suffix = name.removeprefix(metric)
+            if suffix in ("_sum", "_count") and label in line:
+                out[key + suffix] = out.get(key + suffix, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
-def delta(after: dict[str, float], before: dict[str, float], name: str) -> tuple[float, float]:
-    """(sum, count) of histogram `name` between two scrapes."""
-    return (after.get(name + "_sum", 0.0) - before.get(name + "_sum", 0.0),
-            after.get(name + "_count", 0.0) - before.get(name + "_count", 0.0))
+def delta(after: dict[str, float], before: dict[str, float], key: str) -> tuple[float, float]:
+    """(sum, count) of the histogram SERIES[key] between two scrapes."""
+    return (after.get(key + "_sum", 0.0) - before.get(key + "_sum", 0.0),
+            after.get(key + "_count", 0.0) - before.get(key + "_count", 0.0))
 
 
 def recorded(connector: str, after: dict[str, float], before: dict[str, float], p_after: dict[str, float], p_before: dict[str, float]) -> bool:
-    """Whether both servers' /metrics already count the request just answered (and NIXL's READ)."""
-    e2e = "vllm:e2e_request_latency_seconds"
-    done = delta(after, before, e2e)[1] >= 1 and delta(p_after, p_before, e2e)[1] >= 1
-    return done and (connector != "nixl" or delta(after, before, "vllm:nixl_xfer_time_seconds")[1] >= 1)
+    """Whether both servers' /metrics already count the request just answered, and the decode server its KV transfer."""
+    done = delta(after, before, "e2e")[1] >= 1 and delta(p_after, p_before, "e2e")[1] >= 1
+    return done and delta(after, before, f"{connector}_xfer")[1] >= 1
 
 
 def tree_cpu_seconds(pgids: Sequence[int]) -> float:
@@ -217,8 +232,8 @@ def run_connector(connector: str, model: Path, served: str, prompts: Sequence[st
                 while not recorded(connector, after, before, p_after, p_before) and time.monotonic() < deadline:
                     time.sleep(0.02)  # the stats can reach the front ends after the reply
                     after, p_after = metrics(decode_url), metrics(prefill_url)
-                p_s, p_n = delta(p_after, p_before, "vllm:e2e_request_latency_seconds")
-                record.update(prompt_index=p, round=r, prefill_e2e_ms=round(1e3 * p_s, 3) if p_n == 1 else None, **decode_figures(after, before))
+                p_s, p_n = delta(p_after, p_before, "e2e")
+                record.update(prompt_index=p, round=r, prefill_e2e_ms=round(1e3 * p_s, 3) if p_n == 1 else None, **decode_figures(connector, after, before))
                 sequential.append(record)
             done = [x["e2e_ms"] for x in sequential[-len(prompts):] if x["e2e_ms"] is not None]
             log_line(f"round {r}: mean e2e {statistics.fmean(done) if done else float('nan'):.1f} ms, {len(prompts) - len(done)} failed")
@@ -230,21 +245,19 @@ def run_connector(connector: str, model: Path, served: str, prompts: Sequence[st
                 futures = [pool.submit(complete, url, served, prompt, f"bench-{connector}-b{b}-p{p}", args.max_tokens) for p, prompt in enumerate(prompts)]
                 records = [dict(f.result(), prompt_index=p, batch=b) for p, f in enumerate(futures)]
             wall = 1e3 * (time.perf_counter() - start)
-            time.sleep(0.5)
-            xfer_s, xfer_n = delta(metrics(decode_url), before, "vllm:nixl_xfer_time_seconds")
+            after, deadline = metrics(decode_url), time.monotonic() + 2.0
+            while delta(after, before, f"{connector}_xfer")[1] < len(prompts) and time.monotonic() < deadline:
+                time.sleep(0.02)  # the stats can reach the front end after the replies
+                after = metrics(decode_url)
+            xfer_s, xfer_n = delta(after, before, f"{connector}_xfer")
+            fields = KV_FIELDS[connector]
             batches.append({"batch": b, "wall_ms": round(wall, 3), "requests": records,
-                            "nixl_xfer_ms_sum": round(1e3 * xfer_s, 3) if xfer_n else None, "nixl_xfers": int(xfer_n)})
+                            f"{fields['ms']}_sum": round(1e3 * xfer_s, 3) if xfer_n else None, fields["count"]: int(xfer_n)})
             log_line(f"batch {b}: {len(prompts)} requests at once in {wall:.0f} ms")
         cpu_after, load_after = cpu_sample(pgids), os.getloadavg()
         pinned = affinities(pgids)
-    # Everything is stopped here: the decode log is complete.
-    loaded = {m.group(1): (int(m.group(2)), float(m.group(3))) for m in HMC_LOADED.finditer(logs["decode"].read_text(errors="replace"))}
-    for record in [*warmup, *sequential, *(r for b in batches for r in b["requests"])]:
-        match = next((v for k, v in loaded.items() if record["id"] in k), None)
-        if match is not None:
-            record.update(hmc_blocks=match[0], hmc_load_ms=match[1])
     concurrent_records = [r for b in batches for r in b["requests"]]
-    kv_key = "hmc_load_ms" if connector == "hmc" else "nixl_xfer_ms"
+    kv_key = KV_FIELDS[connector]["ms"]
     return {
         "kv_transfer_config": {role: kv_transfer_config(connector, role) for role in ("kv_producer", "kv_consumer")},
         "e2e_ms": {"sequential": summary([r["e2e_ms"] for r in sequential if r["e2e_ms"] is not None]),
@@ -252,7 +265,7 @@ def run_connector(connector: str, model: Path, served: str, prompts: Sequence[st
         "failed_requests": [r for r in [*warmup, *sequential, *concurrent_records] if r.get("error")],
         "kv_transfer_ms_per_request": {
             "sequential": summary([r[kv_key] for r in sequential if r.get(kv_key) is not None]),
-            "concurrent": summary([r[kv_key] for r in concurrent_records if r.get(kv_key) is not None]) if connector == "hmc" else None,
+            "concurrent": None,  # /metrics give a batch's sum, not each request's time (see "batches")
             "how": HOW_KV[connector],
         },
         "server_side_ms": {  # where the client's time goes (sequential requests): P's request, D's request, D's wait for the first token
@@ -273,25 +286,27 @@ def run_connector(connector: str, model: Path, served: str, prompts: Sequence[st
 
 
 HOW_KV = {
-    "hmc": "decode worker log 'HMCConnector: loaded request <id> (<n> blocks) in <ms> ms' (worker.py _poll_loads): "
-           "from the connector thread taking the RecvTask and sending 'want' to the last 'kv' notification seen, "
-           "so it includes the want message, the prefill side's push and the connector thread's poll interval",
+    "hmc": "HMCConnector's KVConnectorStats, exported by vLLM as vllm:hmc_transfer_time_seconds{kind=\"load\"}: "
+           "from the decode worker's connector thread taking the load (sending 'want') to the last block landed, "
+           "so it includes the want message, the prefill side's push and the connector thread's poll interval; "
+           "per request = change of its _sum on the decode server's /metrics across that request (the _count rose by one)",
     "nixl": "NIXL telemetry xferDuration (post to completion of the READ), recorded by vLLM as vllm:nixl_xfer_time_seconds; "
             "per request = change of its _sum on the decode server's /metrics across that request (the _count rose by one); "
             "excludes the side-channel handshake and the engine steps before the READ is posted",
 }
 
 
-def decode_figures(after: dict[str, float], before: dict[str, float]) -> dict[str, Any]:
+def decode_figures(connector: str, after: dict[str, float], before: dict[str, float]) -> dict[str, Any]:
     """The decode server's per-request figures from two /metrics scrapes around one sequential request."""
-    ttft_s, ttft_n = delta(after, before, "vllm:time_to_first_token_seconds")
-    xfer_s, xfer_n = delta(after, before, "vllm:nixl_xfer_time_seconds")
-    post_s, _ = delta(after, before, "vllm:nixl_post_time_seconds")
-    nbytes, _ = delta(after, before, "vllm:nixl_bytes_transferred")
-    e2e_s, e2e_n = delta(after, before, "vllm:e2e_request_latency_seconds")
+    ttft_s, ttft_n = delta(after, before, "ttft")
+    e2e_s, e2e_n = delta(after, before, "e2e")
     out: dict[str, Any] = {"decode_ttft_ms": round(1e3 * ttft_s, 3) if ttft_n == 1 else None, "decode_e2e_ms": round(1e3 * e2e_s, 3) if e2e_n == 1 else None}
+    xfer_s, xfer_n = delta(after, before, f"{connector}_xfer")
     if xfer_n:
-        out.update(nixl_xfers=int(xfer_n), nixl_xfer_ms=round(1e3 * xfer_s, 3), nixl_post_ms=round(1e3 * post_s, 3), nixl_bytes=int(nbytes))
+        fields = KV_FIELDS[connector]
+        out.update({fields["count"]: int(xfer_n), fields["ms"]: round(1e3 * xfer_s, 3), fields["bytes"]: int(delta(after, before, f"{connector}_bytes")[0])})
+        if connector == "nixl":
+            out["nixl_post_ms"] = round(1e3 * delta(after, before, "nixl_post")[0], 3)
     return out
 
 

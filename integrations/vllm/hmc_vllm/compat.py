@@ -3,8 +3,12 @@
 Each side computes its factors; the prefill side ships them in kv_transfer_params and the decode side
 compares them field by field, so a refusal says exactly what differs. The attention backend and the
 GPU vendor are deliberately absent: a pair is compatible whenever the bytes of a block mean the same
-thing on both sides (same model, dtype, heads, head size, block size and block layout in bytes).
+thing on both sides (same model weights, dtype, heads, head size, block size and block layout in
+bytes) and a prompt's text becomes the same token ids on both sides (same vocabulary and chat
+template). The model is its identity (config and weights, `hmc_vllm.identity`), never its path.
 The transfer mode is not a factor either: a prefill instance serves push, pull and hmcd decoders alike.
+The front end (API server process) knows every factor but the two a worker measures (block_bytes,
+segments); comparisons cover the factors the local side knows.
 """
 
 from __future__ import annotations
@@ -13,11 +17,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from hmc_vllm import HMC_CONNECTOR_VERSION
+from hmc_vllm.identity import chat_template_digest, load_tokenizer, model_identity, vocab_digest
 
 #: Factors whose difference makes a pair incompatible, in the order refusals list them.
 FACTORS: tuple[str, ...] = (
     "connector_version",
     "model",
+    "tokenizer",
+    "chat_template",
     "dtype",
     "cache_dtype",
     "num_layers",
@@ -30,13 +37,17 @@ FACTORS: tuple[str, ...] = (
 )
 
 
-def engine_factors(vllm_config: Any) -> dict[str, Any]:
-    """The factors known from the engine's configuration alone (the scheduler side)."""
+def engine_factors(vllm_config: Any, tokenizer: Any = None) -> dict[str, Any]:
+    """The factors known from the engine's configuration and tokenizer (loaded here when not given)."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
+    if tokenizer is None and not model.skip_tokenizer_init:
+        tokenizer = load_tokenizer(model)
     return {
         "connector_version": HMC_CONNECTOR_VERSION,
-        "model": str(model.model),
+        "model": model_identity(model),
+        "tokenizer": vocab_digest(tokenizer) if tokenizer is not None else None,
+        "chat_template": chat_template_digest(tokenizer) if tokenizer is not None else None,
         "dtype": str(model.dtype).removeprefix("torch."),
         "cache_dtype": str(vllm_config.cache_config.cache_dtype),
         "num_layers": int(model.get_num_layers(parallel)),
@@ -48,8 +59,8 @@ def engine_factors(vllm_config: Any) -> dict[str, Any]:
 
 
 def differences(local: Mapping[str, Any], peer: Mapping[str, Any]) -> list[str]:
-    """Human-readable differences, one per factor, e.g. "block_size: peer 64, here 32"."""
-    return [f"{name}: peer {peer.get(name)!r}, here {local.get(name)!r}" for name in FACTORS if local.get(name) != peer.get(name)]
+    """Human-readable differences, one per factor `local` knows, e.g. "block_size: peer 64, here 32"."""
+    return [f"{name}: peer {peer.get(name)!r}, here {local.get(name)!r}" for name in FACTORS if name in local and local.get(name) != peer.get(name)]
 
 
 def refusal(local: Mapping[str, Any], peer: Mapping[str, Any]) -> str | None:

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from hmc_vllm.metadata import HMCConnectorMetadata, WorkerHandshake
 from hmc_vllm.scheduler import HMCConnectorScheduler
+from hmc_vllm.stats import HMCKVConnectorStats, HMCPromMetrics
 from hmc_vllm.worker import HMCConnectorWorker
 
 
@@ -142,3 +143,21 @@ class HMCConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.connector_worker is not None:
             self.connector_worker.close()
+
+    # -- metrics: vLLM's KVConnectorStats -------------------------------------------
+
+    def get_kv_connector_stats(self) -> HMCKVConnectorStats | None:
+        """The worker's transfers since vLLM last asked (every step); the scheduler half records none."""
+        return self.connector_worker.stats.take() if self.connector_worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HMCKVConnectorStats:
+        """Stats from their wire form (`to_dict`, in vLLM's front end), or empty ones."""
+        return HMCKVConnectorStats() if data is None else HMCKVConnectorStats.from_dict(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: dict[type[Any], type[Any]], labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+    ) -> HMCPromMetrics:
+        """HMC's /metrics series (vllm:hmc_*), registered by vLLM's Prometheus logger in the front end."""
+        return HMCPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,10 +1,13 @@
 """The data HMCConnector's halves exchange: worker handshakes, per-step metadata, and peer messages.
 
+Client -> decode travels in kv_transfer_params: one prefill reply ("an offer"), or
+`{"do_remote_prefill": true, "hmc_batch": [offer, ...]}` for a request of several prompts; each offer
+names the prompt it holds by digest and how many decode sub-requests may load it (`loads`).
 Scheduler -> worker travels in `HMCConnectorMetadata` (one per step). Worker -> peer worker travels
 as HMC notifications (JSON, small), which arrive after the data of the transfer they ride on:
-  want    decode -> prefill (push): "write request R's blocks into these blocks of mine"
-  release decode -> prefill: "I have R's blocks (or need none): free them"
-  kv      prefill -> decode: one part of request R's blocks has landed
+  want    decode -> prefill (push): "write request R's blocks, holding prompt P, into these blocks of mine"
+  release decode -> prefill: "one of R's loads is done (or never comes)"; with all=true: "free R"
+  kv      prefill -> decode: one part of request R's blocks, holding prompt P, has landed
   err     prefill -> decode: request R's blocks will not come, and why
 """
 
@@ -23,6 +26,67 @@ from hmc_vllm.layout import KVLayout
 
 #: The key under which HMCConnector's part of kv_transfer_params travels.
 PARAMS_KEY = "hmc"
+
+#: The key of kv_transfer_params holding several prefill replies (one per prompt of a request).
+BATCH_KEY = "hmc_batch"
+
+#: The key of a prefill request's kv_transfer_params saying how many decode sub-requests will load it.
+LOADS_KEY = "hmc_loads"
+
+#: The key marking a request to a prefill instance as "free the blocks of the offer in these params".
+RELEASE_KEY = "hmc_release"
+
+#: Most decode sub-requests one prefill request's blocks may serve (vLLM's own `n` is far below).
+MAX_LOADS = 1024
+
+
+@dataclass(frozen=True)
+class Offer:
+    """One prefill request's blocks as offered in kv_transfer_params, for one prompt."""
+
+    engine_id: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    prompt: str  # digest of the prompt's token ids (hmc_vllm.identity.prompt_digest)
+    loads: int
+    factors: Mapping[str, Any]
+    workers: Mapping[str, Any]  # tp rank (str) -> WorkerHandshake.to_wire()
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.engine_id, self.request_id)
+
+    @classmethod
+    def parse(cls, params: Mapping[str, Any]) -> Offer:
+        """ProtocolError unless `params` is one well-formed prefill reply of ours."""
+        hmc = params.get(PARAMS_KEY)
+        try:
+            if not isinstance(hmc, Mapping):
+                raise TypeError(f"no {PARAMS_KEY!r} object")
+            blocks = params.get("remote_block_ids")
+            if not isinstance(blocks, list) or not all(type(b) is int and b >= 0 for b in blocks):
+                raise TypeError("remote_block_ids is not a list of block ids")
+            loads = hmc.get("loads", 1)
+            if type(loads) is not int or not 1 <= loads <= MAX_LOADS:
+                raise ValueError(f"loads must be an integer in 1..{MAX_LOADS}, not {loads!r}")
+            factors, workers, prompt = hmc.get("factors"), hmc.get("workers"), hmc.get("prompt")
+            if not isinstance(factors, Mapping) or not isinstance(workers, Mapping) or not isinstance(prompt, str):
+                raise TypeError("factors, workers or prompt digest missing")
+            return cls(str(params.get("remote_engine_id")), str(params.get("remote_request_id")), tuple(blocks), prompt, loads, factors, workers)
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"malformed HMCConnector kv_transfer_params: {exc}") from exc
+
+
+def offers(params: Mapping[str, Any] | None) -> list[Offer]:
+    """The offers in a decode request's kv_transfer_params ([] when it asks for no remote prefill of ours)."""
+    if not params or not params.get("do_remote_prefill"):
+        return []
+    if BATCH_KEY in params:
+        batch = params[BATCH_KEY]
+        if not isinstance(batch, list) or not all(isinstance(p, Mapping) for p in batch):
+            raise ProtocolError(f"malformed HMCConnector kv_transfer_params: {BATCH_KEY} is not a list of objects")
+        return [Offer.parse(p) for p in batch]
+    return [Offer.parse(params)] if PARAMS_KEY in params else []
 
 
 @dataclass(frozen=True)
@@ -51,19 +115,23 @@ class RecvTask:
     remote_request_id: str
     remote_engine_id: str
     remote_workers: Mapping[str, Any]  # tp rank (str) -> WorkerHandshake.to_wire()
-    local_blocks: tuple[int, ...]
+    local_blocks: tuple[int, ...]  # empty: nothing to load, only tell the prefill instance (a release)
     remote_blocks: tuple[int, ...]
     deadline: float  # time.time() after which the load counts as failed
-    refused: str | None = None  # set by the scheduler when the pair is incompatible
+    prompt: str = ""  # digest of this request's prompt: the blocks must hold exactly this prompt
+    refused: str | None = None  # set by the scheduler when the blocks must not be loaded, and why
+    release_all: bool = False  # the release frees the prefill request whatever loads it still expects
 
 
 @dataclass(frozen=True)
 class SendTask:
-    """Prefill side: hold `block_ids` of `request_id` for a decode instance until `expiry` (time.time())."""
+    """Prefill side: hold `block_ids` of `request_id` (prompt digest `prompt`) for `loads` decode loads until `expiry` (time.time())."""
 
     request_id: str
     block_ids: tuple[int, ...]
     expiry: float
+    prompt: str = ""
+    loads: int = 1
 
 
 @dataclass
@@ -72,6 +140,7 @@ class HMCConnectorMetadata(KVConnectorMetadata):
 
     recvs: list[RecvTask] = field(default_factory=list)
     sends: list[SendTask] = field(default_factory=list)
+    releases: list[str] = field(default_factory=list)  # prefill: held requests to free now (hmc_release)
 
 
 def encode(kind: str, **fields: Any) -> bytes:

@@ -1,34 +1,61 @@
 """Disaggregated prefill/decode proxy: one OpenAI-compatible endpoint in front of prefill and decode vLLM instances.
 
-Each completion or chat request goes twice upstream, with the same `X-Request-Id` (the client's, else a
-fresh one, returned in the response headers):
+Each completion or chat request goes to one or more prefill instances (P), then to one decode instance (D),
+all with the same `X-Request-Id` (the client's, else a fresh one, returned in the response headers):
 
-1. to a prefill instance (P) with `stream: false`, `max_tokens: 1` (and `max_completion_tokens: 1` when the
-   client used it), no `stream_options` or `min_tokens`, and `kv_transfer_params` asking for a remote decode;
-2. to a decode instance (D) with the client's own body plus the `kv_transfer_params` P returned. D's reply
-   goes back as-is: its JSON, or its server-sent events chunk by chunk when the client asked `stream: true`.
+1. P prefills each prompt once. A completions `prompt` that is a list of strings or of token-id lists is
+   split, one prefill request per element, run concurrently (round-robin over P); a string or a list of
+   ints is one prompt, and a chat request always is. Each prefill request is the client's body with
+   `stream: false`, `max_tokens: 1` (and `max_completion_tokens: 1` when the client used it), every field
+   that only shapes the output removed (`n`, `best_of`, `use_beam_search`, `echo`, `logprobs`,
+   `top_logprobs`, `prompt_logprobs`, `stop`, `stream_options`, `min_tokens`, `logit_bias`, ... see
+   `OUTPUT_ONLY_FIELDS`), and `kv_transfer_params` asking for a remote decode, with `hmc_loads` = the
+   client's `n`: how many decode sub-requests will load this prompt's KV.
+2. D gets the client's own body plus `kv_transfer_params`: P's reply params unchanged when one prefill
+   ran, `{"do_remote_prefill": true, "hmc_batch": [params of prompt 0, prompt 1, ...]}` when several ran.
+   D's reply goes back as-is: its JSON, or its server-sent events chunk by chunk when the client asked
+   `stream: true`. A prefill reply without `kv_transfer_params` (P is no KV producer) is fine: D then
+   recomputes that prompt. `use_beam_search` requests skip P (vLLM's beam search drops
+   `kv_transfer_params`, so a prefill would only pin blocks nobody loads); `best_of`, which vLLM 0.32
+   ignores, reaches D unchanged, so every answer equals a single instance's.
 
-P and D are picked round-robin, each stage on its own. An instance that fails with a connection error is
-marked down for `cooldown_s` and skipped while another instance of its stage is up; it is tried again once
-the cooldown is over, or as soon as `GET /health` on the proxy finds it answering.
+Health: a monitor probes `GET /health` on every instance every `health_interval_s` (one loop per instance,
+each probe with the connect timeout as its deadline; the first round runs before the proxy serves) and
+marks instances up or down; a connection error on a request marks its instance down at once, and the
+next probe that gets 200 marks it up. P and D are picked round-robin among the instances that are up,
+each stage on its own. When no decode (or no prefill) instance is up, a request gets HTTP 503
+`{"error": {"message": "no decode instance is up (...)", "type": "upstream_error", "code": 503}}` at once,
+before any prefill runs. The proxy's own `GET /health` reports the monitor's view (200 when a prefill and
+a decode instance are up, else 503), and costs the instances nothing.
 
 Failures are JSON errors, never hangs: the whole request has one deadline (`timeout_s`), connecting has a
 shorter one. An upstream that cannot be reached, drops the connection, misses the deadline or answers 5xx
 gives HTTP 502 `{"error": {"message": ..., "type": "upstream_error", "code": 502}}` whose message names the
-stage, the instance and the cause; an upstream 4xx is passed through with its body. When D fails after P
-succeeded, the proxy does nothing about P's blocks: the connector's lease on P frees them. When D fails in
-the middle of a stream (the status line is already sent), the stream ends with one event
+stage, the instance and the cause; an upstream 4xx is passed through with its body. When D fails in the
+middle of a stream (the status line is already sent), the stream ends with one event
 `data: {"error": {... "type": "upstream_error", "code": 502}}` followed by `data: [DONE]`, the shape vLLM
 itself uses for errors inside a stream.
+
+Release: when the proxy abandons prefilled requests (a prefill of the same request failed, D failed in
+any way before answering 2xx, or the client went away before D answered), it tells each P whose reply
+carried `kv_transfer_params` to free those blocks at once instead of holding them for the lease:
+`POST {P}/v1/completions {"model": <client's>, "prompt": "release", "max_tokens": 1,
+"kv_transfer_params": {**P's params, "hmc_release": true}}`. Releases are fire-and-forget background
+tasks (deadline: the connect timeout) that never delay the client's reply; P refuses the request before
+its engine once it has freed the blocks, and its answer is only logged at debug level. Once D answered
+2xx, D's connector owns the blocks and nothing is released.
 
 Exceptions::
 
     ProxyError
     ├── UpstreamError      an instance was unreachable, dropped the connection, timed out or answered 5xx (502)
-    └── UpstreamRejected   an instance answered 4xx: its status and body go back to the client
+    ├── UpstreamRejected   an instance answered 4xx: its status and body go back to the client
+    └── NoInstanceUp       no instance of a stage is up (503), found before anything is sent upstream
 
-Concurrency: everything runs on the server's one event loop; the pools' round-robin state is only touched
-there, between awaits, so it needs no lock.
+Concurrency: everything runs on the server's one event loop. The pools' round-robin and up/down state is
+only touched there, between awaits, so it needs no lock; the monitor's probe loops, the requests and
+the release tasks all run as tasks of that loop. The proxy keeps a reference to every release task
+until it ends; shutdown stops the monitor and waits for the releases for at most the connect timeout.
 """
 
 from __future__ import annotations
@@ -40,7 +67,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,11 +76,24 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-__all__ = ["ProxyConfig", "ProxyError", "UpstreamError", "UpstreamRejected", "build_app", "main"]
+__all__ = [
+    "HealthMonitor",
+    "NoInstanceUp",
+    "ProxyConfig",
+    "ProxyError",
+    "UpstreamError",
+    "UpstreamRejected",
+    "build_app",
+    "decode_params",
+    "main",
+    "prefill_bodies",
+    "release_body",
+]
 
 logger = logging.getLogger(__name__)
 
-#: What P is sent: "prefill only, a decode instance will pull or receive the KV" (upstream vLLM's toy proxy).
+#: What P is sent: "prefill only, a decode instance will pull or receive the KV" (upstream vLLM's toy proxy),
+#: plus `hmc_loads`, set per request.
 PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -63,8 +103,23 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
     "remote_port": None,
 }
 
-#: Client headers passed on to both instances (besides `X-Request-Id`, which the proxy always sets).
+#: Request fields (of vLLM 0.32's completion and chat requests) that only shape the output, removed from
+#: the prefill request so P prefills each prompt once and nothing else. Everything else is kept, because it
+#: may shape the prompt (`messages`, `tools`, `chat_template_kwargs`, `add_special_tokens`,
+#: `truncate_prompt_tokens`, `cache_salt`, ...). `logprob_token_ids` and `min_tokens` would even be refused
+#: without `logprobs` or with `max_tokens: 1`.
+OUTPUT_ONLY_FIELDS: frozenset[str] = frozenset({
+    "n", "best_of", "use_beam_search", "echo", "logprobs", "top_logprobs", "prompt_logprobs", "logprob_token_ids",
+    "stop", "stop_token_ids", "include_stop_str_in_output", "stream_options", "stream_interval", "min_tokens",
+    "logit_bias", "bad_words", "allowed_token_ids", "structured_outputs", "response_format", "return_token_ids",
+    "return_tokens_as_token_ids", "repetition_detection", "thinking_token_budget",
+})
+
+#: Client headers passed on to every instance (besides `X-Request-Id`, which the proxy always sets).
 FORWARDED_HEADERS: tuple[str, ...] = ("authorization",)
+
+#: Where release POSTs go on P, whatever the client's route was.
+RELEASE_PATH = "/v1/completions"
 
 
 class ProxyError(Exception):
@@ -105,6 +160,18 @@ class UpstreamRejected(ProxyError):
         return Response(self.content, status_code=self.status, media_type=self.content_type, headers=headers)
 
 
+class NoInstanceUp(ProxyError):
+    """Every instance of a stage is marked down: the request is refused before anything is sent upstream."""
+
+    def __init__(self, stage: str, urls: Sequence[str]) -> None:
+        super().__init__(f"no {stage} instance is up ({', '.join(urls)})")
+        self.stage = stage
+
+    def response(self, headers: dict[str, str]) -> Response:
+        payload = {"error": {"message": str(self), "type": "upstream_error", "code": 503}}
+        return JSONResponse(payload, status_code=503, headers=headers)
+
+
 @dataclass(frozen=True)
 class ProxyConfig:
     """Where the instances are and how long the proxy waits for them."""
@@ -116,54 +183,116 @@ class ProxyConfig:
     timeout_s: float = 300.0
     """Deadline for a whole client request: prefill, decode and the whole stream."""
     connect_timeout_s: float = 5.0
-    """Deadline for opening one connection to an instance, and for one `/health` probe."""
-    cooldown_s: float = 10.0
-    """How long an instance that failed with a connection error is skipped."""
+    """Deadline for opening one connection to an instance, for one `/health` probe and for one release."""
+    health_interval_s: float = 1.0
+    """How often every instance's `/health` is probed."""
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:
             raise ValueError("the proxy needs at least one prefill and one decode URL")
-        if min(self.timeout_s, self.connect_timeout_s) <= 0 or self.cooldown_s < 0:
-            raise ValueError("timeouts must be positive and the cooldown not negative")
+        if min(self.timeout_s, self.connect_timeout_s, self.health_interval_s) <= 0:
+            raise ValueError("timeouts and the health interval must be positive")
 
 
 @dataclass
 class Instance:
-    """One upstream vLLM server and until when it is skipped."""
+    """One upstream vLLM server, whether it is up, and since when (on the pool's clock)."""
 
     url: str
-    down_until: float = 0.0
+    up: bool = True
+    since: float = 0.0
 
 
 class InstancePool:
-    """The instances of one stage, picked round-robin, skipping those marked down while another is up."""
+    """The instances of one stage, picked round-robin among those that are up."""
 
-    def __init__(self, stage: str, urls: Sequence[str], cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, stage: str, urls: Sequence[str], clock: Callable[[], float] = time.monotonic) -> None:
         self.stage = stage
-        self.instances = [Instance(url.rstrip("/")) for url in urls]
-        self._cooldown_s = cooldown_s
+        self.instances = [Instance(url.rstrip("/"), since=clock()) for url in urls]
         self._clock = clock
         self._next = 0
 
     def pick(self) -> Instance:
-        """The next instance that is up; when all are down, the next one in turn (its failure is then reported)."""
-        now = self._clock()
+        """The next instance that is up; `NoInstanceUp` when none is."""
         count = len(self.instances)
         order = [self.instances[(self._next + i) % count] for i in range(count)]
-        chosen = next((instance for instance in order if instance.down_until <= now), order[0])
+        chosen = next((instance for instance in order if instance.up), None)
+        if chosen is None:
+            raise NoInstanceUp(self.stage, [instance.url for instance in self.instances])
         self._next = (self.instances.index(chosen) + 1) % count
         return chosen
 
-    def mark_down(self, instance: Instance) -> None:
-        """Skip `instance` for the cooldown."""
-        instance.down_until = self._clock() + self._cooldown_s
-        logger.warning("%s instance %s marked down for %gs", self.stage, instance.url, self._cooldown_s)
+    def mark(self, instance: Instance, up: bool, why: str = "") -> None:
+        """Record what a probe or a request found out about `instance`; changes are logged."""
+        if instance.up == up:
+            return
+        now = self._clock()
+        if up:
+            logger.info("%s instance %s is up again after %.1fs down", self.stage, instance.url, now - instance.since)
+        else:
+            logger.warning("%s instance %s marked down: %s", self.stage, instance.url, why or "health check failed")
+        instance.up, instance.since = up, now
 
-    def mark_up(self, instance: Instance) -> None:
-        """Use `instance` again right away."""
-        if instance.down_until > self._clock():
-            logger.info("%s instance %s is back", self.stage, instance.url)
-        instance.down_until = 0.0
+    def summary(self) -> dict[str, list[str]]:
+        """The URLs that are up and those that are down."""
+        return {
+            "up": [instance.url for instance in self.instances if instance.up],
+            "down": [instance.url for instance in self.instances if not instance.up],
+        }
+
+
+class HealthMonitor:
+    """Probes every instance of `pools` every `interval_s` and marks it up or down by the answer.
+
+    Each instance has its own loop (a slow instance never delays another's probes), which starts its next
+    probe `interval_s` after the start of the previous one, at once if that took longer. `probe` answers
+    whether an instance is healthy and bounds its own time; `clock` and `sleep` are injectable for tests.
+    """
+
+    def __init__(
+        self, pools: Sequence[InstancePool], probe: Callable[[Instance], Awaitable[bool]], interval_s: float, *,
+        clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self._pools = tuple(pools)
+        self._probe = probe
+        self._interval_s = interval_s
+        self._clock = clock
+        self._sleep = sleep
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def check(self) -> None:
+        """One round: probe every instance now, concurrently, and mark each."""
+        targets = [(pool, instance) for pool in self._pools for instance in pool.instances]
+        for (pool, instance), up in zip(targets, await asyncio.gather(*(self._probe(i) for _, i in targets))):
+            pool.mark(instance, up)
+
+    def start(self) -> None:
+        """Start one probe loop per instance on the running loop."""
+        for pool in self._pools:
+            for instance in pool.instances:
+                self._tasks.append(asyncio.create_task(self._watch(pool, instance), name=f"hmc-proxy-health {instance.url}"))
+
+    async def _watch(self, pool: InstancePool, instance: Instance) -> None:
+        started = self._clock()
+        while True:
+            await self._sleep(max(0.0, started + self._interval_s - self._clock()))
+            started = self._clock()
+            pool.mark(instance, await self._probe(instance))
+
+    async def aclose(self) -> None:
+        """Stop the probe loops (idempotent)."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """One prefill request that succeeded: where it ran and the `kv_transfer_params` P returned (if any)."""
+
+    instance: Instance
+    params: dict[str, Any] | None
 
 
 @contextlib.asynccontextmanager
@@ -175,19 +304,42 @@ async def _upstream(pool: InstancePool, instance: Instance, deadline: float) -> 
     except (TimeoutError, httpx.TimeoutException) as exc:
         raise UpstreamError(pool.stage, instance.url, f"no answer in time ({type(exc).__name__})") from exc
     except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
-        pool.mark_down(instance)
+        pool.mark(instance, False, f"{type(exc).__name__}: {exc}")
         raise UpstreamError(pool.stage, instance.url, f"connection failed ({type(exc).__name__}: {exc})") from exc
     except httpx.HTTPError as exc:
         raise UpstreamError(pool.stage, instance.url, f"{type(exc).__name__}: {exc}") from exc
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The client's body turned into a prefill-only request: one token, not streamed, KV kept for a remote decode."""
-    out = {key: value for key, value in body.items() if key not in ("stream_options", "min_tokens")}
-    out.update(stream=False, max_tokens=1, kv_transfer_params=dict(PREFILL_KV_TRANSFER_PARAMS))
+def _prompts(prompt: Any) -> list[Any]:
+    """The prompts vLLM makes of a completions `prompt`: each element of a list of strings or of token-id lists, else the one."""
+    several = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+    return list(prompt) if several else [prompt]
+
+
+def prefill_bodies(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The prefill-only requests for the client's `body`, one per prompt: one token, not streamed, output options removed."""
+    n = body.get("n")
+    loads = n if isinstance(n, int) and n > 0 else 1
+    base = {key: value for key, value in body.items() if key not in OUTPUT_ONLY_FIELDS}
+    base.update(stream=False, max_tokens=1, kv_transfer_params={**PREFILL_KV_TRANSFER_PARAMS, "hmc_loads": loads})
     if "max_completion_tokens" in body:
-        out["max_completion_tokens"] = 1
-    return out
+        base["max_completion_tokens"] = 1
+    if "prompt" not in body:
+        return [base]
+    return [{**base, "prompt": prompt} for prompt in _prompts(body["prompt"])]
+
+
+def decode_params(replies: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """D's `kv_transfer_params` from P's replies, in prompt order: the one reply's, or a batch of several (None: recompute)."""
+    if len(replies) == 1:
+        return replies[0]
+    batch = [params for params in replies if params]
+    return {"do_remote_prefill": True, "hmc_batch": batch} if batch else None
+
+
+def release_body(model: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """The request that tells P to free the blocks behind `params` now."""
+    return {"model": model, "prompt": "release", "max_tokens": 1, "kv_transfer_params": {**params, "hmc_release": True}}
 
 
 async def _json_object(request: Request) -> dict[str, Any] | None:
@@ -199,6 +351,12 @@ async def _json_object(request: Request) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (its body is read already, so the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _sse_error(error: UpstreamError, separate: bool) -> bytes:
     """The closing events of a stream that broke: the error, then `[DONE]` (after a blank line if an event was cut)."""
     event = f"data: {json.dumps(error.payload())}\n\ndata: [DONE]\n\n".encode()
@@ -206,18 +364,26 @@ def _sse_error(error: UpstreamError, separate: bool) -> bytes:
 
 
 class Proxy:
-    """The two pools, one HTTP client, and the request flow behind the routes."""
+    """The two pools, their health monitor, one HTTP client, the release tasks, and the request flow behind the routes."""
 
     def __init__(self, config: ProxyConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self.prefill = InstancePool("prefill", config.prefill_urls, config.cooldown_s, clock)
-        self.decode = InstancePool("decode", config.decode_urls, config.cooldown_s, clock)
+        self.prefill = InstancePool("prefill", config.prefill_urls, clock)
+        self.decode = InstancePool("decode", config.decode_urls, clock)
+        self.monitor = HealthMonitor((self.prefill, self.decode), self._probe, config.health_interval_s, clock=clock)
         # trust_env=False: instances are internal addresses, never reached through an HTTP(S)_PROXY.
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
             trust_env=False,
         )
+        # Release POSTs in flight; referenced here until done so they are not garbage-collected.
+        self._releases: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Learn every instance's state once, then keep probing in the background."""
+        await self.monitor.check()
+        self.monitor.start()
 
     def _deadline(self) -> float:
         """When a request that starts now must be done, on the event loop's clock."""
@@ -246,10 +412,11 @@ class Proxy:
         finally:
             await response.aclose()
 
-    async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str], deadline: float) -> dict[str, Any] | None:
-        """Run the prefill-only request; the `kv_transfer_params` P returned (None when it returned none)."""
-        instance = self.prefill.pick()
-        request = self.client.build_request("POST", instance.url + path, json=prefill_body(body), headers=headers)
+    async def _prefill(
+        self, instance: Instance, path: str, body: dict[str, Any], headers: dict[str, str], deadline: float,
+    ) -> Prefilled:
+        """Run one prefill-only request on `instance`."""
+        request = self.client.build_request("POST", instance.url + path, json=body, headers=headers)
         content = await self._read(self.prefill, instance, await self._open(self.prefill, instance, request, deadline), deadline)
         try:
             reply = json.loads(content)
@@ -258,7 +425,41 @@ class Proxy:
         params = reply.get("kv_transfer_params") if isinstance(reply, dict) else None
         if not params:
             logger.warning("prefill instance %s returned no kv_transfer_params: decode recomputes the prompt", instance.url)
-        return params
+        return Prefilled(instance, params or None)
+
+    async def _prefill_all(
+        self, path: str, body: dict[str, Any], headers: dict[str, str], deadline: float,
+    ) -> list[Prefilled]:
+        """Prefill every prompt of `body` concurrently; if one fails (or this is cancelled), the others are released."""
+        bodies = prefill_bodies(body)
+        instances = [self.prefill.pick() for _ in bodies]  # NoInstanceUp before anything is sent
+        tasks = [asyncio.create_task(self._prefill(i, path, b, headers, deadline)) for i, b in zip(instances, bodies)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+            self._release([task.result() for task in tasks if not task.cancelled() and task.exception() is None], body, headers)
+            raise
+
+    def _release(self, prefilled: Sequence[Prefilled], body: dict[str, Any], headers: dict[str, str]) -> None:
+        """Tell P to free the blocks of every abandoned prefill that has any, in background tasks."""
+        for done in prefilled:
+            if done.params:
+                release = self._send_release(done.instance.url, release_body(body.get("model"), done.params), headers)
+                task = asyncio.create_task(release, name=f"hmc-proxy-release {done.instance.url}")
+                self._releases.add(task)
+                task.add_done_callback(self._releases.discard)
+
+    async def _send_release(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+        """One release POST to the prefill instance at `url`; whatever P answers is only logged."""
+        try:
+            async with asyncio.timeout(self.config.connect_timeout_s):
+                response = await self.client.post(url + RELEASE_PATH, json=body, headers=headers)
+            logger.debug("release sent to prefill instance %s: HTTP %d", url, response.status_code)
+        except (TimeoutError, httpx.HTTPError) as exc:
+            logger.debug("release to prefill instance %s failed: %s: %s", url, type(exc).__name__, exc)
 
     async def _relay(self, instance: Instance, response: httpx.Response, deadline: float) -> AsyncIterator[bytes]:
         """D's stream, chunk by chunk; if D breaks mid-stream, an error event and `[DONE]` close it."""
@@ -286,22 +487,46 @@ class Proxy:
         if body is None:
             error = {"error": {"message": "the body must be a JSON object", "type": "invalid_request_error", "code": 400}}
             return JSONResponse(error, status_code=400, headers=reply_headers)
+        work = self._disaggregate(path, body, self._upstream_headers(request, request_id), reply_headers)
         try:
-            return await self._disaggregate(path, body, self._upstream_headers(request, request_id), reply_headers)
+            return await self._unless_disconnected(request, work, request_id)
         except ProxyError as exc:
             logger.warning("request %s: %s", request_id, exc)
             return exc.response(reply_headers)
+
+    @staticmethod
+    async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Response], request_id: str) -> Response:
+        """`work`'s response, or, if the client goes away first, `work` cancelled (which releases its prefills)."""
+        task = asyncio.create_task(work)
+        gone = asyncio.create_task(_disconnected(request))
+        try:
+            await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not task.done():
+                task.cancel()  # a cancelled task is only done once it has run its cleanup
+        if task.done():
+            return task.result()
+        with contextlib.suppress(asyncio.CancelledError, ProxyError):
+            await task
+        logger.info("request %s: the client went away before the decode instance answered", request_id)
+        return Response(status_code=499)
 
     async def _disaggregate(
         self, path: str, body: dict[str, Any], headers: dict[str, str], reply_headers: dict[str, str],
     ) -> Response:
         """Prefill on P, then D's reply: streamed through when the client asked for a stream, else its JSON."""
         deadline = self._deadline()
-        params = await self._prefill(path, body, headers, deadline)
-        instance = self.decode.pick()
+        instance = self.decode.pick()  # NoInstanceUp before any prefill runs
+        prefilled = [] if body.get("use_beam_search") else await self._prefill_all(path, body, headers, deadline)
+        params = decode_params([done.params for done in prefilled])
         decode_body = {**body, "kv_transfer_params": params} if params else body
         upstream = self.client.build_request("POST", instance.url + path, json=decode_body, headers=headers)
-        response = await self._open(self.decode, instance, upstream, deadline)
+        try:
+            response = await self._open(self.decode, instance, upstream, deadline)
+        except BaseException:  # failed, rejected, late, or cancelled because the client went away
+            self._release(prefilled, body, headers)
+            raise
         if body.get("stream"):
             media_type = response.headers.get("content-type", "text/event-stream")
             return StreamingResponse(self._relay(instance, response, deadline), media_type=media_type, headers=reply_headers)
@@ -310,10 +535,10 @@ class Proxy:
 
     async def models(self, request: Request) -> Response:
         """`GET /v1/models`, answered by a decode instance."""
-        instance = self.decode.pick()
         headers = self._upstream_headers(request, request.headers.get("x-request-id") or uuid.uuid4().hex)
         deadline = self._deadline()
         try:
+            instance = self.decode.pick()
             upstream = self.client.build_request("GET", instance.url + "/v1/models", headers=headers)
             response = await self._open(self.decode, instance, upstream, deadline)
             content = await self._read(self.decode, instance, response, deadline)
@@ -321,53 +546,50 @@ class Proxy:
             return exc.response({})
         return Response(content, status_code=response.status_code, media_type="application/json")
 
-    async def health(self) -> JSONResponse:
-        """Probe every instance now: 200 when a prefill and a decode instance are up, else 503; the body lists both."""
-        pools = (self.prefill, self.decode)
-        probes = [(pool, instance) for pool in pools for instance in pool.instances]
-        alive = await asyncio.gather(*(self._probe(pool, instance) for pool, instance in probes))
-        summary: dict[str, dict[str, list[str]]] = {pool.stage: {"up": [], "down": []} for pool in pools}
-        for (pool, instance), up in zip(probes, alive):
-            summary[pool.stage]["up" if up else "down"].append(instance.url)
-        healthy = all(summary[pool.stage]["up"] for pool in pools)
+    def health(self) -> JSONResponse:
+        """The monitor's view: 200 when a prefill and a decode instance are up, else 503; the body lists both stages."""
+        summary = {pool.stage: pool.summary() for pool in (self.prefill, self.decode)}
+        healthy = all(stage["up"] for stage in summary.values())
         return JSONResponse(summary, status_code=200 if healthy else 503)
 
-    async def _probe(self, pool: InstancePool, instance: Instance) -> bool:
-        """`GET /health` on one instance; marks it up or down by the answer."""
+    async def _probe(self, instance: Instance) -> bool:
+        """Whether `GET /health` on `instance` answers 200 within the connect timeout."""
         try:
-            response = await self.client.get(instance.url + "/health", timeout=self.config.connect_timeout_s)
-        except httpx.HTTPError:
-            up = False
-        else:
-            up = response.status_code == 200
-        if up:
-            pool.mark_up(instance)
-        else:
-            pool.mark_down(instance)
-        return up
+            async with asyncio.timeout(self.config.connect_timeout_s):
+                response = await self.client.get(instance.url + "/health")
+        except (TimeoutError, httpx.HTTPError):
+            return False
+        return response.status_code == 200
 
     @staticmethod
     def _upstream_headers(request: Request, request_id: str) -> dict[str, str]:
-        """The headers both instances get: the forwarded client headers and the request id."""
+        """The headers every instance gets: the forwarded client headers and the request id."""
         forwarded = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
         return {**forwarded, "X-Request-Id": request_id}
 
     async def aclose(self) -> None:
-        """Close the HTTP client and its connections."""
+        """Stop the monitor, give the releases in flight the connect timeout to finish, close the HTTP client."""
+        await self.monitor.aclose()
+        if self._releases:
+            _, late = await asyncio.wait(set(self._releases), timeout=self.config.connect_timeout_s)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         await self.client.aclose()
 
 
 def build_app(
     prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s: float = 300.0, *,
-    connect_timeout_s: float = 5.0, cooldown_s: float = 10.0,
+    connect_timeout_s: float = 5.0, health_interval_s: float = 1.0,
 ) -> FastAPI:
     """The proxy as an ASGI app: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`."""
-    config = ProxyConfig(tuple(prefill_urls), tuple(decode_urls), timeout_s, connect_timeout_s, cooldown_s)
+    config = ProxyConfig(tuple(prefill_urls), tuple(decode_urls), timeout_s, connect_timeout_s, health_interval_s)
     proxy = Proxy(config)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         try:
+            await proxy.start()
             yield
         finally:
             await proxy.aclose()
@@ -389,7 +611,7 @@ def build_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        return await proxy.health()
+        return proxy.health()
 
     return app
 
@@ -404,8 +626,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds for a whole request (default: %(default)s)")
-    parser.add_argument("--connect-timeout", type=float, default=5.0, help="deadline in seconds to connect to an instance (default: %(default)s)")
-    parser.add_argument("--cooldown", type=float, default=10.0, help="seconds an unreachable instance is skipped (default: %(default)s)")
+    parser.add_argument(
+        "--connect-timeout", type=float, default=5.0,
+        help="deadline in seconds to connect to an instance, for one health probe and for one release (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--health-interval", type=float, default=1.0,
+        help="seconds between two GET /health probes of each instance; requests skip instances that are down (default: %(default)s)",
+    )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="(default: %(default)s)")
     return parser
 
@@ -414,7 +642,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     """The `hmc-vllm-proxy` command."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_app(args.prefill, args.decode, args.timeout, connect_timeout_s=args.connect_timeout, cooldown_s=args.cooldown)
+    app = build_app(
+        args.prefill, args.decode, args.timeout, connect_timeout_s=args.connect_timeout, health_interval_s=args.health_interval,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

@@ -28,15 +28,36 @@ PROMPTS: tuple[str, ...] = (
 )
 
 
+#: The recipe of `make_tiny_llama`, recorded in its config.json: a directory written by another recipe is rewritten.
+TINY_LLAMA_RECIPE = 2
+
+#: A plain chat template for the test model (a base model has none, and vLLM's chat endpoint needs one).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
 def make_tiny_llama(path: str | Path, *, seed: int = 0) -> Path:
-    """Write a 2-layer random Llama (hidden 64, head_dim 32, fp32) and a byte-level BPE tokenizer to `path`."""
+    """Write a 4-layer random Llama (hidden 128, 4 heads / 2 KV heads of 32, fp32) and a byte-level BPE tokenizer with a chat template to `path`.
+
+    The weights are chosen so that the greedy output depends on every prompt token: with the usual small
+    init (0.02) attention is nearly uniform and one changed token among hundreds moves the logits by less
+    than their top-2 margin, so a test could not tell whose KV a decode instance used. Here the init is
+    0.1, the first layer keeps broad attention (it mixes every token into every position) and the later
+    layers' queries and keys are scaled by 3, so their attention is sharp and content-dependent and a
+    small change there selects other positions. Measured over 6 seeds and 576 prompts of 20-400 tokens,
+    one changed middle token changed the 12-token greedy continuation every time, while fp32 and fp64
+    give the same continuations (the sensitivity is to tokens, not to rounding).
+    """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     out = Path(path)
-    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
-        return out
+    if (out / "tokenizer.json").exists() and (out / "config.json").exists():
+        if json.loads((out / "config.json").read_text()).get("hmc_tiny_llama") == TINY_LLAMA_RECIPE:
+            return out
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -44,14 +65,21 @@ def make_tiny_llama(path: str | Path, *, seed: int = 0) -> Path:
     trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     config = LlamaConfig(
-        vocab_size=max(fast.vocab_size, 512), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
-        bos_token_id=0, eos_token_id=1, torch_dtype="float32",
+        vocab_size=max(fast.vocab_size, 512), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        initializer_range=0.1, bos_token_id=0, eos_token_id=1, torch_dtype="float32", hmc_tiny_llama=TINY_LLAMA_RECIPE,
     )
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(out)
+    with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:
+            layer.self_attn.q_proj.weight.mul_(3.0)
+            layer.self_attn.k_proj.weight.mul_(3.0)
+    model.save_pretrained(out)
     return out
 
 
@@ -93,16 +121,19 @@ class Service:
         out = self._log_file or subprocess.DEVNULL
         self.process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def wait_ready(self, timeout: float = 240.0) -> Service:
-        """Block until /health answers 200; RuntimeError (with the log's tail) if the process dies or times out."""
+    def wait_ready(self, timeout: float = 240.0, status: int = 200) -> Service:
+        """Block until /health answers `status`; RuntimeError (with the log's tail) if the process dies or times out."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} on port {self.port} exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as reply:
-                    if reply.status == 200:
+                    if reply.status == status:
                         return self
+            except urllib.error.HTTPError as exc:
+                if exc.code == status:
+                    return self
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.3)

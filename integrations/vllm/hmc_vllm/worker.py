@@ -11,9 +11,14 @@ messages as they arrive (a push starts when the `want` lands, not at the next en
 leaves its results for `get_transfer_results`. That thread, and every thread the agent starts from
 it, may run on any CPU: vLLM's CPU backend pins the worker's main thread to one core, where it
 spins between steps, and HMC's threads pinned beside it starved for seconds.
-Failures become data: a failed or late load is reported in failed_recving and its blocks in
-`block_ids_with_load_errors`; a prefill request whose lease expires or whose push fails is
-reported finished so vLLM frees its blocks.
+Identity: every `want` names the digest of the decode request's prompt and every `kv` the digest of
+the prompt the written blocks hold; the prefill worker refuses a want for another prompt and the
+decode worker fails a load whose parts hold another prompt, so blocks are never cached under the
+hashes of a prompt they do not hold.
+Failures become data: a failed, refused or late load is reported in failed_recving and its blocks in
+`block_ids_with_load_errors`, and the prefill instance is told at once (`release`); a prefill request
+is held until it has served its `loads` decode loads, its lease expires, or it is released, and is
+then reported finished so vLLM frees its blocks.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import hmc
 from hmc.errors import HMCError
 from hmc_vllm.layout import KVLayout, block_ranges, describe, storages
 from hmc_vllm.metadata import HMCConnectorMetadata, RecvTask, SendTask, WorkerHandshake, decode, encode
+from hmc_vllm.stats import TransferRecorder
 
 _log = logging.getLogger(__name__)
 
@@ -53,11 +59,27 @@ class _Load:
 
 @dataclass
 class _Push:
-    """A push in flight on the prefill side."""
+    """A push in flight on the prefill side, for one decode request (`dreq`)."""
 
     request_id: str
+    dreq: str
     handles: list[hmc.TransferHandle]
     started: float
+    nbytes: int
+
+
+@dataclass
+class _Held:
+    """Prefill side: a request's blocks, held until `loads` decode loads are done, released or expired."""
+
+    task: SendTask
+    served: int = 0
+    released: bool = False  # freed by a release of all: no more pushes start
+    pushes: dict[str, _Push] = field(default_factory=dict)  # by decode request id
+
+    @property
+    def done(self) -> bool:
+        return (self.released or self.served >= self.task.loads) and not self.pushes
 
 
 class HMCConnectorWorker:
@@ -73,9 +95,8 @@ class HMCConnectorWorker:
         self.kv_bytes: list[Any] = []  # the registered allocations as flat uint8 tensors, in buffer order
         self.layout: KVLayout | None = None
         self._handshake: WorkerHandshake | None = None
-        self._held: dict[str, SendTask] = {}  # prefill: blocks held for a decode instance
-        self._wanted: dict[str, tuple[dict[str, Any], float]] = {}  # prefill: wants that came before their SendTask
-        self._pushes: dict[str, _Push] = {}
+        self._held: dict[str, _Held] = {}  # prefill: blocks held for decode instances
+        self._wanted: dict[str, list[tuple[dict[str, Any], float]]] = {}  # prefill: wants that came before their SendTask
         self._loads: dict[str, _Load] = {}  # decode: by local request id
         self._steps: queue.SimpleQueue[HMCConnectorMetadata] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards the four result sets below, shared with the engine's thread
@@ -86,6 +107,7 @@ class HMCConnectorWorker:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._client: hmc.Client | None = None  # hmcd mode only
+        self.stats = TransferRecorder()  # taken by vLLM every step (HMCConnector.get_kv_connector_stats)
 
     # -- once ------------------------------------------------------------------------
 
@@ -152,10 +174,11 @@ class HMCConnectorWorker:
 
     def _take(self, meta: HMCConnectorMetadata) -> None:
         for send in meta.sends:
-            self._held[send.request_id] = send
-            wanted = self._wanted.pop(send.request_id, None)
-            if wanted is not None:
-                self._push(send, wanted[0])
+            held = self._held[send.request_id] = _Held(send)
+            for want, _ in self._wanted.pop(send.request_id, []):
+                self._push(held, want)
+        for request_id in meta.releases:
+            self._release(request_id, everything=True)
         for task in meta.recvs:
             self._start_load(task)
 
@@ -170,13 +193,14 @@ class HMCConnectorWorker:
         if task.local_blocks:
             self._loads[task.request_id] = load
         try:
-            if task.refused:
-                raise HMCError(task.refused)
+            if task.refused or not task.local_blocks:
+                self._tell_release(task)
+                if task.refused:
+                    raise HMCError(task.refused)
+                return
             load.peer = self._peer(task)
             remote = [hmc.BufferDescriptor.FromString(b) for b in load.peer.buffers]
-            if not task.local_blocks:
-                self._message(remote[0], encode("release", req=task.remote_request_id))
-            elif self.settings.mode == "hmcd":
+            if self.settings.mode == "hmcd":
                 self._migrate(load, remote)
             elif self.settings.mode == "pull":
                 assert self.agent is not None and self.layout is not None
@@ -188,12 +212,22 @@ class HMCConnectorWorker:
                         remote[0],
                         encode(
                             "want", req=task.remote_request_id, dreq=task.request_id, blocks=list(task.local_blocks),
-                            rblocks=list(task.remote_blocks), peer=self._handshake.to_wire() if self._handshake else None,
+                            rblocks=list(task.remote_blocks), prompt=task.prompt, peer=self._handshake.to_wire() if self._handshake else None,
                         ),
                     )
                 )
         except HMCError as exc:
             self._fail_load(task, str(exc))
+
+    def _tell_release(self, task: RecvTask) -> None:
+        """Tell the prefill instance that one load of its request (or, with release_all, all) will not come."""
+        if not task.remote_workers:
+            return
+        try:
+            remote = hmc.BufferDescriptor.FromString(self._peer(task).buffers[0])
+            self._message(remote, encode("release", req=task.remote_request_id, all=task.release_all))
+        except HMCError as exc:
+            _log.warning("HMCConnector: release of request %s not delivered (its lease frees it): %s", task.remote_request_id, exc)
 
     def _migrate(self, load: _Load, remote: list[hmc.BufferDescriptor]) -> None:
         """Ask hmcd to have the prefill instance's agent write the blocks here (a third-party transfer)."""
@@ -203,7 +237,7 @@ class HMCConnectorWorker:
         task = load.task
         groups = block_ranges(load.peer.layout, self.layout, task.remote_blocks, task.local_blocks)
         for i, ((src, dst), (s_off, d_off, lengths)) in enumerate(groups.items()):
-            notify = encode("kv", dreq=task.request_id, part=i, parts=len(groups))
+            notify = encode("kv", dreq=task.request_id, part=i, parts=len(groups), prompt=task.prompt)
             self._client.submit(remote[src], self.buffers[dst].descriptor, s_off, d_off, lengths, notify=notify, timeout=self._remaining(task))
 
     def _remaining(self, task: RecvTask) -> float:
@@ -216,11 +250,17 @@ class HMCConnectorWorker:
 
     # -- prefill side -------------------------------------------------------------------------
 
-    def _push(self, send: SendTask, want: dict[str, Any]) -> None:
-        """Write the held blocks a `want` asked for into the decode worker's blocks."""
+    def _push(self, held: _Held, want: dict[str, Any]) -> None:
+        """Write the held blocks a `want` asked for into the decode worker's blocks (once per decode request)."""
         assert self.agent is not None and self.layout is not None
-        dreq = str(want.get("dreq"))
+        send, dreq = held.task, str(want.get("dreq"))
+        if dreq in held.pushes:
+            return
         try:
+            if held.released or held.served >= send.loads:
+                raise HMCError(f"request {send.request_id} served its {send.loads} load(s) or was released")
+            if want.get("prompt") != send.prompt:
+                raise HMCError(f"request {send.request_id} holds another prompt's KV (digest {send.prompt[:12]}, wanted {str(want.get('prompt'))[:12]})")
             peer = WorkerHandshake.from_wire(want.get("peer") or {})
             remote = [hmc.BufferDescriptor.FromString(b) for b in peer.buffers]
             rblocks = [int(b) for b in want.get("rblocks", ())]
@@ -230,15 +270,20 @@ class HMCConnectorWorker:
             groups = block_ranges(self.layout, peer.layout, rblocks, [int(b) for b in want.get("blocks", ())])
             timeout = max(send.expiry - time.time(), self.settings.message_timeout_s)
             handles = [
-                self.agent.write(self.buffers[src], remote[dst], s_off, d_off, lengths, notify=encode("kv", dreq=dreq, part=i, parts=len(groups)), timeout=timeout)
+                self.agent.write(
+                    self.buffers[src], remote[dst], s_off, d_off, lengths,
+                    notify=encode("kv", dreq=dreq, part=i, parts=len(groups), prompt=send.prompt), timeout=timeout,
+                )
                 for i, ((src, dst), (s_off, d_off, lengths)) in enumerate(groups.items())
             ]
         except HMCError as exc:
             _log.error("HMCConnector: push of request %s failed: %s", send.request_id, exc)
+            self.stats.failure("push")
             self._reply_error(want, str(exc))
-            self._finish_send(send.request_id)
+            self._serve(held)
             return
-        self._pushes[send.request_id] = _Push(send.request_id, handles, time.monotonic())
+        nbytes = sum(int(lengths.sum()) for _, _, lengths in groups.values())
+        held.pushes[dreq] = _Push(send.request_id, dreq, handles, time.monotonic(), nbytes)
 
     def before_push(self, send: SendTask, block_ids: list[int]) -> None:
         """Hook run just before blocks are pushed (the tests' negative control corrupts them here)."""
@@ -250,9 +295,26 @@ class HMCConnectorWorker:
         except HMCError as exc:
             _log.warning("HMCConnector: could not tell the decode instance: %s", exc)
 
+    def _serve(self, held: _Held) -> None:
+        """One of the held request's loads is over (pushed, failed, refused or released): free it when all are."""
+        held.served += 1
+        if held.done:
+            self._finish_send(held.task.request_id)
+
+    def _release(self, request_id: str, everything: bool) -> None:
+        """A decode load of `request_id` will not come (or, `everything`, none will): free what is no longer needed."""
+        held = self._held.get(request_id)
+        if held is None:
+            return
+        if everything:
+            held.released = True
+            if held.done:
+                self._finish_send(request_id)
+        else:
+            self._serve(held)
+
     def _finish_send(self, request_id: str) -> None:
         self._held.pop(request_id, None)
-        self._pushes.pop(request_id, None)
         with self._lock:
             self._finished_sending.add(request_id)
 
@@ -281,32 +343,39 @@ class HMCConnectorWorker:
             req = str(message.get("req"))
             held = self._held.get(req)
             if held is None:
-                self._wanted[req] = (message, time.monotonic())
-            elif req not in self._pushes:
+                self._wanted.setdefault(req, []).append((message, time.monotonic()))
+            else:
                 self._push(held, message)
         elif kind == "release":
-            if str(message.get("req")) in self._held:
-                self._finish_send(str(message.get("req")))
+            self._release(str(message.get("req")), everything=message.get("all") is True)
         elif kind == "kv":
             load = self._loads.get(str(message.get("dreq")))
-            if load is not None:
-                load.parts = int(message["parts"])
-                load.landed.add(int(message["part"]))
+            if load is None:
+                return
+            if message.get("prompt") != load.task.prompt:
+                self._fail_load(load.task, f"the blocks that landed hold another prompt's KV (digest {str(message.get('prompt'))[:12]}, this prompt {load.task.prompt[:12]})")
+                return
+            load.parts = int(message["parts"])
+            load.landed.add(int(message["part"]))
         else:
             load = self._loads.get(str(message.get("dreq")))
             if load is not None:
                 self._fail_load(load.task, f"the prefill instance refused: {message.get('reason')}")
 
     def _poll_pushes(self) -> None:
-        for push in list(self._pushes.values()):
-            if not all(h.done() for h in push.handles):
-                continue
-            failed = [h.error for h in push.handles if h.error is not None]
-            if failed:
-                _log.error("HMCConnector: push of request %s failed: %s", push.request_id, failed[0])
-            else:
-                _log.debug("HMCConnector: pushed request %s in %.3f ms", push.request_id, 1e3 * (time.monotonic() - push.started))
-            self._finish_send(push.request_id)
+        for held in list(self._held.values()):
+            for push in list(held.pushes.values()):
+                if not all(h.done() for h in push.handles):
+                    continue
+                failed = [h.error for h in push.handles if h.error is not None]
+                if failed:
+                    _log.error("HMCConnector: push of request %s to %s failed: %s", push.request_id, push.dreq, failed[0])
+                    self.stats.failure("push")
+                else:
+                    self.stats.record("push", push.nbytes, time.monotonic() - push.started)
+                    _log.debug("HMCConnector: pushed request %s to %s in %.3f ms", push.request_id, push.dreq, 1e3 * (time.monotonic() - push.started))
+                del held.pushes[push.dreq]
+                self._serve(held)
 
     def _poll_loads(self) -> None:
         for request_id, load in list(self._loads.items()):
@@ -317,6 +386,8 @@ class HMCConnectorWorker:
                 self._fail_load(load.task, f"transfer failed: {failed[0]}")
             elif self.settings.mode == "pull" or (load.parts is not None and len(load.landed) == load.parts):
                 self._loads.pop(request_id)
+                assert self.layout is not None
+                self.stats.record("load", len(load.task.local_blocks) * len(self.layout.segments) * self.layout.block_bytes, time.monotonic() - load.started)
                 with self._lock:
                     self._finished_recving.add(request_id)
                 _log.info("HMCConnector: loaded request %s (%d blocks) in %.3f ms", request_id, len(load.task.local_blocks), 1e3 * (time.monotonic() - load.started))
@@ -329,13 +400,15 @@ class HMCConnectorWorker:
     def _expire(self) -> None:
         now, mono = time.time(), time.monotonic()
         for request_id, held in list(self._held.items()):
-            if held.expiry <= now and request_id not in self._pushes:
+            if held.task.expiry <= now and not held.pushes:
                 _log.warning("HMCConnector: lease of request %s expired before a decode instance took its blocks; freeing them", request_id)
+                self.stats.failure("push")
                 self._finish_send(request_id)
-        for req, (message, arrived) in list(self._wanted.items()):
-            if mono - arrived > min(self.settings.lease_s, UNKNOWN_WANT_S):
+        for req, wants in list(self._wanted.items()):
+            if mono - wants[0][1] > min(self.settings.lease_s, UNKNOWN_WANT_S):
                 self._wanted.pop(req)
-                self._reply_error(message, f"request {req} is not held here (expired or unknown)")
+                for message, _ in wants:
+                    self._reply_error(message, f"request {req} is not held here (expired or unknown)")
         for load in list(self._loads.values()):
             if load.task.deadline <= now:
                 self._fail_load(load.task, f"no KV after {self.settings.load_timeout_s:g}s")
@@ -347,6 +420,7 @@ class HMCConnectorWorker:
             return
         for handle in load.handles:
             handle.cancel()
+        self.stats.failure("load")
         with self._lock:
             self._finished_recving.add(task.request_id)
             self._failed_recving.add(task.request_id)

@@ -7,6 +7,7 @@ real workers (two HMC agents, real ipc transfers) over real KV tensors shaped li
 from __future__ import annotations
 
 import importlib.util
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -145,11 +146,13 @@ def engine_config(model: Path, role: str, block_size: int = 32, policy: str = "f
     return args.create_engine_config()
 
 
-def request(request_id: str, tokens: int, params: dict[str, Any]) -> Any:
+def request(request_id: str, tokens: int | list[int], params: dict[str, Any]) -> Any:
+    """A vLLM Request of `tokens` (a prompt, or its length: the prompt 1..n) carrying `params`."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    return Request(request_id, list(range(1, tokens + 1)), SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params}), None)
+    prompt = list(range(1, tokens + 1)) if isinstance(tokens, int) else tokens
+    return Request(request_id, prompt, SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params}), None)
 
 
 def scheduler(config: Any) -> Any:
@@ -170,12 +173,12 @@ def handshake(layout_caches: dict[str, Any] | None = None) -> WorkerHandshake:
     return WorkerHandshake((b"descriptor",), describe(caches, storages(caches), NUM_BLOCKS))
 
 
-def prefill_params(tiny_model: Path, block_size: int = 32) -> dict[str, Any]:
+def prefill_params(tiny_model: Path, block_size: int = 32, tokens: int | list[int] = 70, request_id: str = "p-1", **extra: Any) -> dict[str, Any]:
     from vllm.v1.request import RequestStatus
 
     p = scheduler(engine_config(tiny_model, "kv_producer", block_size))
     p.set_handshakes({(0, 0): handshake()})
-    finished = request("p-1", 70, {"do_remote_decode": True})
+    finished = request(request_id, tokens, {"do_remote_decode": True, **extra})
     finished.status = RequestStatus.FINISHED_LENGTH_CAPPED
     delay, params = p.request_finished(finished, [4, 5, 6])
     assert delay is True and params is not None
@@ -184,10 +187,36 @@ def prefill_params(tiny_model: Path, block_size: int = 32) -> dict[str, Any]:
 
 
 def test_prefill_holds_blocks_and_returns_what_decode_needs(tiny_model: Path) -> None:
+    from hmc_vllm.identity import prompt_digest
+
     params = prefill_params(tiny_model)
     assert params["do_remote_prefill"] is True and params["remote_block_ids"] == [4, 5, 6] and params["remote_request_id"] == "p-1"
     assert params["hmc"]["factors"]["block_size"] == 32 and params["hmc"]["factors"]["block_bytes"] == 8192
     assert params["hmc"]["workers"]["0"]["buffers"]
+    assert params["hmc"]["prompt"] == prompt_digest(list(range(1, 71))) and params["hmc"]["loads"] == 1
+    assert params["hmc"]["factors"]["tokenizer"] and params["hmc"]["factors"]["chat_template"]
+    assert str(tiny_model) not in json.dumps(params["hmc"]["factors"])  # the model is its identity, not its path
+
+
+@pytest.mark.parametrize("loads", [0, -1, 1025, 2.0, "2", None, True])
+def test_prefill_offers_nothing_for_a_bad_load_count(tiny_model: Path, loads: Any) -> None:
+    from vllm.v1.request import RequestStatus
+
+    p = scheduler(engine_config(tiny_model, "kv_producer"))
+    p.set_handshakes({(0, 0): handshake()})
+    finished = request("p-9", 70, {"do_remote_decode": True, "hmc_loads": loads})
+    finished.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert p.request_finished(finished, [4, 5, 6]) == (False, None)
+    assert p.build_connector_meta().sends == []
+
+
+def test_a_release_request_frees_only_this_engines_offer(tiny_model: Path) -> None:
+    params = prefill_params(tiny_model)
+    p = scheduler(engine_config(tiny_model, "kv_producer"))
+    p.engine_id = params["remote_engine_id"]
+    assert p.request_finished(request("r-1", 1, {**params, "hmc_release": True}), []) == (False, None)
+    assert p.request_finished(request("r-2", 1, {**params, "remote_engine_id": "someone-else", "hmc_release": True}), []) == (False, None)
+    assert p.build_connector_meta().releases == ["p-1"]
 
 
 def test_decode_loads_the_prompt_asynchronously_once(tiny_model: Path) -> None:
@@ -215,7 +244,69 @@ def test_incompatible_peer_is_refused_with_what_differs(tiny_model: Path) -> Non
 
     recompute = scheduler(engine_config(tiny_model, "kv_consumer", policy="recompute"))
     recompute.set_handshakes({(0, 0): handshake()})
-    assert recompute.get_num_new_matched_tokens(request("d-3", 70, prefill_params(tiny_model, block_size=64)), 0) == (0, False)
+    refused = request("d-3", 70, prefill_params(tiny_model, block_size=64))
+    assert recompute.get_num_new_matched_tokens(refused, 0) == (0, False)
+    recompute.update_state_after_alloc(refused, blocks([]), 0)
+    [release] = recompute.build_connector_meta().recvs  # the prefill's blocks are released at once
+    assert release.local_blocks == () and release.remote_request_id == "p-1" and release.refused
+
+
+def decoder(tiny_model: Path, policy: str = "fail") -> Any:
+    d = scheduler(engine_config(tiny_model, "kv_consumer", policy=policy))
+    d.set_handshakes({(0, 0): handshake()})
+    return d
+
+
+def test_each_prompt_of_a_batch_takes_the_offer_for_its_own_prompt(tiny_model: Path) -> None:
+    short, long = [7] * 40, list(range(3, 90))
+    batch = {"do_remote_prefill": True, "hmc_batch": [prefill_params(tiny_model, tokens=long, request_id="p-long"), prefill_params(tiny_model, tokens=short, request_id="p-short")]}
+    d = decoder(tiny_model)
+    first, second = request("d-short", short, json.loads(json.dumps(batch))), request("d-long", long, json.loads(json.dumps(batch)))
+    assert d.get_num_new_matched_tokens(first, 0) == (40, True) and d.get_num_new_matched_tokens(second, 0) == (87, True)
+    d.update_state_after_alloc(first, blocks([1, 2]), 40)
+    d.update_state_after_alloc(second, blocks([3, 4, 5]), 87)
+    tasks = {t.request_id: t for t in d.build_connector_meta().recvs}
+    assert tasks["d-short"].remote_request_id == "p-short" and tasks["d-long"].remote_request_id == "p-long"
+    assert tasks["d-short"].refused is None and tasks["d-long"].refused is None
+
+
+def test_n_sub_requests_share_one_offer_of_n_loads_and_no_more(tiny_model: Path) -> None:
+    params = prefill_params(tiny_model, hmc_loads=2)
+    d = decoder(tiny_model)
+    children = [request(f"{i}_d", 70, json.loads(json.dumps(params))) for i in range(3)]
+    assert [d.get_num_new_matched_tokens(c, 0) for c in children] == [(70, True)] * 3  # policy "fail": the third fails as data
+    for i, child in enumerate(children):
+        d.update_state_after_alloc(child, blocks([10 + i, 20 + i, 30 + i]), 70)
+    first, second, third = d.build_connector_meta().recvs
+    assert first.refused is None and second.refused is None and first.remote_request_id == second.remote_request_id == "p-1"
+    assert third.refused is not None and "all taken" in third.refused
+
+
+def test_kv_offered_for_another_prompt_is_refused_and_released(tiny_model: Path) -> None:
+    """The swapped-params attack: prompt B sent with the params prefill returned for A (same length, one token differs)."""
+    a = list(range(1, 71))
+    b = a[:35] + [999] + a[36:]
+    d = decoder(tiny_model)
+    swapped = request("d-b", b, prefill_params(tiny_model, tokens=a))
+    assert d.get_num_new_matched_tokens(swapped, 0) == (70, True)
+    d.update_state_after_alloc(swapped, blocks([1, 2, 3]), 70)
+    [task] = d.build_connector_meta().recvs
+    assert task.refused is not None and "another prompt" in task.refused and task.release_all
+
+    recompute = decoder(tiny_model, "recompute")
+    swapped = request("d-b2", b, prefill_params(tiny_model, tokens=a))
+    assert recompute.get_num_new_matched_tokens(swapped, 0) == (0, False)  # computed here, from B's own tokens
+
+
+def test_malformed_params_are_refused_not_raised(tiny_model: Path) -> None:
+    params = prefill_params(tiny_model)
+    d = decoder(tiny_model)
+    for i, bad in enumerate([{**params, "remote_block_ids": "4,5"}, {**params, "hmc": {**params["hmc"], "loads": float("nan")}}, {"do_remote_prefill": True, "hmc_batch": {"x": 1}}]):
+        incoming = request(f"d-bad-{i}", 70, bad)
+        assert d.get_num_new_matched_tokens(incoming, 0) == (70, True)
+        d.update_state_after_alloc(incoming, blocks([1, 2, 3]), 70)
+        [task] = d.build_connector_meta().recvs
+        assert task.refused is not None and "malformed" in task.refused
 
 
 # -- the worker half: two real workers, real agents ---------------------------------------------------
@@ -260,10 +351,12 @@ def collect(worker: HMCConnectorWorker, until: Any, timeout: float = 10.0) -> tu
     return got
 
 
-def recv_task(p: HMCConnectorWorker, request_id: str, remote_request_id: str, local: tuple[int, ...], remote: tuple[int, ...], seconds: float = 3.0) -> RecvTask:
+def recv_task(
+    p: HMCConnectorWorker, request_id: str, remote_request_id: str, local: tuple[int, ...], remote: tuple[int, ...], seconds: float = 3.0, prompt: str = "",
+) -> RecvTask:
     wire = p.handshake()
     assert wire is not None
-    return RecvTask(request_id, remote_request_id, "P", {"0": wire.to_wire()}, local, remote, time.time() + seconds)
+    return RecvTask(request_id, remote_request_id, "P", {"0": wire.to_wire()}, local, remote, time.time() + seconds, prompt)
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
@@ -336,14 +429,58 @@ def test_a_decode_side_with_another_block_layout_is_refused_by_the_prefill_side(
         d.close()
 
 
-def test_a_refused_task_fails_immediately_without_contacting_the_peer(pair: Any) -> None:
+def test_a_refused_task_fails_immediately_and_the_prefill_side_frees_its_blocks(pair: Any) -> None:
     p, _, d, _ = pair
     wire = p.handshake()
     assert wire is not None
+    p.submit(HMCConnectorMetadata(sends=[SendTask("p-6", (4,), time.time() + 30)]))
     task = RecvTask("d-6", "p-6", "P", {"0": wire.to_wire()}, (4,), (4,), time.time() + 30, refused="HMCConnector: incompatible KV caches (dtype)")
     d.submit(HMCConnectorMetadata(recvs=[task]))
     _, _, failed = collect(d, lambda s, r, f: "d-6" in f, timeout=2)
     assert failed == {"d-6"} and d.block_ids_with_load_errors() == {4}
+    sending, _, _ = collect(p, lambda s, r, f: "p-6" in s, timeout=2)  # not after the 30 s lease
+    assert sending == {"p-6"}
+
+
+def test_one_offer_serves_its_loads_then_is_freed(pair: Any) -> None:
+    p, p_caches, d, d_caches = pair
+    assert p.layout is not None and d.layout is not None
+    p.submit(HMCConnectorMetadata(sends=[SendTask("p-8", (3, 9), time.time() + 30, prompt="A", loads=2)]))
+    first = recv_task(p, "0_d-8", "p-8", (11, 12), (3, 9), prompt="A")
+    d.submit(HMCConnectorMetadata(recvs=[first]))
+    collect(d, lambda s, r, f: "0_d-8" in r)
+    assert p.get_transfer_results()[0] == set()  # one load of two: still held
+    d.submit(HMCConnectorMetadata(recvs=[recv_task(p, "1_d-8", "p-8", (21, 22), (3, 9), prompt="A")]))
+    _, recving, failed = collect(d, lambda s, r, f: "1_d-8" in r)
+    assert not failed
+    collect(p, lambda s, r, f: "p-8" in s)
+    for src, dst in ((3, 11), (9, 12), (3, 21), (9, 22)):
+        assert block_bytes(d_caches, d.layout, dst) == block_bytes(p_caches, p.layout, src)
+
+
+def test_a_want_for_another_prompt_is_refused_and_nothing_is_written(pair: Any) -> None:
+    p, _, d, d_caches = pair
+    assert d.layout is not None
+    untouched = block_bytes(d_caches, d.layout, 11)
+    p.submit(HMCConnectorMetadata(sends=[SendTask("p-10", (3,), time.time() + 30, prompt="A")]))
+    d.submit(HMCConnectorMetadata(recvs=[recv_task(p, "d-10", "p-10", (11,), (3,), prompt="B")]))
+    _, _, failed = collect(d, lambda s, r, f: "d-10" in f)
+    assert failed == {"d-10"} and d.block_ids_with_load_errors() == {11}
+    assert block_bytes(d_caches, d.layout, 11) == untouched
+    sending, _, _ = collect(p, lambda s, r, f: "p-10" in s)  # its one load is spent on the refusal
+    assert sending == {"p-10"}
+
+
+def test_a_release_of_everything_frees_the_request_at_once(pair: Any) -> None:
+    p, _, d, _ = pair
+    p.submit(HMCConnectorMetadata(sends=[SendTask("p-11", (3,), time.time() + 30, prompt="A", loads=4)]))
+    release = RecvTask("d-11", "p-11", "P", {"0": p.handshake().to_wire()}, (), (), time.time() + 30, "A", release_all=True)  # type: ignore[union-attr]
+    d.submit(HMCConnectorMetadata(recvs=[release]))
+    sending, _, _ = collect(p, lambda s, r, f: "p-11" in s, timeout=3)
+    assert sending == {"p-11"}
+    p.submit(HMCConnectorMetadata(sends=[SendTask("p-12", (3,), time.time() + 30, prompt="A", loads=4)], releases=["p-12"]))
+    sending, _, _ = collect(p, lambda s, r, f: "p-12" in s, timeout=3)
+    assert sending == {"p-12"}
 
 
 def test_worker_needs_its_peer_of_the_same_tensor_parallel_rank(pair: Any) -> None:

@@ -2,11 +2,18 @@
 
 Two vLLM servers run in subprocesses for the whole module; the proxy runs in this process under uvicorn
 on a port the kernel picked, and is talked to over HTTP. Plain servers make every answer checkable: the
-decode instance recomputes the prompt, so greedy output through the proxy equals output from one server.
+decode instance recomputes the prompt, so output through the proxy equals output from one server.
+
+What the proxy sends upstream is observed by `Recorder`, a small HTTP server in front of a real vLLM
+server that records every POST and forwards it. With `stamp=True` it also plays the part of a KV
+producer's reply (plain vLLM returns no `kv_transfer_params`): each prefill reply gets parameters
+naming its prompt, so the decode request's parameters and the release POSTs can be checked exactly.
+`Decoy` stands in for a decode instance that is healthy but fails the request in a chosen way.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import json
@@ -15,7 +22,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +38,16 @@ pytestmark = [
 if importlib.util.find_spec("vllm") is not None:
     import httpx
     import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response
 
-    from hmc_vllm.proxy import build_app
-    from hmc_vllm.testing import PROMPTS, VllmServer, make_tiny_llama
+    from hmc_vllm.proxy import HealthMonitor, Instance, InstancePool, NoInstanceUp, build_app, release_body
+    from hmc_vllm.testing import PROMPTS, VllmServer, free_port, make_tiny_llama
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 MAX_TOKENS = 12
+#: Fields no prefill request may carry: they only shape the output.
+OUTPUT_FIELDS = {"n", "best_of", "use_beam_search", "echo", "logprobs", "top_logprobs", "prompt_logprobs", "stop", "stream_options"}
 
 
 @pytest.fixture(scope="module")
@@ -61,25 +73,146 @@ def servers(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
             server.stop()
 
 
+class Served:
+    """`app` served by uvicorn in a thread on 127.0.0.1 (on `port`, else one the kernel picks), until `stop()` or the block's end."""
+
+    def __init__(self, app: Any, port: int = 0) -> None:
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", port))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", ws="none", lifespan="on", timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, name="hmc-proxy-test-server", daemon=True)
+        self._thread.start()
+        wait_until(lambda: self._server.started or not self._thread.is_alive(), 15, "the server did not start")
+        assert self._thread.is_alive(), "the server stopped at startup"
+
+    def stop(self) -> None:
+        """Shut the server down (its lifespan's shutdown included) and close its socket; idempotent."""
+        self._server.should_exit = True
+        self._thread.join(15)
+        self._sock.close()
+
+    def __enter__(self) -> Served:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 @contextlib.contextmanager
 def running_proxy(prefill: list[str], decode: list[str], **options: Any) -> Iterator[str]:
-    """`build_app(...)` served by uvicorn in a thread on a kernel-chosen port; yields its base URL."""
-    app = build_app(prefill, decode, **options)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", ws="none", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="hmc-proxy-test", daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "proxy did not start"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+    """`build_app(...)` served in a thread; yields its base URL. Leaving waits for the proxy's shutdown (and its releases)."""
+    with Served(build_app(prefill, decode, **options)) as served:
+        yield served.url
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str) -> None:
+    """Poll `condition` until it is true; fail with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+class Recorder:
+    """An HTTP server in front of `upstream` that records every POST body, forwards it and returns the answer.
+
+    With `stamp`, prefill replies get `kv_transfer_params` naming their prompt (as a KV producer's would),
+    and release POSTs are answered 400 (as an HMC prefill instance refuses them once freed) after
+    `gate` is set, without reaching `upstream`. Bodies are appended on the server's thread.
+    """
+
+    def __init__(self, upstream: str, *, stamp: bool = False) -> None:
+        self.upstream = upstream
+        self.stamp = stamp
+        self.posts: list[dict[str, Any]] = []
+        self.stamped: list[dict[str, Any]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def prefills(self) -> list[dict[str, Any]]:
+        return [body for body in self.posts if (body.get("kv_transfer_params") or {}).get("do_remote_decode")]
+
+    def releases(self) -> list[dict[str, Any]]:
+        return [body for body in self.posts if (body.get("kv_transfer_params") or {}).get("hmc_release")]
+
+    def app(self) -> FastAPI:
+        client: dict[str, httpx.AsyncClient] = {}
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+            async with httpx.AsyncClient(base_url=self.upstream, timeout=60, trust_env=False) as client["upstream"]:
+                yield
+
+        app = FastAPI(lifespan=lifespan)
+
+        @app.api_route("/{path:path}", methods=["GET", "POST"])
+        async def forward(path: str, request: Request) -> Response:
+            body = await request.json() if request.method == "POST" else None
+            if body is not None:
+                self.posts.append(body)
+                if self.stamp and body["kv_transfer_params"].get("hmc_release"):
+                    await asyncio.to_thread(self.gate.wait, 30)
+                    return JSONResponse({"error": {"message": "released", "code": 400}}, status_code=400)
+            headers = {name: value for name, value in request.headers.items() if name == "x-request-id"}
+            upstream = await client["upstream"].request(request.method, "/" + path, json=body, headers=headers)
+            content = upstream.content
+            if self.stamp and upstream.status_code == 200 and body is not None and body["kv_transfer_params"].get("do_remote_decode"):
+                content = json.dumps({**upstream.json(), "kv_transfer_params": self._stamp(body)}).encode()
+            return Response(content, status_code=upstream.status_code, media_type=upstream.headers.get("content-type"))
+
+        return app
+
+    def _stamp(self, body: dict[str, Any]) -> dict[str, Any]:
+        index = len(self.stamped)
+        params = {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "recorder",
+            "remote_request_id": f"prefill-{index}", "remote_block_ids": [index],
+            "hmc": {"prompt": body.get("prompt", body.get("messages")), "loads": body["kv_transfer_params"]["hmc_loads"]},
+        }
+        self.stamped.append(params)
+        return params
+
+    def stamped_for(self, prompt: Any) -> dict[str, Any]:
+        """The parameters stamped on the prefill reply for `prompt`."""
+        return next(params for params in self.stamped if params["hmc"]["prompt"] == prompt)
+
+
+def decoy(failure: str) -> FastAPI:
+    """A decode instance whose `/health` is 200 and which fails every generation: HTTP 500, HTTP 400, or never answering."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.post("/v1/{path:path}")
+    async def generate(path: str, request: Request) -> Response:
+        if failure == "hang":  # until the proxy gives up and closes the connection
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+        status, message = (400, "block_size: peer 64, here 32") if failure == "400" else (500, "Internal server error")
+        return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+    return app
+
+
+@dataclass
+class Disaggregated:
+    """A proxy with a recorder in front of each instance."""
+
+    url: str
+    prefill: Recorder
+    decode: Recorder
+
+
+@contextlib.contextmanager
+def disaggregated(prefill: VllmServer, decode: VllmServer, *, stamp: bool = True, **options: Any) -> Iterator[Disaggregated]:
+    p, d = Recorder(prefill.url, stamp=stamp), Recorder(decode.url)
+    with Served(p.app()) as p_served, Served(d.app()) as d_served, running_proxy([p_served.url], [d_served.url], **options) as proxy:
+        yield Disaggregated(proxy, p, d)
 
 
 @contextlib.contextmanager
@@ -96,30 +229,35 @@ FIRST_EVENT = '{"choices": [{"index": 0, "text": " fox"}]}'
 
 @contextlib.contextmanager
 def dying_stream_peer() -> Iterator[str]:
-    """A decode instance that dies mid-stream: it answers 200, sends one SSE event, then drops the connection.
+    """A decode instance that dies mid-stream: `/health` answers 200; a POST gets 200, one SSE event, then a dropped connection.
 
     A real socket, not a vLLM: killing a real server between two events of a 12-token stream is a race.
     """
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
+    listener.listen(8)
     listener.settimeout(60)
 
     def serve() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            received = b""
-            while b"\r\n\r\n" not in received:
-                received += conn.recv(65536)
-            head, body = received.split(b"\r\n\r\n", 1)
-            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
-            while len(body) < length:  # read the whole request, so closing sends FIN, not RST
-                body += conn.recv(65536)
-            event = f"data: {FIRST_EVENT}\n\n".encode()
-            conn.sendall(
-                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-                + f"{len(event):x}\r\n".encode() + event + b"\r\n"
-            )
+        while True:
+            conn, _ = listener.accept()
+            with conn:
+                received = b""
+                while b"\r\n\r\n" not in received:
+                    received += conn.recv(65536)
+                if received.startswith(b"GET"):
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                    continue
+                head, body = received.split(b"\r\n\r\n", 1)
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+                while len(body) < length:  # read the whole request, so closing sends FIN, not RST
+                    body += conn.recv(65536)
+                event = f"data: {FIRST_EVENT}\n\n".encode()
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                    + f"{len(event):x}\r\n".encode() + event + b"\r\n"
+                )
+                return
 
     thread = threading.Thread(target=serve, name="dying-stream-peer", daemon=True)
     thread.start()
@@ -132,16 +270,14 @@ def dying_stream_peer() -> Iterator[str]:
 
 def dead_url() -> str:
     """A loopback URL where nothing listens (the port is closed again before use)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
-def client() -> httpx.Client:
-    return httpx.Client(timeout=60, trust_env=False)
+def client(timeout: float = 60) -> httpx.Client:
+    return httpx.Client(timeout=timeout, trust_env=False)
 
 
-def completion(model: Path, prompt: str, **extra: Any) -> dict[str, Any]:
+def completion(model: Path, prompt: Any, **extra: Any) -> dict[str, Any]:
     return {"model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
 
 
@@ -150,9 +286,10 @@ def chat(model: Path, prompt: str, **extra: Any) -> dict[str, Any]:
     return {"model": str(model), "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
 
 
-def streamed_text(http: httpx.Client, url: str, body: dict[str, Any]) -> tuple[str, list[str]]:
-    """POST a streamed request; the concatenated text and the raw `data:` payloads, in order."""
-    text, events = [], []
+def streamed(http: httpx.Client, url: str, body: dict[str, Any]) -> tuple[dict[int, str], list[str]]:
+    """POST a streamed request; the text of each choice index and the raw `data:` payloads, in order."""
+    texts: dict[int, str] = {}
+    events: list[str] = []
     with http.stream("POST", url, json={**body, "stream": True}) as reply:
         assert reply.status_code == 200, reply.read()
         assert reply.headers["content-type"].startswith("text/event-stream")
@@ -163,14 +300,106 @@ def streamed_text(http: httpx.Client, url: str, body: dict[str, Any]) -> tuple[s
             if events[-1] == "[DONE]":
                 continue
             for choice in json.loads(events[-1])["choices"]:  # the usage event has none
-                text.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
-    return "".join(text), events
+                piece = choice.get("text") or choice.get("delta", {}).get("content") or ""
+                texts[choice["index"]] = texts.get(choice["index"], "") + piece
+    return texts, events
+
+
+def streamed_text(http: httpx.Client, url: str, body: dict[str, Any]) -> tuple[str, list[str]]:
+    """POST a streamed one-choice request; its text and the raw `data:` payloads."""
+    texts, events = streamed(http, url, body)
+    return texts.get(0, ""), events
+
+
+def rounded(value: Any) -> Any:
+    """`value` with every float rounded to 4 places, so that answers computed twice compare equal."""
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {key: rounded(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [rounded(item) for item in value]
+    return value
+
+
+def comparable(reply: dict[str, Any]) -> dict[str, Any]:
+    """What two answers to one request must share: the choices and the token counts (not ids, times or cache hits)."""
+    usage = reply.get("usage") or {}
+    return {"choices": rounded(reply["choices"]), "usage": {key: usage.get(key) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}}
 
 
 def success_count(http: httpx.Client, server: VllmServer) -> float:
     """`vllm:request_success_total` summed over its labels, from the server's Prometheus endpoint."""
     metrics = http.get(server.url + "/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("vllm:request_success_total{"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pools and the health monitor, on an injected clock (no servers)
+
+
+class FakeClock:
+    """A clock that only moves when something sleeps on it or `advance`s it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(round(seconds, 6))
+        self.now += seconds
+        await asyncio.sleep(0)
+
+
+def test_monitor_probes_on_schedule_and_marks_each_answer() -> None:
+    """Probes start one interval apart (at once after one that took longer); each answer marks the instance."""
+    clock = FakeClock()
+    pool = InstancePool("decode", ["http://d"], clock)
+    script = [(0.2, True), (1.5, False), (0.1, False), (0.1, True)]  # (seconds the probe takes, healthy)
+    seen: list[bool] = []
+    done = asyncio.Event()
+
+    async def probe(instance: Instance) -> bool:
+        seen.append(instance.up)
+        if not script:
+            done.set()
+            await asyncio.Event().wait()
+        took, healthy = script.pop(0)
+        clock.now += took
+        return healthy
+
+    async def scenario() -> None:
+        monitor = HealthMonitor([pool], probe, 1.0, clock=clock, sleep=clock.sleep)
+        monitor.start()
+        await asyncio.wait_for(done.wait(), 10)
+        await monitor.aclose()
+
+    asyncio.run(scenario())
+    assert clock.sleeps == [1.0, 0.8, 0.0, 0.9, 0.9]
+    assert seen == [True, True, False, False, True]  # the state before each probe: down from the second answer on
+
+
+def test_pool_picks_round_robin_among_instances_that_are_up() -> None:
+    clock = FakeClock()
+    pool = InstancePool("decode", ["http://x", "http://y/"], clock)
+    x, y = pool.instances
+    assert [pool.pick().url for _ in range(4)] == ["http://x", "http://y", "http://x", "http://y"]
+    clock.now = 5.0
+    pool.mark(x, False, "ConnectError")
+    assert [pool.pick() for _ in range(3)] == [y, y, y]
+    assert x.since == 5.0 and pool.summary() == {"up": ["http://y"], "down": ["http://x"]}
+    pool.mark(y, False)
+    with pytest.raises(NoInstanceUp, match=r"^no decode instance is up \(http://x, http://y\)$"):
+        pool.pick()
+    pool.mark(x, True)
+    assert pool.pick() is x
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Outputs equal a single instance's
 
 
 def test_completions_match_one_server(model: Path, servers: tuple[VllmServer, VllmServer]) -> None:
@@ -210,6 +439,100 @@ def test_chat_matches_one_server(model: Path, servers: tuple[VllmServer, VllmSer
             assert json.loads(events[-2])["usage"]["completion_tokens"] == MAX_TOKENS
 
 
+TOKEN_IDS = [[5, 60, 7, 81, 9, 100], [200, 17, 33]]
+SAMPLED = {"temperature": 0.9, "top_p": 0.95}
+
+#: name -> (route, body given the model, the prompts P must prefill, one each). A beam search has none.
+SHAPES: dict[str, tuple[str, Callable[[Path], dict[str, Any]], list[Any]]] = {
+    "n2-seeded": ("/v1/completions", lambda m: completion(m, PROMPTS[1], n=2, seed=7, **SAMPLED), [PROMPTS[1]]),
+    "best-of-ignored": ("/v1/completions", lambda m: completion(m, PROMPTS[2], n=2, best_of=3, seed=8, **SAMPLED), [PROMPTS[2]]),
+    "prompt-list": ("/v1/completions", lambda m: completion(m, [PROMPTS[0], PROMPTS[3]]), [PROMPTS[0], PROMPTS[3]]),
+    "token-id-lists-n2": ("/v1/completions", lambda m: completion(m, TOKEN_IDS, n=2, seed=9, **SAMPLED), TOKEN_IDS),
+    "token-ids": ("/v1/completions", lambda m: completion(m, TOKEN_IDS[0]), [TOKEN_IDS[0]]),
+    "echo-logprobs": ("/v1/completions", lambda m: completion(m, [PROMPTS[0], PROMPTS[2]], echo=True, logprobs=2), [PROMPTS[0], PROMPTS[2]]),
+    "chat-n2-logprobs": ("/v1/chat/completions", lambda m: chat(m, PROMPTS[1], n=2, seed=5, logprobs=True, top_logprobs=2, **SAMPLED), [None]),
+    "beam-search": ("/v1/completions", lambda m: completion(m, PROMPTS[0], n=2, use_beam_search=True), []),
+}
+
+
+def check_upstream(pd: Disaggregated, body: dict[str, Any], prompts: list[Any]) -> None:
+    """P got one prefill per prompt (output options removed, `hmc_loads` = n); D got the client's body with P's params."""
+    prefills = pd.prefill.prefills()
+    assert len(prefills) == len(prompts) and len(pd.prefill.posts) == len(prompts)
+    for sent in prefills:
+        assert not OUTPUT_FIELDS & set(sent), sent
+        assert sent["max_tokens"] == 1 and sent["stream"] is False
+        assert sent["kv_transfer_params"]["hmc_loads"] == body.get("n", 1)
+        assert {key: sent[key] for key in ("model", "temperature")} == {key: body[key] for key in ("model", "temperature")}
+        assert sent.get("messages") == body.get("messages")
+    if "prompt" in body:
+        assert sorted(json.dumps(sent["prompt"]) for sent in prefills) == sorted(json.dumps(prompt) for prompt in prompts)
+    [decoded] = pd.decode.posts
+    if not prompts:
+        assert decoded == body
+    elif len(prompts) == 1:
+        assert decoded == {**body, "kv_transfer_params": pd.prefill.stamped[0]}
+    else:
+        batch = [pd.prefill.stamped_for(prompt) for prompt in prompts]
+        assert decoded == {**body, "kv_transfer_params": {"do_remote_prefill": True, "hmc_batch": batch}}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_request_shape_matches_one_server(model: Path, servers: tuple[VllmServer, VllmServer], shape: str) -> None:
+    route, make_body, prompts = SHAPES[shape]
+    body = make_body(model)
+    a, b = servers
+    with disaggregated(a, b) as pd, client() as http:
+        direct = http.post(a.url + route, json=body)
+        assert direct.status_code == 200, direct.text
+        proxied = http.post(pd.url + route, json=body)
+        assert proxied.status_code == 200, proxied.text
+        assert comparable(proxied.json()) == comparable(direct.json())
+        assert len(direct.json()["choices"]) == body.get("n", 1) * max(len(prompts), 1)
+        check_upstream(pd, body, prompts)
+    assert pd.prefill.releases() == []  # the proxy's shutdown waited for any release in flight
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_streams_with_usage_match_one_server(model: Path, servers: tuple[VllmServer, VllmServer], route: str) -> None:
+    a, b = servers
+    options = {"n": 2, "seed": 3, "stream_options": {"include_usage": True}, **SAMPLED}
+    body = completion(model, [PROMPTS[1], PROMPTS[2]], **options) if "chat" not in route else chat(model, PROMPTS[3], **options)
+    prompts = [PROMPTS[1], PROMPTS[2]] if "chat" not in route else [None]
+    with disaggregated(a, b) as pd, client() as http:
+        direct_texts, direct_events = streamed(http, a.url + route, body)
+        texts, events = streamed(http, pd.url + route, body)
+        check_upstream(pd, {**body, "stream": True}, prompts)
+    assert texts == direct_texts and len(texts) == 2 * len(prompts)
+    usage = json.loads(events[-2])["usage"]
+    assert usage == json.loads(direct_events[-2])["usage"] and usage["completion_tokens"] == 2 * len(prompts) * MAX_TOKENS
+    assert pd.prefill.releases() == []
+
+
+def test_stop_string_matches_one_server(model: Path, servers: tuple[VllmServer, VllmServer]) -> None:
+    a, b = servers
+    with disaggregated(a, b) as pd, client() as http:
+        unstopped = http.post(a.url + "/v1/completions", json=completion(model, PROMPTS[1])).json()["choices"][0]["text"]
+        stop = unstopped[len(unstopped) // 2:][:3]
+        body = completion(model, PROMPTS[1], stop=[stop])
+        direct = http.post(a.url + "/v1/completions", json=body).json()
+        proxied = http.post(pd.url + "/v1/completions", json=body).json()
+        check_upstream(pd, body, [PROMPTS[1]])
+    assert direct["choices"][0]["finish_reason"] == "stop" and len(direct["choices"][0]["text"]) < len(unstopped)
+    assert comparable(proxied) == comparable(direct)
+
+
+def test_prefill_without_kv_transfer_params_still_decodes(model: Path, servers: tuple[VllmServer, VllmServer]) -> None:
+    """P is no KV producer (plain vLLM): D gets the client's body untouched and recomputes."""
+    a, b = servers
+    body = completion(model, [PROMPTS[2], PROMPTS[0]])
+    with disaggregated(a, b, stamp=False) as pd, client() as http:
+        direct = http.post(a.url + "/v1/completions", json=body).json()
+        proxied = http.post(pd.url + "/v1/completions", json=body).json()
+    assert comparable(proxied) == comparable(direct)
+    assert len(pd.prefill.prefills()) == 2 and pd.decode.posts == [body]
+
+
 def test_prefill_instances_alternate(model: Path, servers: tuple[VllmServer, VllmServer]) -> None:
     """Prefill round-robins over [a, b], decode is always b: a finishes a request every other time."""
     a, b = servers
@@ -218,10 +541,7 @@ def test_prefill_instances_alternate(model: Path, servers: tuple[VllmServer, Vll
         for prompt in PROMPTS:
             before_a, before_b = success_count(http, a), success_count(http, b)
             assert http.post(proxy + "/v1/completions", json=completion(model, prompt)).status_code == 200
-            deadline = time.monotonic() + 10
-            while success_count(http, a) + success_count(http, b) < before_a + before_b + 2:
-                assert time.monotonic() < deadline, "vLLM metrics did not count the two requests"
-                time.sleep(0.05)
+            wait_until(lambda: success_count(http, a) + success_count(http, b) >= before_a + before_b + 2, 10, "vLLM did not count the two requests")
             seen_by_a.append(success_count(http, a) - before_a)
     assert seen_by_a in ([1, 0, 1, 0], [0, 1, 0, 1])
 
@@ -248,15 +568,6 @@ def test_models_and_health(model: Path, servers: tuple[VllmServer, VllmServer]) 
     assert health.json() == {"prefill": {"up": [a.url], "down": []}, "decode": {"up": [b.url], "down": []}}
 
 
-def test_health_is_503_naming_the_instance_that_is_down(servers: tuple[VllmServer, VllmServer]) -> None:
-    a, _ = servers
-    gone = dead_url()
-    with running_proxy([a.url], [gone], connect_timeout_s=2) as proxy, client() as http:
-        health = http.get(proxy + "/health")
-    assert health.status_code == 503
-    assert health.json()["decode"] == {"up": [], "down": [gone]}
-
-
 def test_client_errors_pass_through(model: Path, servers: tuple[VllmServer, VllmServer]) -> None:
     a, b = servers
     body = {**completion(model, PROMPTS[0]), "model": "no-such-model"}
@@ -270,57 +581,129 @@ def test_client_errors_pass_through(model: Path, servers: tuple[VllmServer, Vllm
     assert not_json.status_code == 400 and not_json.json()["error"]["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("stage", ["prefill", "decode"])
-def test_unreachable_instance_is_a_502_naming_stage_and_url(model: Path, servers: tuple[VllmServer, VllmServer], stage: str) -> None:
-    a, _ = servers
-    gone = dead_url()
-    prefill, decode = ([gone], [a.url]) if stage == "prefill" else ([a.url], [gone])
-    with running_proxy(prefill, decode, connect_timeout_s=2) as proxy, client() as http:
+# ---------------------------------------------------------------------------------------------------------
+# Health: fail fast, without a prefill
+
+
+def assert_refused_at_once(http: httpx.Client, proxy: str, model: Path, stage: str, urls: list[str]) -> None:
+    """Completions and chat, streamed or not: HTTP 503 naming the stage and its instances, in under 2 s."""
+    for route, body in (("/v1/completions", completion(model, PROMPTS[1])), ("/v1/chat/completions", chat(model, PROMPTS[1]))):
         for stream in (False, True):
             started = time.monotonic()
-            reply = http.post(proxy + "/v1/completions", json=completion(model, PROMPTS[0], stream=stream))
-            assert time.monotonic() - started < 5
-            assert reply.status_code == 502
-            error = reply.json()["error"]
-            assert error["type"] == "upstream_error" and error["code"] == 502
-            assert stage in error["message"] and gone in error["message"] and "ConnectError" in error["message"]
+            reply = http.post(proxy + route, json={**body, "stream": stream}, headers={"X-Request-Id": "refused"})
+            assert time.monotonic() - started < 2
+            assert reply.status_code == 503 and reply.headers["x-request-id"] == "refused"
+            message = f"no {stage} instance is up ({', '.join(urls)})"
+            assert reply.json() == {"error": {"message": message, "type": "upstream_error", "code": 503}}
 
 
-def test_dead_decode_instance_is_skipped_after_its_first_failure(model: Path, servers: tuple[VllmServer, VllmServer]) -> None:
+@pytest.mark.parametrize("stage", ["prefill", "decode"])
+def test_no_instance_up_is_a_503_at_once_without_a_prefill(model: Path, servers: tuple[VllmServer, VllmServer], stage: str) -> None:
     a, b = servers
     gone = dead_url()
-    with running_proxy([a.url], [gone, b.url], cooldown_s=120) as proxy, client() as http:
-        first = http.post(proxy + "/v1/completions", json=completion(model, PROMPTS[0]))
-        assert first.status_code == 502 and gone in first.json()["error"]["message"]
+    p, d = Recorder(a.url), Recorder(b.url)
+    with Served(p.app()) as p_served, Served(d.app()) as d_served, client() as http:
+        prefill, decode = ([gone], [d_served.url]) if stage == "prefill" else ([p_served.url], [gone])
+        with running_proxy(prefill, decode) as proxy:
+            assert_refused_at_once(http, proxy, model, stage, [gone])
+            health = http.get(proxy + "/health")
+    assert health.status_code == 503 and health.json()[stage] == {"up": [], "down": [gone]}
+    assert p.posts == [] and d.posts == []
+
+
+def test_decode_that_goes_down_is_refused_after_the_next_probe(model: Path, servers: tuple[VllmServer, VllmServer]) -> None:
+    a, _ = servers
+    p = Recorder(a.url)
+    with Served(p.app()) as p_served, Served(decoy("500")) as d, client() as http:
+        with running_proxy([p_served.url], [d.url], health_interval_s=0.2) as proxy:
+            assert http.get(proxy + "/health").status_code == 200
+            d.stop()
+            wait_until(lambda: http.get(proxy + "/health").json()["decode"]["down"] == [d.url], 5, "the monitor did not mark D down")
+            assert_refused_at_once(http, proxy, model, "decode", [d.url])
+    assert p.posts == []
+
+
+def test_silent_instance_is_marked_down_by_the_probe_deadline(model: Path, servers: tuple[VllmServer, VllmServer]) -> None:
+    a, _ = servers
+    with silent_listener() as silent, client() as http:
+        started = time.monotonic()
+        with running_proxy([a.url], [silent], connect_timeout_s=1) as proxy:
+            assert 0.9 < time.monotonic() - started < 5  # the first round of probes ran before the proxy served
+            assert_refused_at_once(http, proxy, model, "decode", [silent])
+
+
+def test_decode_instance_down_at_start_is_skipped(model: Path, servers: tuple[VllmServer, VllmServer]) -> None:
+    a, b = servers
+    gone = dead_url()
+    with running_proxy([a.url], [gone, b.url]) as proxy, client() as http:
         for prompt in PROMPTS * 2:
             assert http.post(proxy + "/v1/completions", json=completion(model, prompt)).status_code == 200
+        assert http.get(proxy + "/health").json()["decode"] == {"up": [b.url], "down": [gone]}
 
 
-def test_dead_decode_instance_is_tried_again_after_its_cooldown(model: Path, servers: tuple[VllmServer, VllmServer]) -> None:
+def test_decode_instance_that_comes_back_is_used_again(model: Path, servers: tuple[VllmServer, VllmServer]) -> None:
     a, b = servers
-    gone = dead_url()
-    with running_proxy([a.url], [gone, b.url], cooldown_s=0.5) as proxy, client() as http:
-        assert http.post(proxy + "/v1/completions", json=completion(model, PROMPTS[0])).status_code == 502
-        assert http.post(proxy + "/v1/completions", json=completion(model, PROMPTS[0])).status_code == 200
-        time.sleep(0.6)
-        retried = http.post(proxy + "/v1/completions", json=completion(model, PROMPTS[0]))
-    assert retried.status_code == 502 and gone in retried.json()["error"]["message"]
+    port = free_port()
+    later = f"http://127.0.0.1:{port}"
+    d = Recorder(b.url)
+    with running_proxy([a.url], [later], health_interval_s=0.2) as proxy, client() as http:
+        assert http.post(proxy + "/v1/completions", json=completion(model, PROMPTS[0])).status_code == 503
+        with Served(d.app(), port):
+            wait_until(lambda: http.post(proxy + "/v1/completions", json=completion(model, PROMPTS[0])).status_code == 200, 10, "D was not used again")
+    assert len(d.posts) == 1
 
 
-def test_silent_instance_hits_the_deadline(model: Path, servers: tuple[VllmServer, VllmServer]) -> None:
+# ---------------------------------------------------------------------------------------------------------
+# Upstream failures and releases
+
+
+@pytest.mark.parametrize("failure", ["500", "400", "hang", "refused"])
+def test_abandoned_prefills_are_released(model: Path, servers: tuple[VllmServer, VllmServer], failure: str) -> None:
+    """D fails after two prompts were prefilled: the client gets the error at once, and P a release per prefill."""
     a, _ = servers
-    with silent_listener() as silent, running_proxy([a.url], [silent], timeout_s=2) as proxy, client() as http:
-        started = time.monotonic()
-        reply = http.post(proxy + "/v1/completions", json=completion(model, PROMPTS[0]))
-        elapsed = time.monotonic() - started
-    assert reply.status_code == 502
-    assert "decode" in reply.json()["error"]["message"] and silent in reply.json()["error"]["message"]
-    assert 1.5 < elapsed < 5
+    p = Recorder(a.url, stamp=True)
+    p.gate.clear()  # P holds its answers to releases: the client's reply must not wait for them
+    body = completion(model, [PROMPTS[0], PROMPTS[3]])
+    options = {"timeout_s": 2} if failure == "hang" else {"health_interval_s": 60} if failure == "refused" else {}
+    with Served(decoy(failure)) as d, Served(p.app()) as p_served, running_proxy([p_served.url], [d.url], **options) as proxy:
+        with client() as http:
+            if failure == "refused":
+                d.stop()  # D was up at the last probe, and is gone now
+            started = time.monotonic()
+            reply = http.post(proxy + "/v1/completions", json=body)
+            elapsed = time.monotonic() - started
+            wait_until(lambda: len(p.releases()) == 2, 5, "P did not get a release per prefill")
+            p.gate.set()
+            if failure == "refused":  # the connection error marked D down at once
+                assert_refused_at_once(http, proxy, model, "decode", [d.url])
+    # P's answers to the releases were held: a reply that waited for them would take the connect timeout (5 s).
+    assert (1.5 < elapsed < 4) if failure == "hang" else elapsed < 2
+    if failure == "400":
+        assert reply.status_code == 400 and reply.json() == {"error": {"message": "block_size: peer 64, here 32", "code": 400}}
+    else:
+        cause = {"500": "HTTP 500", "hang": "no answer in time", "refused": "connection failed"}[failure]
+        assert reply.status_code == 502 and f"decode instance {d.url} failed: " in reply.json()["error"]["message"]
+        assert cause in reply.json()["error"]["message"]
+    stamped = sorted(json.dumps(release_body(str(model), params)) for params in p.stamped)
+    assert sorted(json.dumps(release) for release in p.releases()) == stamped and len(stamped) == 2
+    assert all(release["kv_transfer_params"]["hmc_release"] is True for release in p.releases())
+    assert len(p.prefills()) == 2
+
+
+def test_client_gone_before_decode_answers_releases_prefills(model: Path, servers: tuple[VllmServer, VllmServer]) -> None:
+    a, _ = servers
+    p = Recorder(a.url, stamp=True)
+    with Served(p.app()) as p_served, Served(decoy("hang")) as d, running_proxy([p_served.url], [d.url]) as proxy:
+        with client(timeout=1) as http, pytest.raises(httpx.ReadTimeout):
+            http.post(proxy + "/v1/completions", json=completion(model, PROMPTS[2]))
+        wait_until(lambda: len(p.releases()) == 1, 5, "P did not get the release")
+    assert p.releases() == [release_body(str(model), p.stamped[0])]
 
 
 def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event(model: Path, servers: tuple[VllmServer, VllmServer]) -> None:
     a, _ = servers
-    with dying_stream_peer() as dying, running_proxy([a.url], [dying]) as proxy, client() as http:
+    p = Recorder(a.url, stamp=True)
+    with dying_stream_peer() as dying, Served(p.app()) as p_served, running_proxy([p_served.url], [dying]) as proxy, client() as http:
         with http.stream("POST", proxy + "/v1/completions", json=completion(model, PROMPTS[0], stream=True)) as reply:
             assert reply.status_code == 200
             events = [line[len("data: "):] for line in reply.iter_lines() if line.startswith("data: ")]
@@ -329,33 +712,38 @@ def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event(model: Path
     assert error["type"] == "upstream_error" and error["code"] == 502
     assert "decode" in error["message"] and dying in error["message"]
     assert events[2:] == ["[DONE]"]
+    assert p.releases() == []  # D answered 200: its connector owns the blocks
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The command line
 
 
 def test_cli_help() -> None:
     done = subprocess.run([sys.executable, "-m", "hmc_vllm.proxy", "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0
-    assert "--prefill" in done.stdout and "--decode" in done.stdout and "--timeout" in done.stdout
+    assert all(option in done.stdout for option in ("--prefill", "--decode", "--timeout", "--health-interval"))
 
 
 def test_cli_serves(model: Path, servers: tuple[VllmServer, VllmServer], tmp_path: Path) -> None:
     a, b = servers
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "hmc_vllm.proxy", "--prefill", a.url, "--decode", b.url, "--port", str(port), "--log-level", "warning"]
+    port = free_port()
+    command = [
+        sys.executable, "-m", "hmc_vllm.proxy", "--prefill", a.url, "--decode", b.url, "--port", str(port),
+        "--health-interval", "0.5", "--log-level", "warning",
+    ]
     log = tmp_path / "proxy.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:
         with client() as http:
-            deadline = time.monotonic() + 30
-            while True:
+            def healthy() -> bool:
                 assert process.poll() is None, log.read_text()
                 with contextlib.suppress(httpx.TransportError):
-                    if http.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                        break
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.2)
+                    return http.get(f"http://127.0.0.1:{port}/health").status_code == 200
+                return False
+
+            wait_until(healthy, 30, "the proxy did not become healthy")
             direct = http.post(a.url + "/v1/completions", json=completion(model, PROMPTS[1])).json()
             proxied = http.post(f"http://127.0.0.1:{port}/v1/completions", json=completion(model, PROMPTS[1])).json()
         assert proxied["choices"][0]["text"] == direct["choices"][0]["text"]
