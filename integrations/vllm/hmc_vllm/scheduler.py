@@ -28,6 +28,7 @@ from hmc.errors import ProtocolError
 from hmc_vllm.compat import engine_factors, refusal
 from hmc_vllm.identity import prompt_digest
 from hmc_vllm.metadata import (
+    BATCH_KEY,
     LOADS_KEY,
     MAX_LOADS,
     PARAMS_KEY,
@@ -59,7 +60,7 @@ def match_offer(candidates: list[Offer], prompt: str, taken: Mapping[tuple[str, 
     for offer in mine:
         if taken.get(offer.key, 0) < offer.loads:
             return offer, None
-    if mine:
+    if mine:  # nothing is released: the offers belong to the sub-requests that took them
         return None, (
             f"HMCConnector: the KV offered for this prompt serves {sum(o.loads for o in mine)} load(s), all taken "
             f"(a request with n > 1 needs {LOADS_KEY} = n in its prefill request)"
@@ -102,17 +103,21 @@ class HMCConnectorScheduler:
         known = self._matched.get(request.request_id)
         if known is not None:
             return known
-        prompt = prompt_digest(request.prompt_token_ids or ())
+        params = request.kv_transfer_params
         try:
-            candidates = offers(request.kv_transfer_params)
+            candidates = offers(params)
         except ProtocolError as exc:
-            known = _Match(None, prompt, str(exc))
+            known = _Match(None, "", str(exc))
         else:
             if not candidates:
                 return None
+            prompt = prompt_digest(request.prompt_token_ids) if request.prompt_token_ids is not None else ""
             offer, reason = match_offer(candidates, prompt, self._taken)
-            if offer is None:  # a lone offer for another prompt is released: nobody else may take it
-                known = _Match(candidates[0] if len(candidates) == 1 else None, prompt, reason, release_all=True)
+            if not prompt:
+                known = _Match(None, prompt, "HMCConnector: a request without prompt token ids (prompt embeddings) cannot load KV")
+            elif offer is None:  # a lone offer for another prompt is released: nobody else may take it
+                lone = len(candidates) == 1 and BATCH_KEY not in params and candidates[0].prompt != prompt
+                known = _Match(candidates[0] if lone else None, prompt, reason, release_all=True)
             else:
                 self._claim(offer)
                 known = _Match(offer, prompt, refusal(self._factors, offer.factors))
@@ -167,7 +172,7 @@ class HMCConnectorScheduler:
                 remote_workers=offer.workers,
                 local_blocks=tuple(local),
                 remote_blocks=tuple(remote[len(remote) - len(local) :]) if local else (),
-                deadline=time.time() + self.settings.load_timeout_s,
+                deadline=min(time.time() + self.settings.load_timeout_s, offer.expiry or float("inf")),
                 prompt=match.prompt,
                 refused=reason,
                 release_all=match.release_all,
@@ -192,7 +197,7 @@ class HMCConnectorScheduler:
             return False, None
         if not params.get("do_remote_decode") or request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None
-        if not block_ids:
+        if not block_ids or request.prompt_token_ids is None:  # no token ids (prompt embeddings): no identity to offer
             return False, None
         if not self._workers:
             _log.error("HMCConnector: no worker handshake yet; request %s is not offered for transfer", request.request_id)
@@ -201,7 +206,7 @@ class HMCConnectorScheduler:
         if type(loads) is not int or not 1 <= loads <= MAX_LOADS:
             _log.error("HMCConnector: %s must be an integer in 1..%d, not %r; request %s is not offered", LOADS_KEY, MAX_LOADS, loads, request.request_id)
             return False, None
-        prompt = prompt_digest(request.prompt_token_ids or ())
+        prompt = prompt_digest(request.prompt_token_ids)
         expiry = time.time() + self.settings.lease_s
         self._sends.append(SendTask(request.request_id, tuple(block_ids), expiry, prompt, loads))
         return True, {
@@ -212,7 +217,7 @@ class HMCConnectorScheduler:
             "remote_block_ids": list(block_ids),
             "remote_num_tokens": request.num_computed_tokens,
             "remote_lease_expiry": expiry,
-            PARAMS_KEY: {"factors": self._factors, "workers": self._workers, "prompt": prompt, "tokens": len(request.prompt_token_ids or ()), "loads": loads},
+            PARAMS_KEY: {"factors": self._factors, "workers": self._workers, "prompt": prompt, "tokens": len(request.prompt_token_ids), "loads": loads},
         }
 
     def _release_unstarted(self, request: Any, match: _Match) -> None:

@@ -66,6 +66,7 @@ class _Push:
     handles: list[hmc.TransferHandle]
     started: float
     nbytes: int
+    want: dict[str, Any]  # the decode side's request, to answer if the push fails
 
 
 @dataclass
@@ -146,7 +147,10 @@ class HMCConnectorWorker:
             except queue.Empty:
                 break
         for note in notes:
-            self._on_message(note.payload)
+            try:
+                self._on_message(note.payload)
+            except Exception:  # one malformed message must not drop the rest of the batch
+                _log.exception("HMCConnector: ignored a notification it could not handle")
         self._poll_pushes()
         self._poll_loads()
         self._expire()
@@ -169,10 +173,11 @@ class HMCConnectorWorker:
 
     def submit(self, meta: HMCConnectorMetadata) -> None:
         """Hand this step's holds and loads to the connector thread (never waits)."""
-        if meta.sends or meta.recvs:
+        if meta.sends or meta.recvs or meta.releases:
             self._steps.put(meta)
 
     def _take(self, meta: HMCConnectorMetadata) -> None:
+        """Start the step's holds, releases and loads; each one's failure stays its own."""
         for send in meta.sends:
             held = self._held[send.request_id] = _Held(send)
             for want, _ in self._wanted.pop(send.request_id, []):
@@ -216,8 +221,8 @@ class HMCConnectorWorker:
                         ),
                     )
                 )
-        except HMCError as exc:
-            self._fail_load(task, str(exc))
+        except Exception as exc:  # HMCError, or a peer handshake the offer's parse let through: this load only
+            self._fail_load(task, f"{type(exc).__name__}: {exc}" if not isinstance(exc, HMCError) else str(exc))
 
     def _tell_release(self, task: RecvTask) -> None:
         """Tell the prefill instance that one load of its request (or, with release_all, all) will not come."""
@@ -226,7 +231,7 @@ class HMCConnectorWorker:
         try:
             remote = hmc.BufferDescriptor.FromString(self._peer(task).buffers[0])
             self._message(remote, encode("release", req=task.remote_request_id, all=task.release_all))
-        except HMCError as exc:
+        except Exception as exc:  # HMCError, or an undecodable descriptor: the lease frees the blocks
             _log.warning("HMCConnector: release of request %s not delivered (its lease frees it): %s", task.remote_request_id, exc)
 
     def _migrate(self, load: _Load, remote: list[hmc.BufferDescriptor]) -> None:
@@ -276,14 +281,14 @@ class HMCConnectorWorker:
                 )
                 for i, ((src, dst), (s_off, d_off, lengths)) in enumerate(groups.items())
             ]
-        except HMCError as exc:
+        except Exception as exc:  # HMCError, or a malformed want: refused, this push only
             _log.error("HMCConnector: push of request %s failed: %s", send.request_id, exc)
             self.stats.failure("push")
             self._reply_error(want, str(exc))
             self._serve(held)
             return
         nbytes = sum(int(lengths.sum()) for _, _, lengths in groups.values())
-        held.pushes[dreq] = _Push(send.request_id, dreq, handles, time.monotonic(), nbytes)
+        held.pushes[dreq] = _Push(send.request_id, dreq, handles, time.monotonic(), nbytes, want)
 
     def before_push(self, send: SendTask, block_ids: list[int]) -> None:
         """Hook run just before blocks are pushed (the tests' negative control corrupts them here)."""
@@ -292,7 +297,7 @@ class HMCConnectorWorker:
         try:
             peer = WorkerHandshake.from_wire(want.get("peer") or {})
             self._message(hmc.BufferDescriptor.FromString(peer.buffers[0]), encode("err", dreq=want.get("dreq"), reason=reason))
-        except HMCError as exc:
+        except Exception as exc:  # HMCError, or a want whose peer is not one
             _log.warning("HMCConnector: could not tell the decode instance: %s", exc)
 
     def _serve(self, held: _Held) -> None:
@@ -371,6 +376,7 @@ class HMCConnectorWorker:
                 if failed:
                     _log.error("HMCConnector: push of request %s to %s failed: %s", push.request_id, push.dreq, failed[0])
                     self.stats.failure("push")
+                    self._reply_error(push.want, f"the push failed: {failed[0]}")  # the decode side fails now, not at its deadline
                 else:
                     self.stats.record("push", push.nbytes, time.monotonic() - push.started)
                     _log.debug("HMCConnector: pushed request %s to %s in %.3f ms", push.request_id, push.dreq, 1e3 * (time.monotonic() - push.started))
@@ -420,6 +426,8 @@ class HMCConnectorWorker:
             return
         for handle in load.handles:
             handle.cancel()
+        if self.settings.mode != "push":  # a push's prefill side knows already; a reader's does not
+            self._tell_release(task)
         self.stats.failure("load")
         with self._lock:
             self._finished_recving.add(task.request_id)

@@ -298,10 +298,48 @@ def test_kv_offered_for_another_prompt_is_refused_and_released(tiny_model: Path)
     assert recompute.get_num_new_matched_tokens(swapped, 0) == (0, False)  # computed here, from B's own tokens
 
 
+def test_a_batch_never_releases_offers_its_siblings_may_take(tiny_model: Path) -> None:
+    a, b = list(range(1, 71)), list(range(2, 72))
+    batch = {"do_remote_prefill": True, "hmc_batch": [prefill_params(tiny_model, tokens=a, request_id="p-a")]}
+    d = decoder(tiny_model, "recompute")
+    stranger = request("d-b", b, json.loads(json.dumps(batch)))  # its own prompt's offer is missing (P returned none)
+    assert d.get_num_new_matched_tokens(stranger, 0) == (0, False)
+    d.update_state_after_alloc(stranger, blocks([]), 0)
+    assert d.build_connector_meta().recvs == []  # p-a stays held for the sibling whose prompt it is
+
+
+def test_a_request_without_token_ids_neither_offers_nor_loads(tiny_model: Path) -> None:
+    from vllm.v1.request import RequestStatus
+
+    p = scheduler(engine_config(tiny_model, "kv_producer"))
+    p.set_handshakes({(0, 0): handshake()})
+    embedded = request("p-e", 4, {"do_remote_decode": True})
+    embedded.prompt_token_ids = None
+    embedded.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert p.request_finished(embedded, [1]) == (False, None)
+    d = decoder(tiny_model)
+    incoming = request("d-e", 70, prefill_params(tiny_model))
+    incoming.prompt_token_ids = None
+    d.get_num_new_matched_tokens(incoming, 0)
+    d.update_state_after_alloc(incoming, blocks([1, 2, 3]), 70)
+    [task] = d.build_connector_meta().recvs
+    assert task.refused is not None and "prompt embeddings" in task.refused
+
+
 def test_malformed_params_are_refused_not_raised(tiny_model: Path) -> None:
     params = prefill_params(tiny_model)
     d = decoder(tiny_model)
-    for i, bad in enumerate([{**params, "remote_block_ids": "4,5"}, {**params, "hmc": {**params["hmc"], "loads": float("nan")}}, {"do_remote_prefill": True, "hmc_batch": {"x": 1}}]):
+    hostile = [
+        {**params, "remote_block_ids": "4,5"},
+        {**params, "remote_block_ids": [4, 5, 2**63]},
+        {**params, "hmc": {**params["hmc"], "loads": float("nan")}},
+        {**params, "hmc": {**params["hmc"], "workers": {"0": {"buffers": [], "segments": [], "block_bytes": 1, "num_blocks": 1}}}},
+        {**params, "hmc": {**params["hmc"], "workers": {"0": {"buffers": ["%%%"], "segments": [], "block_bytes": 1, "num_blocks": 1}}}},
+        {**params, "remote_lease_expiry": float("inf")},
+        {"do_remote_prefill": True, "hmc_batch": {"x": 1}},
+        {"do_remote_prefill": True, "hmc_batch": [params, "not an offer"]},
+    ]
+    for i, bad in enumerate(hostile):
         incoming = request(f"d-bad-{i}", 70, bad)
         assert d.get_num_new_matched_tokens(incoming, 0) == (70, True)
         d.update_state_after_alloc(incoming, blocks([1, 2, 3]), 70)
@@ -478,7 +516,8 @@ def test_a_release_of_everything_frees_the_request_at_once(pair: Any) -> None:
     d.submit(HMCConnectorMetadata(recvs=[release]))
     sending, _, _ = collect(p, lambda s, r, f: "p-11" in s, timeout=3)
     assert sending == {"p-11"}
-    p.submit(HMCConnectorMetadata(sends=[SendTask("p-12", (3,), time.time() + 30, prompt="A", loads=4)], releases=["p-12"]))
+    p.submit(HMCConnectorMetadata(sends=[SendTask("p-12", (3,), time.time() + 30, prompt="A", loads=4)]))
+    p.submit(HMCConnectorMetadata(releases=["p-12"]))  # a step with nothing but the release (the proxy's hmc_release)
     sending, _, _ = collect(p, lambda s, r, f: "p-12" in s, timeout=3)
     assert sending == {"p-12"}
 

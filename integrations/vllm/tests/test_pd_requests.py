@@ -75,10 +75,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         proxy = ProxyProcess([prefill.url], [decode.url], log=logs / "proxy.log", options=("--timeout", "60"))
         to_other = {policy: ProxyProcess([prefill.url], [server.url], log=logs / f"proxy-{policy}.log", options=("--timeout", "60")) for policy, server in other.items()}
         to_nowhere = ProxyProcess([prefill.url], [f"http://127.0.0.1:{free_port()}"], log=logs / "proxy-nowhere.log", options=("--timeout", "60"))
-        started += [proxy, *to_small.values(), to_nowhere]
-        for item in (proxy, *to_small.values()):
+        started += [proxy, *to_other.values(), to_nowhere]
+        for item in (proxy, *to_other.values()):
             item.wait_ready()
-        yield Cluster(single, prefill, decode, proxy, to_small, to_nowhere, AutoTokenizer.from_pretrained(model))
+        yield Cluster(single, prefill, decode, proxy, to_other, to_nowhere, AutoTokenizer.from_pretrained(model))
     finally:
         for item in started:
             item.stop()
@@ -159,7 +159,10 @@ def test_request_shapes_through_the_proxy_equal_one_instance(cluster: Cluster, s
     assert status == 200, got
     assert time.monotonic() - started < 20  # nothing waited for KV that never came
     assert _comparable(got) == _comparable(expected)
-    assert _loaded(cluster.decode) - before == len(expected["choices"])  # every sub-request loaded its KV over HMC
+    # Every sub-request loaded its KV over HMC, but for prompt logprobs, which vLLM computes from the prompt itself.
+    recomputed = body.get("echo") and body.get("logprobs") is not None
+    assert _loaded(cluster.decode) - before == (0 if recomputed else len(expected["choices"]))
+    _wait_kv_free(cluster.prefill, within=5.0)  # and P holds nothing afterwards
 
 
 def test_streaming_with_usage_through_the_proxy_equals_one_instance(cluster: Cluster) -> None:
@@ -206,6 +209,14 @@ def test_a_block_size_mismatch_reaches_the_client_and_frees_the_prefill_at_once(
     refused_at = time.monotonic()
     assert status == 409, reply
     assert "block_size: peer 32, here 64" in reply["error"]["message"], reply
+    _wait_kv_free(cluster.prefill, within=1.0 - (time.monotonic() - refused_at))
+
+
+def test_a_refused_stream_says_why_and_frees_the_prefill_at_once(cluster: Cluster) -> None:
+    """vLLM checks a streamed request after its stream began: the refusal is the stream's first event."""
+    events = _stream(cluster.to_other_blocks["fail"].url, "/v1/completions", {"prompt": "the quick brown fox jumps over", "max_tokens": MAX_TOKENS})
+    refused_at = time.monotonic()
+    assert "block_size: peer 32, here 64" in events[0]["error"]["message"], events
     _wait_kv_free(cluster.prefill, within=1.0 - (time.monotonic() - refused_at))
 
 

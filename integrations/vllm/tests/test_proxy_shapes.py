@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from hmc_vllm.proxy import OUTPUT_ONLY_FIELDS, PREFILL_KV_TRANSFER_PARAMS, decode_params, prefill_bodies, release_body
+from hmc_vllm.proxy import OUTPUT_ONLY_FIELDS, PREFILL_KV_TRANSFER_PARAMS, decode_params, needs_prefill, prefill_bodies, release_body
 
 MODEL = "m"
 
@@ -86,3 +86,23 @@ def test_output_only_fields_are_vllm_request_fields() -> None:
     assert "best_of" not in known
     assert OUTPUT_ONLY_FIELDS - known == {"best_of"}
     assert not OUTPUT_ONLY_FIELDS & {"prompt", "messages", "model", "tools", "add_special_tokens", "truncate_prompt_tokens", "cache_salt"}
+
+
+@pytest.mark.parametrize(("n", "loads"), [(2, 2), (2.0, 2), ("2", 2), (0, 1), (-3, 1), (2.5, 1), ("two", 1), (None, 1), (float("nan"), 1), (True, 1)])
+def test_loads_follow_the_n_vllm_will_use(n: Any, loads: int) -> None:
+    """vLLM's pydantic model reads 2, 2.0 and "2" as n = 2: each child must find a load waiting."""
+    [body] = prefill_bodies({"model": MODEL, "prompt": "p", "n": n})
+    assert body["kv_transfer_params"]["hmc_loads"] == loads
+
+
+@pytest.mark.parametrize(("body", "needed"), [
+    ({"prompt": "p"}, True),
+    ({"prompt": "p", "echo": True}, True),
+    ({"prompt": "p", "logprobs": 2}, True),
+    ({"prompt": "p", "echo": True, "logprobs": 2}, False),  # prompt logprobs: D computes the prompt anyway
+    ({"prompt": "p", "prompt_logprobs": 1}, False),
+    ({"prompt": "p", "use_beam_search": True}, False),
+    ({"messages": [], "echo": True, "logprobs": True}, True),  # chat's echo repeats the last message
+])
+def test_requests_whose_decode_recomputes_the_prompt_run_no_prefill(body: dict[str, Any], needed: bool) -> None:
+    assert needs_prefill(body) is needed
