@@ -82,7 +82,8 @@ def test_example_migrates_kv_through_hmcd_and_b_continues_exactly(hmcd_socket: s
         assert len([c for c in report["kv_caches"] if c.endswith("/tp0/kv0")]) == 2  # A's and B's, registered once each
         blocks = len(report["source"]["blocks"])
         assert report["hmcd_transfers_done"] == 1
-        assert report["hmcd_bytes"] == blocks * 2 * 8192  # every block of both layers (8 KiB per layer and block)
+        # every block of all 4 layers (16 KiB per layer and block: 32 tokens x 2 KV heads x head_dim 32 x K,V x fp32)
+        assert report["hmcd_bytes"] == blocks * 4 * 16384
 
 
 def test_example_answers_help() -> None:

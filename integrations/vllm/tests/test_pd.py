@@ -152,16 +152,17 @@ def test_a_load_that_cannot_succeed_fails_the_request_instead_of_hanging(cluster
     assert status == 200
     params = prefilled["kv_transfer_params"]
     assert _text(cluster.decode.url, {**_body(cluster, PROMPTS[2]), "kv_transfer_params": params})  # consumes the blocks
-    started = time.monotonic()
-    status, reply = post_json(cluster.decode.url + "/v1/completions", {**_body(cluster, PROMPTS[2]), "kv_transfer_params": dict(params)}, timeout=60)
-    assert status >= 500 and time.monotonic() - started < 20, (status, reply)  # kv_load_failure_policy "fail"
-    assert cluster.decode.log_path is not None
-    assert "is not held here" in cluster.decode.log_path.read_text(errors="replace")
+    for decode, says in ((cluster.decode, "all taken"), (cluster.doomed, "is not held here")):  # D knows; another D asks P
+        started = time.monotonic()
+        status, reply = post_json(decode.url + "/v1/completions", {**_body(cluster, PROMPTS[2]), "kv_transfer_params": dict(params)}, timeout=60)
+        assert status >= 500 and time.monotonic() - started < 20, (status, reply)  # kv_load_failure_policy "fail"
+        assert decode.log_path is not None
+        assert says in decode.log_path.read_text(errors="replace")
     assert _text(cluster.proxy.url, _body(cluster, PROMPTS[2])) == _text(cluster.single.url, _body(cluster, PROMPTS[2]))
 
 
 def test_decode_killed_mid_request_frees_prefill_blocks_and_the_rest_keep_serving(cluster: Cluster) -> None:
-    """D is frozen while P holds the request's blocks, then killed: the proxy answers 502, P's lease frees them."""
+    """D is frozen while P holds the request's blocks, then killed: the proxy answers 502 and has P free them."""
     cluster.doomed.kill(signal.SIGSTOP)
     result: dict[str, Any] = {}
 
@@ -183,10 +184,10 @@ def test_decode_killed_mid_request_frees_prefill_blocks_and_the_rest_keep_servin
     assert result["status"] == 502, result
     assert "decode" in result["body"]["error"]["message"] and cluster.doomed.url in result["body"]["error"]["message"]
 
-    while _kv_usage(cluster.prefill) > 0 and time.monotonic() < held_at + LEASE_S + 10:
-        time.sleep(0.2)
+    freed_by = time.monotonic() + 2.0  # the proxy's release, well before the lease (LEASE_S after the prefill)
+    while _kv_usage(cluster.prefill) > 0 and time.monotonic() < freed_by:
+        time.sleep(0.05)
     assert _kv_usage(cluster.prefill) == 0, "the prefill instance kept the dead decode instance's blocks"
-    assert cluster.prefill.log_path is not None
-    assert "expired before a decode instance took its blocks" in cluster.prefill.log_path.read_text(errors="replace")
+    assert time.monotonic() < held_at + LEASE_S
 
     assert _text(cluster.proxy.url, _body(cluster, PROMPTS[0])) == _text(cluster.single.url, _body(cluster, PROMPTS[0]))

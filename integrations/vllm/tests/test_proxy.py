@@ -449,7 +449,8 @@ SHAPES: dict[str, tuple[str, Callable[[Path], dict[str, Any]], list[Any]]] = {
     "prompt-list": ("/v1/completions", lambda m: completion(m, [PROMPTS[0], PROMPTS[3]]), [PROMPTS[0], PROMPTS[3]]),
     "token-id-lists-n2": ("/v1/completions", lambda m: completion(m, TOKEN_IDS, n=2, seed=9, **SAMPLED), TOKEN_IDS),
     "token-ids": ("/v1/completions", lambda m: completion(m, TOKEN_IDS[0]), [TOKEN_IDS[0]]),
-    "echo-logprobs": ("/v1/completions", lambda m: completion(m, [PROMPTS[0], PROMPTS[2]], echo=True, logprobs=2), [PROMPTS[0], PROMPTS[2]]),
+    # Prompt logprobs: D computes the prompt whatever it is offered, so P prefills nothing.
+    "echo-logprobs": ("/v1/completions", lambda m: completion(m, PROMPTS[0], echo=True, logprobs=2), []),
     "chat-n2-logprobs": ("/v1/chat/completions", lambda m: chat(m, PROMPTS[1], n=2, seed=5, logprobs=True, top_logprobs=2, **SAMPLED), [None]),
     "beam-search": ("/v1/completions", lambda m: completion(m, PROMPTS[0], n=2, use_beam_search=True), []),
 }
