@@ -29,7 +29,8 @@ from typing import Any
 from hmc.errors import ProtocolError
 from hmc_vllm.compat import engine_factors, refusal
 from hmc_vllm.identity import prompt_digest
-from hmc_vllm.metadata import LOADS_KEY, MAX_LOADS, RELEASE_KEY, offers
+from hmc_vllm.bodies import LOADS_KEY, RELEASE_KEY
+from hmc_vllm.metadata import MAX_LOADS, offers
 from hmc_vllm.plugin import CONNECTOR_NAMES
 
 _lock = threading.Lock()

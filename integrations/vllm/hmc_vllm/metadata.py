@@ -23,19 +23,11 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
 from hmc.errors import ProtocolError
+from hmc_vllm.bodies import BATCH_KEY
 from hmc_vllm.layout import KVLayout
 
 #: The key under which HMCConnector's part of kv_transfer_params travels.
 PARAMS_KEY = "hmc"
-
-#: The key of kv_transfer_params holding several prefill replies (one per prompt of a request).
-BATCH_KEY = "hmc_batch"
-
-#: The key of a prefill request's kv_transfer_params saying how many decode sub-requests will load it.
-LOADS_KEY = "hmc_loads"
-
-#: The key marking a request to a prefill instance as "free the blocks of the offer in these params".
-RELEASE_KEY = "hmc_release"
 
 #: Most decode sub-requests one prefill request's blocks may serve (vLLM's own `n` is far below).
 MAX_LOADS = 1024

@@ -9,7 +9,7 @@ all with the same `X-Request-Id` (the client's, else a fresh one, returned in th
    `stream: false`, `max_tokens: 1` (and `max_completion_tokens: 1` when the client used it), every field
    that only shapes the output removed (`n`, `best_of`, `use_beam_search`, `echo`, `logprobs`,
    `top_logprobs`, `prompt_logprobs`, `stop`, `stream_options`, `min_tokens`, `logit_bias`, ... see
-   `OUTPUT_ONLY_FIELDS`), and `kv_transfer_params` asking for a remote decode, with `hmc_loads` = the
+   `hmc_vllm.bodies.OUTPUT_ONLY_FIELDS`), and `kv_transfer_params` asking for a remote decode, with `hmc_loads` = the
    client's `n`: how many decode sub-requests will load this prompt's KV.
 2. D gets the client's own body (less any `kv_transfer_params` of the client's) plus `kv_transfer_params`: P's reply params unchanged when one prefill
    ran, `{"do_remote_prefill": true, "hmc_batch": [params of prompt 0, prompt 1, ...]}` when several ran.
@@ -70,7 +70,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +78,15 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from hmc_vllm.bodies import (
+    RELEASE_PATH,
+    decode_params,
+    needs_prefill,
+    prefill_bodies,
+    release_body,
+)
+from hmc_vllm.upstream import HealthMonitor, Instance, InstancePool, NoInstanceUp, ProxyError, UpstreamError, UpstreamRejected
 
 __all__ = [
     "HealthMonitor",
@@ -95,84 +104,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: What P is sent: "prefill only, a decode instance will pull or receive the KV" (upstream vLLM's toy proxy),
-#: plus `hmc_loads`, set per request.
-PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-
-#: Request fields (of vLLM 0.32's completion and chat requests) that only shape the output, removed from
-#: the prefill request so P prefills each prompt once and nothing else. Everything else is kept, because it
-#: may shape the prompt (`messages`, `tools`, `chat_template_kwargs`, `add_special_tokens`,
-#: `truncate_prompt_tokens`, `cache_salt`, ...). `logprob_token_ids` and `min_tokens` would even be refused
-#: without `logprobs` or with `max_tokens: 1`.
-OUTPUT_ONLY_FIELDS: frozenset[str] = frozenset({
-    "n", "best_of", "use_beam_search", "echo", "logprobs", "top_logprobs", "prompt_logprobs", "logprob_token_ids",
-    "stop", "stop_token_ids", "include_stop_str_in_output", "stream_options", "stream_interval", "min_tokens",
-    "logit_bias", "bad_words", "allowed_token_ids", "structured_outputs", "response_format", "return_token_ids",
-    "return_tokens_as_token_ids", "repetition_detection", "thinking_token_budget",
-})
-
-#: Client headers passed on to every instance (besides `X-Request-Id`, which the proxy always sets).
 FORWARDED_HEADERS: tuple[str, ...] = ("authorization",)
 
-#: Where release POSTs go on P, whatever the client's route was.
-RELEASE_PATH = "/v1/completions"
 
-
-class ProxyError(Exception):
-    """Base of the proxy's errors; each knows the HTTP response the client gets."""
-
-    def response(self, headers: dict[str, str]) -> Response:
-        """The reply to the client."""
-        raise NotImplementedError
-
-
-class UpstreamError(ProxyError):
-    """An instance was unreachable, dropped the connection, missed the deadline or answered 5xx."""
-
-    def __init__(self, stage: str, url: str, cause: str) -> None:
-        super().__init__(f"{stage} instance {url} failed: {cause}")
-        self.stage = stage
-        self.url = url
-        self.cause = cause
-
-    def payload(self) -> dict[str, Any]:
-        """The OpenAI-style error body."""
-        return {"error": {"message": str(self), "type": "upstream_error", "code": 502}}
-
-    def response(self, headers: dict[str, str]) -> Response:
-        return JSONResponse(self.payload(), status_code=502, headers=headers)
-
-
-class UpstreamRejected(ProxyError):
-    """An instance answered 4xx; the client gets the same status and body."""
-
-    def __init__(self, stage: str, url: str, status: int, content: bytes, content_type: str) -> None:
-        super().__init__(f"{stage} instance {url} answered HTTP {status}")
-        self.status = status
-        self.content = content
-        self.content_type = content_type
-
-    def response(self, headers: dict[str, str]) -> Response:
-        return Response(self.content, status_code=self.status, media_type=self.content_type, headers=headers)
-
-
-class NoInstanceUp(ProxyError):
-    """Every instance of a stage is marked down: the request is refused before anything is sent upstream."""
-
-    def __init__(self, stage: str, urls: Sequence[str]) -> None:
-        super().__init__(f"no {stage} instance is up ({', '.join(urls)})")
-        self.stage = stage
-
-    def response(self, headers: dict[str, str]) -> Response:
-        payload = {"error": {"message": str(self), "type": "upstream_error", "code": 503}}
-        return JSONResponse(payload, status_code=503, headers=headers)
 
 
 @dataclass(frozen=True)
@@ -197,97 +131,6 @@ class ProxyConfig:
             raise ValueError("timeouts and the health interval must be positive")
 
 
-@dataclass
-class Instance:
-    """One upstream vLLM server, whether it is up, and since when (on the pool's clock)."""
-
-    url: str
-    up: bool = True
-    since: float = 0.0
-
-
-class InstancePool:
-    """The instances of one stage, picked round-robin among those that are up."""
-
-    def __init__(self, stage: str, urls: Sequence[str], clock: Callable[[], float] = time.monotonic) -> None:
-        self.stage = stage
-        self.instances = [Instance(url.rstrip("/"), since=clock()) for url in urls]
-        self._clock = clock
-        self._next = 0
-
-    def pick(self) -> Instance:
-        """The next instance that is up; `NoInstanceUp` when none is."""
-        count = len(self.instances)
-        order = [self.instances[(self._next + i) % count] for i in range(count)]
-        chosen = next((instance for instance in order if instance.up), None)
-        if chosen is None:
-            raise NoInstanceUp(self.stage, [instance.url for instance in self.instances])
-        self._next = (self.instances.index(chosen) + 1) % count
-        return chosen
-
-    def mark(self, instance: Instance, up: bool, why: str = "") -> None:
-        """Record what a probe or a request found out about `instance`; changes are logged."""
-        if instance.up == up:
-            return
-        now = self._clock()
-        if up:
-            logger.info("%s instance %s is up again after %.1fs down", self.stage, instance.url, now - instance.since)
-        else:
-            logger.warning("%s instance %s marked down: %s", self.stage, instance.url, why or "health check failed")
-        instance.up, instance.since = up, now
-
-    def summary(self) -> dict[str, list[str]]:
-        """The URLs that are up and those that are down."""
-        return {
-            "up": [instance.url for instance in self.instances if instance.up],
-            "down": [instance.url for instance in self.instances if not instance.up],
-        }
-
-
-class HealthMonitor:
-    """Probes every instance of `pools` every `interval_s` and marks it up or down by the answer.
-
-    Each instance has its own loop (a slow instance never delays another's probes), which starts its next
-    probe `interval_s` after the start of the previous one, at once if that took longer. `probe` answers
-    whether an instance is healthy and bounds its own time; `clock` and `sleep` are injectable for tests.
-    """
-
-    def __init__(
-        self, pools: Sequence[InstancePool], probe: Callable[[Instance], Awaitable[bool]], interval_s: float, *,
-        clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-    ) -> None:
-        self._pools = tuple(pools)
-        self._probe = probe
-        self._interval_s = interval_s
-        self._clock = clock
-        self._sleep = sleep
-        self._tasks: list[asyncio.Task[None]] = []
-
-    async def check(self) -> None:
-        """One round: probe every instance now, concurrently, and mark each."""
-        targets = [(pool, instance) for pool in self._pools for instance in pool.instances]
-        for (pool, instance), up in zip(targets, await asyncio.gather(*(self._probe(i) for _, i in targets))):
-            pool.mark(instance, up)
-
-    def start(self) -> None:
-        """Start one probe loop per instance on the running loop."""
-        for pool in self._pools:
-            for instance in pool.instances:
-                self._tasks.append(asyncio.create_task(self._watch(pool, instance), name=f"hmc-proxy-health {instance.url}"))
-
-    async def _watch(self, pool: InstancePool, instance: Instance) -> None:
-        started = self._clock()
-        while True:
-            await self._sleep(max(0.0, started + self._interval_s - self._clock()))
-            started = self._clock()
-            pool.mark(instance, await self._probe(instance))
-
-    async def aclose(self) -> None:
-        """Stop the probe loops (idempotent)."""
-        tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @dataclass(frozen=True)
@@ -312,56 +155,6 @@ async def _upstream(pool: InstancePool, instance: Instance, deadline: float) -> 
     except httpx.HTTPError as exc:
         raise UpstreamError(pool.stage, instance.url, f"{type(exc).__name__}: {exc}") from exc
 
-
-def _prompts(prompt: Any) -> list[Any]:
-    """The prompts vLLM makes of a completions `prompt`: each element of a list of strings or of token-id lists, else the one."""
-    several = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
-    return list(prompt) if several else [prompt]
-
-
-def _count(n: Any) -> int:
-    """The `n` vLLM will use (its pydantic model takes 2, 2.0 and "2" alike); 1 when it is not a positive whole number."""
-    try:
-        value = float(n)
-    except (TypeError, ValueError):
-        return 1
-    return int(value) if value.is_integer() and value >= 1 else 1
-
-
-def needs_prefill(body: dict[str, Any]) -> bool:
-    """False for requests whose decode computes the prompt itself whatever KV it is offered.
-
-    Beam search drops `kv_transfer_params`; prompt logprobs (`prompt_logprobs`, or completions' `echo`
-    with `logprobs`) make vLLM skip every cached or loaded token. A prefill would only pin blocks.
-    """
-    if body.get("use_beam_search") or body.get("prompt_logprobs") is not None:
-        return False
-    return not ("prompt" in body and body.get("echo") and body.get("logprobs") is not None)
-
-
-def prefill_bodies(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The prefill-only requests for the client's `body`, one per prompt: one token, not streamed, output options removed."""
-    loads = _count(body.get("n", 1))
-    base = {key: value for key, value in body.items() if key not in OUTPUT_ONLY_FIELDS}
-    base.update(stream=False, max_tokens=1, kv_transfer_params={**PREFILL_KV_TRANSFER_PARAMS, "hmc_loads": loads})
-    if "max_completion_tokens" in body:
-        base["max_completion_tokens"] = 1
-    if "prompt" not in body:
-        return [base]
-    return [{**base, "prompt": prompt} for prompt in _prompts(body["prompt"])]
-
-
-def decode_params(replies: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
-    """D's `kv_transfer_params` from P's replies, in prompt order: the one reply's, or a batch of several (None: recompute)."""
-    if len(replies) == 1:
-        return replies[0]
-    batch = [params for params in replies if params]
-    return {"do_remote_prefill": True, "hmc_batch": batch} if batch else None
-
-
-def release_body(model: Any, params: dict[str, Any]) -> dict[str, Any]:
-    """The request that tells P to free the blocks behind `params` now."""
-    return {"model": model, "prompt": "release", "max_tokens": 1, "kv_transfer_params": {**params, "hmc_release": True}}
 
 
 async def _json_object(request: Request) -> dict[str, Any] | None:

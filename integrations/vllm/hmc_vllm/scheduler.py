@@ -27,12 +27,10 @@ from vllm.v1.request import RequestStatus
 from hmc.errors import ProtocolError
 from hmc_vllm.compat import engine_factors, refusal
 from hmc_vllm.identity import prompt_digest
+from hmc_vllm.bodies import BATCH_KEY, LOADS_KEY, RELEASE_KEY
 from hmc_vllm.metadata import (
-    BATCH_KEY,
-    LOADS_KEY,
     MAX_LOADS,
     PARAMS_KEY,
-    RELEASE_KEY,
     HMCConnectorMetadata,
     Offer,
     RecvTask,

@@ -16,7 +16,6 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,7 +43,6 @@ class Cluster:
     proxy: ProxyProcess  # prefill -> decode
     to_other_blocks: dict[str, ProxyProcess]  # policy -> proxy to a decode instance of block size 64
     to_nowhere: ProxyProcess  # prefill -> a decode URL nothing listens on
-    tokenizer: Any
 
 
 def _kv(role: str, policy: str = "fail") -> dict[str, Any]:
@@ -53,8 +51,6 @@ def _kv(role: str, policy: str = "fail") -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    from transformers import AutoTokenizer
-
     model = make_tiny_llama(tmp_path_factory.mktemp("tiny"))
     link = tmp_path_factory.mktemp("elsewhere") / "model_link"
     link.symlink_to(model, target_is_directory=True)
@@ -78,7 +74,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         started += [proxy, *to_other.values(), to_nowhere]
         for item in (proxy, *to_other.values()):
             item.wait_ready()
-        yield Cluster(single, prefill, decode, proxy, to_other, to_nowhere, AutoTokenizer.from_pretrained(model))
+        yield Cluster(single, prefill, decode, proxy, to_other, to_nowhere)
     finally:
         for item in started:
             item.stop()

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from hmc_vllm.proxy import OUTPUT_ONLY_FIELDS, PREFILL_KV_TRANSFER_PARAMS, decode_params, needs_prefill, prefill_bodies, release_body
+from hmc_vllm.bodies import OUTPUT_ONLY_FIELDS, PREFILL_KV_TRANSFER_PARAMS, decode_params, needs_prefill, prefill_bodies, release_body
 
 MODEL = "m"
 
