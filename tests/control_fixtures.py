@@ -20,7 +20,8 @@ from pathlib import Path
 
 from hmc.config import Config
 from hmc.control import Client, DaemonLink
-from hmc.control._inventory import host_id, transports
+from hmc.control._inventory import transports
+from hmc.memory._machine import host_id
 from hmc.memory import DeviceKind
 from hmc.v1 import common_pb2, daemon_pb2
 

@@ -20,7 +20,7 @@ import hmc.agent._server as server
 import hmc.transport._staged as staged
 from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
-from hmc.control._inventory import HOST_ID_ENV, host_id
+from hmc.memory._machine import HOST_ID_ENV, host_id
 from hmc.errors import AccessDeniedError, OutOfRangeError, TimeoutError
 from hmc.memory import MemoryKind
 from hmc.testing import PeerProcess

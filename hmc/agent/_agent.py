@@ -44,7 +44,8 @@ from hmc.agent._server import PeerServer
 from hmc.agent._transfer import Notification, NotificationInbox, NotifyStep, TransferHandle, TransferState
 from hmc.config import Config, PathPolicy
 from hmc.control._agent_link import DaemonLink
-from hmc.control._inventory import apply_vendor_override, device_to_proto, host_id
+from hmc.control._inventory import apply_vendor_override, device_to_proto
+from hmc.memory._machine import host_id
 from hmc.errors import (
     AccessDeniedError,
     ArgumentError,

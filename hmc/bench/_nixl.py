@@ -36,7 +36,7 @@ from hmc.bench._child import MESSAGE_TIMEOUT_S, RUN_TIMEOUT_S, reap, receive, se
 from hmc.bench._timing import Row, Timing, make_row, measure
 from hmc.bench._workloads import POISON, SEED, Workload, make_ranges, random_bytes
 from hmc.errors import TimeoutError, UnavailableError
-from hmc.testing import ranges_digest
+from hmc.agent._peer_process import ranges_digest
 
 __all__ = ["INSTALL_HINT", "NIXL_SYSTEMS", "finish_initiator", "import_nixl", "new_agent", "nixl_available", "nixl_rows", "reposter"]
 

@@ -2,7 +2,7 @@
 
 An initiator `Agent` runs embedded in this process (no hmcd) with two 256 MiB
 ConnBuffers: a random source and a destination. A target agent runs in a child
-process (`hmc.testing.PeerProcess`) holding one ConnBuffer of the same size.
+process (`hmc.agent._peer_process.PeerProcess`) holding one ConnBuffer of the same size.
 
 - `local`: between the initiator's two buffers (WRITE source -> destination,
   READ pulls the source into the destination).
@@ -36,7 +36,7 @@ from hmc.bench._timing import Row, Timing, make_row, measure
 from hmc.bench._workloads import POISON, SEED, Workload, make_ranges, random_bytes
 from hmc.config import Config
 from hmc.errors import HMCError, NoPathError
-from hmc.testing import PeerProcess, ranges_digest
+from hmc.agent._peer_process import PeerProcess, ranges_digest
 
 __all__ = ["PATHS", "hmc_rows"]
 

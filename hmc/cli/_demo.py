@@ -14,7 +14,7 @@ that opens the peer's IPC handle or maps the ring. The size is cut to a quarter 
 smaller GPU's memory where `--size` does not fit, and the report says so.
 
 Concurrency: the CLI's main thread drives everything; the child agent answers
-over a pipe (hmc.testing.PeerProcess).
+over a pipe (hmc.agent._peer_process.PeerProcess).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def _run_path(
     agent: Any, peer: Any, source: Any, target: Any, path: PathName, size: int, expected: bytes, timeout: float, quiet: bool, memory_pair: str = "host"
 ) -> dict[str, Any]:
     """One path's row; device memory gets one 4 KiB transfer first (it opens IPC handles, maps the ring), not timed."""
-    from hmc.testing import ranges_digest
+    from hmc.agent._peer_process import ranges_digest
 
     chosen = agent.path_to(source, target)
     row: dict[str, Any] = {
@@ -177,7 +177,7 @@ def _cuda_size(size: int, pair: tuple[Device, Device]) -> int:
 
 def _cuda_rows(agent: Any, peer: Any, source: Any, size: int, name: str, timeout: float, quiet: bool) -> dict[str, Any] | None:
     """The device-memory section of the report: cuda:0 here -> cuda:1 (or cuda:0) in the child, every path but local."""
-    from hmc.testing import ranges_digest
+    from hmc.agent._peer_process import ranges_digest
 
     pair = _cuda_pair()
     if pair is None:
@@ -210,7 +210,7 @@ def _cuda_rows(agent: Any, peer: Any, source: Any, size: int, name: str, timeout
 
 def _demo(args: argparse.Namespace, config: Config) -> int:
     from hmc.agent import Agent
-    from hmc.testing import PeerProcess, ranges_digest
+    from hmc.agent._peer_process import PeerProcess, ranges_digest
 
     size = parse_size(args.size)
     quiet = args.json and not sys.stderr.isatty()

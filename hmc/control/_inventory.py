@@ -1,4 +1,4 @@
-"""What a node has: host identity, memory devices, RDMA NICs and the transports that can run.
+"""What a node has: memory devices, RDMA NICs and the transports that can run.
 
 Devices come from `hmc.memory.devices()` with `Config.vendor_override` applied
 (a device declared as another vendor keeps its `physical_vendor`). RDMA NICs are
@@ -12,34 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from collections.abc import Mapping
 from pathlib import Path
 
 from hmc.config import Config
 from hmc.memory import Device, DeviceKind, Vendor, devices
+from hmc.memory._machine import host_id
 from hmc.transport._base import Capabilities, PathName
 from hmc.v1 import common_pb2, daemon_pb2
 
-__all__ = ["Inventory", "apply_vendor_override", "device_to_proto", "host_id", "rdma_devices", "transports"]
+__all__ = ["Inventory", "apply_vendor_override", "device_to_proto", "rdma_devices", "transports"]
 
 _KIND = {DeviceKind.HOST: common_pb2.DEVICE_KIND_HOST, DeviceKind.CUDA: common_pb2.DEVICE_KIND_CUDA, DeviceKind.HIP: common_pb2.DEVICE_KIND_HIP}
 _VENDOR = {Vendor.HOST: common_pb2.VENDOR_HOST, Vendor.NVIDIA: common_pb2.VENDOR_NVIDIA, Vendor.AMD: common_pb2.VENDOR_AMD}
-
-
-HOST_ID_ENV = "HMC_HOST_ID"
-"""Overrides the host id: agents that share a kernel but not /dev/shm or a PID namespace (containers) are told
-apart with it, so they use the paths of two hosts; the GPU tests run the cross-host staged path on one host so."""
-
-
-def host_id(boot_id_path: str = "/proc/sys/kernel/random/boot_id") -> str:
-    """$HMC_HOST_ID, else the kernel boot id: equal on two agents means the same physical host."""
-    if override := os.environ.get(HOST_ID_ENV):
-        return override
-    try:
-        return Path(boot_id_path).read_text().strip()
-    except OSError:
-        return socket.gethostname()
 
 
 def device_to_proto(device: Device) -> common_pb2.DeviceInfo:

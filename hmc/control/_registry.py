@@ -47,7 +47,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from hmc.control._events import EventBus
-from hmc.control._inventory import host_id as local_host_id
+from hmc.memory._machine import host_id as local_host_id
 from hmc.control._leases import Lease, LeaseFile, ProcessIdentity, ProcessWatch, next_epoch, process_identity
 from hmc.errors import ArgumentError, BufferWithdrawnError, BusyResourceError, UnavailableError, UnknownBufferError
 from hmc.v1 import common_pb2, daemon_pb2

@@ -55,6 +55,7 @@ from collections.abc import Callable
 import numpy as np
 
 from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutError, UnsupportedError
+from hmc.memory._machine import host_id
 from hmc.transport._base import TransferOp, TransferRequest
 from hmc.transport._pinned import PinnedMapping, SlotCopier
 from hmc.transport._ranges import RangeList
@@ -97,8 +98,6 @@ def shm_available() -> bool:
 @functools.cache
 def _ring_host() -> str:
     """This host's id where a shared ring can be made here, else "" (asked once: every transfer checks it)."""
-    from hmc.control._inventory import host_id
-
     return host_id() if shm_available() else ""
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from hmc.agent import Agent
 from hmc.config import Config
-from hmc.control._inventory import HOST_ID_ENV
+from hmc.memory._machine import HOST_ID_ENV
 from hmc.errors import HMCError
 from hmc.testing import PeerProcess
 from hmc.transport._base import PathName

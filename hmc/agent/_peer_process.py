@@ -1,4 +1,4 @@
-"""A real peer agent in another process, driven from tests over a pipe.
+"""A real peer agent in another process, driven over a pipe (tests, `hmc demo` and `hmc bench` use it).
 
 `PeerProcess` starts a fresh interpreter (multiprocessing "spawn"), builds an
 `Agent` there from the given Config, and answers commands: register (host

@@ -1,0 +1,24 @@
+"""Which physical host this process runs on: below both the transports (a shared ring needs the same host)
+and the control plane (hmcd announces it)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+__all__ = ["HOST_ID_ENV", "host_id"]
+
+HOST_ID_ENV = "HMC_HOST_ID"
+"""Overrides the host id: agents that share a kernel but not /dev/shm or a PID namespace (containers) are told
+apart with it, so they use the paths of two hosts; the GPU tests run the cross-host staged path on one host so."""
+
+
+def host_id(boot_id_path: str = "/proc/sys/kernel/random/boot_id") -> str:
+    """$HMC_HOST_ID, else the kernel boot id: equal on two agents means the same physical host."""
+    if override := os.environ.get(HOST_ID_ENV):
+        return override
+    try:
+        return Path(boot_id_path).read_text().strip()
+    except OSError:
+        return socket.gethostname()
