@@ -10,7 +10,9 @@
     _soak        bench/soak.py's random batches, outcomes, records and bounded waits
 
 Every module is private; the CLI (`hmc.cli._bench`) and the scripts in `bench/`
-use `BenchSpec`, `run` and the workload lists from here.
+use `BenchSpec`, `run` and the workload lists from here. The GPU benchmark
+(`bench/gpu.py`, its engine in `bench/_gpu/`) is benchmark-only code outside the
+package; it uses `_child`, `_timing`, `_workloads`, `_report` and `_nixl` from here.
 """
 
 from hmc.bench._run import BASELINES, OPS, BenchSpec, run

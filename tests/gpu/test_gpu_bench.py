@@ -1,11 +1,14 @@
-"""`bench/gpu.py`: the GPU benchmark's pieces everywhere, the whole quick run where two GPUs exist.
+"""`bench/gpu.py` (its engine in bench/_gpu): the pieces everywhere, the whole quick run where GPUs exist.
 
-Without a GPU: range chunking, the workloads, the checks and the table, the HMC
-plug-in's reason, and a whole run that finds no GPU and says so. Where torch is
-importable: the data pattern and the byte check, and the NCCL rows' two-process
-orchestration over gloo on CPU tensors; where NIXL is importable too, the NIXL
-rows' orchestration on host memory. With two CUDA GPUs: `bench/gpu.py --quick`,
-every baseline row verified.
+Without a GPU: range chunking, the workloads, the checks (issue 11's cross-vendor
+ones, issue 3's two-GPU ones) and the table, the CLI's help, and a whole run that
+finds no GPU, skips every system with the reason and exits 0. Where torch is
+importable: the data pattern and the byte check, the NCCL rows' two-process
+orchestration over gloo on CPU tensors, and HMC's rows (every peer: ipc, staged,
+staged-tcp; WRITE and READ; plain and prepared) between two processes on host
+memory; where NIXL is importable too, the NIXL rows' orchestration (both systems,
+WRITE and READ) on host memory. With a CUDA GPU: `bench/gpu.py --quick --gpus 1`
+(both processes of every pair on cuda:0), every row verified; with two, `--gpus 2`.
 """
 
 from __future__ import annotations
@@ -15,25 +18,48 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from hmc.bench._gpu_common import GPU_ENV, chunk_ranges, gpu_quick_workloads, gpu_workloads
-from hmc.bench._gpu_run import SYSTEMS, GpuSpec, _Group, floor_checks, format_table, gpu_checks, run_gpu
 from hmc.bench._timing import Timing, make_row
 from hmc.bench._workloads import Workload, make_ranges
 
 ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench"
+if str(BENCH) not in sys.path:  # bench/ is not a package: its scripts import bench/_gpu as `_gpu` (spawned children inherit the path)
+    sys.path.insert(0, str(BENCH))
+
+from _gpu.checks import MinCheck, evaluate_checks, floor_checks, format_table, gpu_checks  # noqa: E402
+from _gpu.common import GPU_ENV, NIXL_GPU_SYSTEMS, Devices, chunk_ranges, gpu_quick_workloads, gpu_workloads  # noqa: E402
+from _gpu.hmc_rows import HMC_PATHS  # noqa: E402
+from _gpu.run import SYSTEMS, _Group  # noqa: E402
+
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+SCRIPT = BENCH / "gpu.py"
 
 
 def _nixl_importable() -> bool:
-    from hmc.bench._gpu_nixl import nixl_available
+    from _gpu.nixl import nixl_available
 
     return HAS_TORCH and nixl_available()[0]
+
+
+def _cuda_count() -> int:
+    try:
+        done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return done.stdout.count("GPU ") if done.returncode == 0 else 0
+
+
+def _script(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop("OUT", None)
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False)
 
 
 @pytest.mark.parametrize("chunk", [16, 4096, 65536])
@@ -59,11 +85,18 @@ def test_workloads_are_issue_3s() -> None:
         assert len(np.unique(do)) == w.batch_size
 
 
-def _row(system: str, path: str, workload: Workload, seconds: float) -> dict:
-    return make_row(system, path, "WRITE", workload, np.full(10, int(seconds * 1e9)), True)
+def test_devices_one_gpu_puts_both_ends_on_cuda0() -> None:
+    one, two = Devices.for_gpus(1), Devices.for_gpus(2)
+    assert (one.src, one.dst, one.same) == ("cuda:0", "cuda:0", True)
+    assert (two.src, two.dst, two.same) == ("cuda:0", "cuda:1", False)
+    assert "one device" in one.describe() and two.describe() == "cuda:0 -> cuda:1"
 
 
-def test_checks_floors_and_table() -> None:
+def _row(system: str, path: str, workload: Workload, seconds: float, op: str = "WRITE") -> dict:
+    return make_row(system, path, op, workload, np.full(10, int(seconds * 1e9)), True)
+
+
+def test_two_gpu_checks_floors_and_table() -> None:
     wls = gpu_quick_workloads()
     big, small, kv = wls[2], wls[0], wls[3]
     rows = [
@@ -71,61 +104,80 @@ def test_checks_floors_and_table() -> None:
         _row("hmc", "ipc", kv, 1e-4), _row("nixl", "UCX", kv, 1e-2),
         _row("hmc", "ipc", small, 5e-6), _row("hmc-prepared", "ipc", small, 4e-6), _row("nixl", "UCX", small, 1e-5),
     ]
-    report = {"rows": rows, "ratios": [], "floors": floor_checks(wls, rows), "skipped": [], "failed": []}
-    from hmc.bench._report import evaluate
-
-    report["ratios"] = evaluate(gpu_checks(wls), rows)
-    ratios = {r["check"]: r for r in report["ratios"]}
+    ratios = {r["check"]: r for r in evaluate_checks(gpu_checks(wls, 2), rows)}
     assert ratios["hmc ipc bulk_1MiB vs raw peer copy"]["ok"] is True
     assert ratios["hmc ipc bulk_1MiB vs NIXL"]["ratio"] == pytest.approx(2.0, rel=1e-3)
     assert ratios["hmc ipc kv_256x64KiB vs NIXL"]["ratio"] == pytest.approx(100.0, rel=1e-3)
     assert ratios["hmc ipc bulk_4KiB p50 latency vs NIXL"]["ok"] is True
     assert ratios["hmc ipc bulk_4KiB p50 latency, prepared as NIXL's is, vs NIXL"]["ratio"] == pytest.approx(0.4, rel=1e-3)
     assert ratios["hmc staged bulk_1MiB vs pinned D2H"]["ok"] is None
-    floors = {f["check"]: f for f in report["floors"]}
+    assert not any(name.startswith("hmc ipc") for name in (c.name for c in gpu_checks(wls, 1)))  # issue 3's are two-GPU checks
+    floors = {f["check"]: f for f in floor_checks(wls, rows)}
     assert floors["hmc ipc kv_256x64KiB >= 300 GB/s"]["ok"] is False  # 16 MiB in 100 us = 168 GB/s
     assert floors["hmc ipc kv_1024x16KiB >= 300 GB/s"]["ok"] is None
+    report = {"rows": rows, "ratios": list(ratios.values()), "floors": list(floors.values()), "skipped": [{"system": "nccl", "reason": "why"}], "failed": []}
     text = format_table(report)
-    assert "hmc  " in text and "[ok] hmc ipc bulk_1MiB vs NIXL: 2.0" in text
+    assert "hmc  " in text and "[ok] hmc ipc bulk_1MiB vs NIXL: 2.0" in text and "skipped nccl: why" in text
 
 
-def test_hmc_plugin_says_why_it_is_skipped() -> None:
-    from hmc.bench._gpu_hmc import HMC_PATHS, unavailable_reason
-    from hmc.memory import DeviceKind
-    from hmc.transport._cuda_ipc import CudaIpcTransport
+def test_cross_vendor_checks_of_issue_11() -> None:
+    wls = gpu_quick_workloads()
+    big, small, kv64, kv16 = wls[2], wls[0], wls[3], wls[4]
+    nixl = "nixl-tcp-cuda-copy"
+    rows = [
+        _row("pinned-d2h", "torch", big, 1e-4), _row("pinned-h2d", "torch", big, 2e-4),  # 10.5 and 5.2 GB/s: min is H2D
+        _row("hmc", "staged", big, 1.9e-4), _row("hmc", "staged", big, 2.5e-4, "READ"),
+        _row("hmc", "staged", kv64, 2e-3), _row(nixl, "UCX UCX_TLS=tcp,cuda_copy", kv64, 0.3),
+        _row("hmc", "staged", kv64, 2e-3, "READ"), _row(nixl, "UCX UCX_TLS=tcp,cuda_copy", kv64, 0.1, "READ"),
+        _row("hmc", "staged", kv16, 2e-3),
+        _row("hmc", "staged", small, 30e-6), _row("hmc-prepared", "staged", small, 50e-6), _row(nixl, "UCX UCX_TLS=tcp,cuda_copy", small, 40e-6),
+    ]
+    checks = gpu_checks(wls, 1)
+    assert sum(isinstance(c, MinCheck) for c in checks) == 2
+    ratios = {r["check"]: r for r in evaluate_checks(checks, rows)}
+    write = ratios["hmc staged (peer AMD) bulk_1MiB WRITE vs min(pinned D2H, pinned H2D)"]
+    assert write["ratio"] == pytest.approx(2e-4 / 1.9e-4, rel=1e-3) and write["ok"] is True  # against H2D, the slower
+    assert write["denominator"] == "min(pinned-d2h WRITE bulk_1MiB, pinned-h2d WRITE bulk_1MiB)"
+    read = ratios["hmc staged (peer AMD) bulk_1MiB READ vs min(pinned D2H, pinned H2D)"]
+    assert read["ratio"] == pytest.approx(0.8, rel=1e-3) and read["ok"] is False
+    assert ratios[f"hmc staged (peer AMD) {kv64.name} WRITE vs its bulk_1MiB WRITE"]["ok"] is True  # 8.4 vs 5.5 GB/s
+    assert ratios[f"hmc staged (peer AMD) {kv64.name} WRITE vs NIXL UCX_TLS=tcp,cuda_copy"]["ratio"] == pytest.approx(150.0, rel=1e-3)
+    assert ratios[f"hmc staged (peer AMD) {kv64.name} READ vs NIXL UCX_TLS=tcp,cuda_copy"]["ok"] is False  # 50x
+    missing = ratios[f"hmc staged (peer AMD) {kv16.name} WRITE vs NIXL UCX_TLS=tcp,cuda_copy"]
+    assert missing["ok"] is None and missing["reason"] == f"no row for {nixl} WRITE {kv16.name}"
+    assert ratios["hmc staged (peer AMD) bulk_4KiB WRITE p50 latency vs NIXL UCX_TLS=tcp,cuda_copy"]["ok"] is True
+    assert ratios["hmc-prepared staged (peer AMD) bulk_4KiB WRITE p50 latency vs NIXL UCX_TLS=tcp,cuda_copy"]["ok"] is False
+    no_pinned = evaluate_checks(checks, rows[2:])[0]
+    assert no_pinned["ok"] is None and no_pinned["reason"] == "no row for pinned-d2h WRITE bulk_1MiB"
 
-    assert "ipc" in HMC_PATHS
-    reason = unavailable_reason()
-    if DeviceKind.CUDA in CudaIpcTransport.capabilities.memory_kinds:
-        assert reason is None
-    else:
-        assert reason is not None and reason.startswith("CUDA paths not implemented yet")
+
+def test_help_names_every_system() -> None:
+    done = _script("--help", timeout=120)
+    assert done.returncode == 0, done.stderr
+    for name in (*SYSTEMS, *HMC_PATHS, "--gpus", "--deadline", "--git-commit"):
+        assert name in done.stdout
 
 
-def _cuda_count() -> int:
-    try:
-        done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return done.stdout.count("GPU ") if done.returncode == 0 else 0
-
-
-@pytest.mark.skipif(_cuda_count() >= 2, reason="two GPUs here: the full quick run below covers this")
-def test_run_without_two_gpus_skips_every_system_with_the_reason(tmp_path: Path) -> None:
-    saved: list[dict] = []
-    report = run_gpu(GpuSpec(tuple(gpu_quick_workloads()), timing=Timing(seconds=0.01), deadline_s=100.0), on_report=saved.append)
-    assert report["rows"] == [] and saved and saved[-1] is report
-    assert {s["system"] for s in report["skipped"]} == set(SYSTEMS)
-    assert all(s["reason"] for s in report["skipped"])
-    assert report["env"] == GPU_ENV
-    json.dumps(report)
+@pytest.mark.skipif(_cuda_count() > 0, reason="a GPU is here: the quick runs below cover the run")
+@pytest.mark.timeout(240)
+def test_a_run_without_a_gpu_skips_every_system_with_the_reason_and_exits_0(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    done = _script("--quick", "--out", str(out), "--git-commit", "abc123", timeout=200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["rows"] == [] and report["failed"] == [] and report["gpus_used"] == 0
+    assert [s["system"] for s in report["skipped"]] == list(SYSTEMS)
+    assert all("no CUDA GPU" in s["reason"] for s in report["skipped"])
+    assert report["env"] == GPU_ENV and report["git"]["commit"] == "abc123" and report["date"]
+    assert all(r["ok"] is None for r in report["ratios"]) and report["ratios"]
+    assert f"skipped hmc: {report['skipped'][-1]['reason']}" in done.stdout
 
 
 @needs_torch
 def test_pattern_is_deterministic_and_verify_sees_one_wrong_byte() -> None:
     import torch
 
-    from hmc.bench._gpu_common import pattern, poison, verify
+    from _gpu.common import pattern, poison, verify
 
     a, b = pattern(1 << 20, 1, "cpu"), pattern(1 << 20, 1, "cpu")
     assert a.equal(b) and not a.equal(pattern(1 << 20, 2, "cpu"))
@@ -147,8 +199,6 @@ def test_pattern_is_deterministic_and_verify_sees_one_wrong_byte() -> None:
 
 def _collect(group: _Group) -> list[dict]:
     rows: list[dict] = []
-    import time
-
     group.collect(time.monotonic() + 100.0, rows.append)
     return rows
 
@@ -156,7 +206,7 @@ def _collect(group: _Group) -> list[dict]:
 @needs_torch
 @pytest.mark.timeout(180)
 def test_nccl_rows_orchestration_over_gloo_on_cpu(tmp_path: Path) -> None:
-    from hmc.bench._gpu_baselines import nccl_rank
+    from _gpu.baselines import nccl_rank
 
     wls = gpu_quick_workloads()
     group = _Group("nccl-test")
@@ -171,19 +221,79 @@ def test_nccl_rows_orchestration_over_gloo_on_cpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not _nixl_importable(), reason="NIXL or torch is not importable")
-@pytest.mark.timeout(180)
-def test_nixl_rows_orchestration_on_host_memory() -> None:
-    from hmc.bench._gpu_nixl import nixl_initiator, nixl_target
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("system", list(NIXL_GPU_SYSTEMS))
+def test_nixl_rows_orchestration_on_host_memory(system: str) -> None:
+    from _gpu.nixl import nixl_initiator, nixl_target
 
     wls = gpu_quick_workloads()
+    env = NIXL_GPU_SYSTEMS[system]
     group = _Group("nixl-test")
     a, b = group.pipe()
-    group.start(nixl_target, (b, 16 << 20, "cpu"), "target")
-    group.start(nixl_initiator, (a, group.send, wls, Timing(seconds=0.01), "cpu"), "initiator")
+    group.start(nixl_target, (b, 16 << 20, "cpu", env), "target")
+    group.start(nixl_initiator, (a, group.send, system, wls, Timing(seconds=0.01), "cpu", env), "initiator")
     rows = _collect(group)
-    assert [r["workload"] for r in rows] == [w.name for w in wls]
-    assert all(r["verified"] and r["system"] == "nixl" for r in rows)
-    assert "DRAM->DRAM" in rows[0]["detail"]
+    assert [(r["op"], r["workload"]) for r in rows] == [(op, w.name) for op in ("WRITE", "READ") for w in wls]
+    assert all(r["verified"] and r["system"] == system for r in rows)
+    assert "from local DRAM" in rows[0]["detail"]
+    assert rows[0]["path"] == ("UCX UCX_TLS=tcp,cuda_copy" if env else "UCX")
+
+
+@needs_torch
+@pytest.mark.timeout(300)
+def test_hmc_rows_every_peer_both_ops_on_host_memory() -> None:
+    """The HMC rows' orchestration on host memory (the peers' paths as host memory takes them: the vendor override
+    names no host device, so that peer's staged is forced, and says so)."""
+    from _gpu.hmc_rows import PREPARED_MAX_BYTES, hmc_rows
+
+    wls = gpu_quick_workloads()
+    rows: list[dict] = []
+    skipped: list[tuple[str, str]] = []
+    returned = hmc_rows(wls, Timing(seconds=0.01), rows.append, Devices("cpu", "cpu"), on_skip=lambda *a: skipped.append(a))
+    assert returned == rows and not skipped
+    small = [w.name for w in wls if w.batch_size == 1 and w.nbytes <= PREPARED_MAX_BYTES]
+    expected = {("hmc", p, op, w.name) for p in HMC_PATHS for op in ("WRITE", "READ") for w in wls}
+    expected |= {("hmc-prepared", p, op, name) for p in HMC_PATHS for op in ("WRITE", "READ") for name in small}
+    assert {(r["system"], r["path"], r["op"], r["workload"]) for r in rows} == expected and len(rows) == len(expected)
+    assert all(r["verified"] for r in rows)
+    details = {r["path"]: r["detail"] for r in rows if r["system"] == "hmc" and r["op"] == "READ"}
+    assert details["ipc"].endswith("path ipc (negotiated)") and details["staged-tcp"].endswith("path staged (negotiated)")
+    assert details["staged"].endswith("path staged (forced: negotiation picked ipc)")
+
+
+def _quick_run(tmp_path: Path, gpus: int) -> dict:
+    out = tmp_path / "gpu.json"
+    done = _script("--quick", "--gpus", str(gpus), "--deadline", "360", "--out", str(out), timeout=400)
+    report = json.loads(out.read_text())
+    assert not report["failed"], done.stdout[-4000:] + done.stderr[-4000:]
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert report["env"]["NCCL_NVLS_ENABLE"] == "0" and report["gpu"]["env"]["NCCL_NVLS_ENABLE"] == "0"
+    assert report["gpus_used"] == gpus
+    assert all(r["verified"] for r in report["rows"])
+    systems = {r["system"] for r in report["rows"]}
+    skipped = {s["system"] for s in report["skipped"]}
+    assert set(SYSTEMS) == systems | skipped
+    wls = gpu_quick_workloads()
+    bulk = [w.name for w in wls if not w.random]
+    for system in ("device-copy", "pinned-d2h", "pinned-h2d"):
+        assert [r["workload"] for r in report["rows"] if r["system"] == system] == bulk
+    hmc = {(r["path"], r["op"], r["workload"]) for r in report["rows"] if r["system"] == "hmc"}
+    assert hmc == {(p, op, w.name) for p in HMC_PATHS for op in ("WRITE", "READ") for w in wls}
+    assert {r["check"] for r in report["ratios"]} >= {c.name for c in gpu_checks(wls, gpus)}
+    return report
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(420)
+def test_gpu_bench_quick_on_one_gpu(tmp_path: Path) -> None:
+    if _cuda_count() < 1:
+        pytest.skip("needs a CUDA GPU")
+    report = _quick_run(tmp_path, 1)
+    skipped = {s["system"] for s in report["skipped"]}
+    assert {"peer-copy", "nccl", "nccl-nop2p"} <= skipped <= {"peer-copy", "nccl", "nccl-nop2p", *NIXL_GPU_SYSTEMS}
+    assert {(r["path"], r["workload"]) for r in report["rows"] if r["system"] == "copy-kernel"} == {("push", w.name) for w in gpu_quick_workloads()}
+    staged = [r for r in report["rows"] if r["system"] == "hmc" and r["path"] == "staged"]
+    assert all("declares its GPU AMD" in r["detail"] and r["detail"].endswith("(negotiated)") for r in staged)
 
 
 @pytest.mark.cuda
@@ -192,21 +302,10 @@ def test_nixl_rows_orchestration_on_host_memory() -> None:
 def test_gpu_bench_quick_on_two_gpus(tmp_path: Path) -> None:
     if _cuda_count() < 2:
         pytest.skip("needs two CUDA GPUs")
-    out = tmp_path / "gpu.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--quick", "--deadline", "360", "--out", str(out)],
-                          capture_output=True, text=True, timeout=400, env=env, check=False)
-    report = json.loads(out.read_text())
-    assert not report["failed"], done.stdout[-4000:] + done.stderr[-4000:]
-    assert report["env"]["NCCL_NVLS_ENABLE"] == "0" and report["gpu"]["env"]["NCCL_NVLS_ENABLE"] == "0"
-    assert done.returncode == 0, done.stdout[-4000:]
-    systems = {r["system"] for r in report["rows"]}
-    skipped = {s["system"] for s in report["skipped"]}
-    assert set(SYSTEMS) == systems | skipped
-    assert skipped <= {"nixl", "hmc", "hmc-prepared"}
-    assert all(r["verified"] for r in report["rows"])
+    report = _quick_run(tmp_path, 2)
+    assert {s["system"] for s in report["skipped"]} <= set(NIXL_GPU_SYSTEMS)
     bulk = [w.name for w in gpu_quick_workloads() if not w.random]
-    for system in ("peer-copy", "pinned-d2h", "pinned-h2d", "nccl", "nccl-nop2p"):
+    for system in ("peer-copy", "nccl", "nccl-nop2p"):
         assert [r["workload"] for r in report["rows"] if r["system"] == system] == bulk
     assert {(r["path"], r["workload"]) for r in report["rows"] if r["system"] == "copy-kernel"} == {
         (p, w.name) for p in ("push", "pull") for w in gpu_quick_workloads()}

@@ -1,15 +1,21 @@
-"""What every system of the GPU benchmark (`bench/gpu.py`) shares: environment, workloads, data, checks, timers.
+"""What every system of the GPU benchmark (`bench/gpu.py`) shares: devices, environment, workloads, data, checks, timers.
 
+- `Devices`: where a run's source and destination live: cuda:0 -> cuda:1 on two
+  GPUs, two processes both on cuda:0 on one GPU (or "cpu", for the CPU tests of
+  the orchestration).
 - `GPU_ENV`: set in the benchmark process and, again, in every child before
   torch, NCCL or UCX load (NVLink multicast stays off on the project's GPU hosts).
 - Workloads: bulk 4 KiB to 1 GiB and the two KV patterns of issue 3, with
   `hmc.bench._workloads.make_ranges` (independent random block permutations on
-  each side) inside `kv_total`-byte buffers.
+  each side) inside `kv_total`-byte buffers; `measure_row` times a row with
+  fewer iterations for moves of 256 MiB and more (the slowest systems take
+  seconds each).
 - Data: `pattern()` fills a buffer with pseudo-random bytes computed on the
   device (splitmix64 of the word index), the same bytes in every process and on
   every device, so the process that owns a destination can check it without the
   source's process: `verify()` compares the destination ranges with the
   source ranges of the pattern, on the device, with `torch.equal`.
+  `serve_destination()` is the loop of every two-process system's target.
 - Timers: one iteration is post + wait (host wall clock, `hmc.bench._timing.measure`,
   as every other row of `hmc bench`); `pipelined_gbps()` adds the rate of back-to-back
   posts with one wait at the end (CUDA events where the work is on one stream).
@@ -21,31 +27,42 @@ Concurrency: each function runs on the calling thread of the child that owns the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
-from hmc.bench._timing import Row, make_row
-from hmc.bench._workloads import POISON, SEED, Workload, fmt_size
+from hmc.bench._child import RUN_TIMEOUT_S, receive
+from hmc.bench._timing import Row, Timing, make_row, measure
+from hmc.bench._workloads import POISON, SEED, Workload, fmt_size, make_ranges
 
 __all__ = [
     "EXTRA_COLUMNS",
     "GPU_ENV",
+    "OPS",
     "KiB",
     "MiB",
     "GiB",
+    "NIXL_GPU_SYSTEMS",
+    "Devices",
     "apply_env",
     "chunk_ranges",
     "gpu_quick_workloads",
     "gpu_workloads",
     "gpu_row",
+    "measure_row",
     "pattern",
     "pipeline_count",
     "pipelined_gbps",
     "poison",
+    "serve_destination",
+    "sizes_of",
+    "source_and_destination",
+    "synchronize",
     "verify",
 ]
 
@@ -58,11 +75,40 @@ GPU_ENV = {
 }
 """Always set: NVLink multicast off (it can take a shared host's GPUs out of service)."""
 
+NIXL_GPU_SYSTEMS: dict[str, dict[str, str]] = {"nixl": {}, "nixl-tcp-cuda-copy": {"UCX_TLS": "tcp,cuda_copy"}}
+"""NIXL's systems (`_gpu.nixl`): name -> environment of both processes, set before NIXL and UCX load."""
+
 EXTRA_COLUMNS = ("pipelined_gbps", "pipelined_timer", "detail")
 """Fields GPU rows add to `hmc.bench._timing.COLUMNS` (absent where not measured)."""
 
 PIPELINE_SECONDS = 0.1
 """Aim of the back-to-back measurement after each timed loop."""
+OPS = ("WRITE", "READ")
+"""The one-sided operations, in run order (a system that has no READ measures WRITE only)."""
+BIG_BYTES = 256 * MiB
+"""Rows moving this much per iteration or more are timed with at most 1 warm-up and 3 iterations at least."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Devices:
+    """Where a run's source and destination live (torch device strings)."""
+
+    src: str = "cuda:0"
+    dst: str = "cuda:1"
+
+    @classmethod
+    def for_gpus(cls, gpus: int) -> Devices:
+        """cuda:0 -> cuda:1 on two GPUs; cuda:0 -> cuda:0 (two processes on one GPU) on one."""
+        return cls("cuda:0", "cuda:1" if gpus >= 2 else "cuda:0")
+
+    @property
+    def same(self) -> bool:
+        """Source and destination on one device (one GPU: two processes share it)."""
+        return self.src == self.dst
+
+    def describe(self) -> str:
+        """For the report: 'cuda:0 -> cuda:1', or 'cuda:0 -> cuda:0 (one GPU, ...)'."""
+        return f"{self.src} -> {self.dst}" + (" (one device: both processes on it)" if self.same else "")
 
 
 def apply_env(extra: dict[str, str] | None = None) -> None:
@@ -89,6 +135,13 @@ def gpu_workloads(kv_total: int = GiB) -> list[Workload]:
 def gpu_quick_workloads() -> list[Workload]:
     """Smoke-sized: bulk 4 KiB..1 MiB and the KV block sizes in 16 MiB buffers."""
     return [*map(_bulk, (4 * KiB, 64 * KiB, MiB)), _kv(64 * KiB, 256, 16 * MiB), _kv(16 * KiB, 1024, 16 * MiB)]
+
+
+def measure_row(step: Callable[[], None], timing: Timing, w: Workload, announce: Callable[[int], None] | None = None) -> np.ndarray:
+    """`hmc.bench._timing.measure` of one row; for BIG_BYTES and more, 1 warm-up and 3 iterations at least."""
+    if w.nbytes >= BIG_BYTES:
+        timing = dataclasses.replace(timing, warmup=min(timing.warmup, 1), min_iters=min(timing.min_iters, 3))
+    return measure(step, timing, announce)
 
 
 def chunk_ranges(so: np.ndarray, do: np.ndarray, ln: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -122,6 +175,28 @@ def pattern(nbytes: int, seed: int, device: Any) -> Any:
 def poison(tensor: Any, nbytes: int) -> None:
     """Fill the first `nbytes` with POISON."""
     tensor[:nbytes].fill_(POISON)
+
+
+def source_and_destination(size: int, device: str) -> tuple[Any, Any]:
+    """(the pattern, a poisoned destination) of `size` bytes on `device`, made the current CUDA device; synchronized."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    src = pattern(size, SEED, dev)
+    dst = torch.empty(size, dtype=torch.uint8, device=dev)
+    poison(dst, size)
+    synchronize(dst)
+    return src, dst
+
+
+def synchronize(tensor: Any) -> None:
+    """Wait for the work queued on `tensor`'s device (nothing for host tensors)."""
+    if tensor.is_cuda:
+        import torch
+
+        torch.cuda.synchronize(tensor.device)
 
 
 def _block_rows(tensor: Any, w: Workload, offsets: np.ndarray) -> Any:
@@ -223,6 +298,33 @@ def pipelined_gbps(post: Callable[[], None], timer: Any, nbytes: int, times_ns: 
     return round(nbytes * count / max(seconds, 1e-9) / 1e9, 4)
 
 
+def serve_destination(conn: Connection, dst: Any, expected: Any, idle: Callable[[Connection], None] | None = None,
+                      recv: Callable[[Any], None] | None = None) -> None:
+    """A two-process system's target loop: ("prep", w) poison -> ("ready",); ("iters", w, n): `recv` into dst n times
+    (a two-sided baseline's receiving side); ("verify", w) -> ("verified", ok) (dst's ranges against `expected`'s,
+    the pattern on dst's device); ("quit",). `idle(conn)` runs before each wait (a target that drives progress)."""
+    while True:
+        if idle is not None:
+            idle(conn)
+        message = receive(conn, "", RUN_TIMEOUT_S)
+        if message[0] == "prep":
+            poison(dst, message[1].total_size)
+            synchronize(dst)
+            conn.send(("ready",))
+        elif message[0] == "iters" and recv is not None:
+            view = dst[: message[1].nbytes]
+            for _ in range(message[2]):
+                recv(view)
+        elif message[0] == "verify":
+            synchronize(dst)
+            w = message[1]
+            so, do, _ = make_ranges(w)
+            conn.send(("verified", verify(dst, expected, w, so, do)))
+        else:
+            synchronize(dst)
+            return
+
+
 def gpu_row(system: str, path: str, w: Workload, times_ns: np.ndarray, verified: bool, detail: str,
             pipelined: float | None = None, timer: str | None = None, op: str = "WRITE") -> Row:
     """A `make_row` row plus the GPU fields (EXTRA_COLUMNS)."""
@@ -232,11 +334,6 @@ def gpu_row(system: str, path: str, w: Workload, times_ns: np.ndarray, verified:
         row["pipelined_timer"] = timer
     row["detail"] = detail
     return row
-
-
-def source_and_expected(size: int, device: Any) -> Any:
-    """The source pattern of every system (seed SEED)."""
-    return pattern(size, SEED, device)
 
 
 def sizes_of(workloads: Sequence[Workload]) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from hmc.bench._gpu_common import chunk_ranges
+from _gpu.common import chunk_ranges
 
 __all__ = ["CHUNK", "THREADS", "RangeCopy", "enable_peer_access"]
 

@@ -1,20 +1,25 @@
-"""The GPU benchmark's baselines, GPU0 -> GPU1, each in child processes of its own.
+"""The GPU benchmark's baselines, each in child processes of its own, source on `Devices.src`, destination on `.dst`.
 
 Systems (row `system`, `path`):
 
-    peer-copy    torch      one process: `dst1.copy_(src0)` (cudaMemcpyPeerAsync), bulk
+    device-copy  torch      one process: `dst0.copy_(src0)` on cuda:0 (same GPU), bulk: the ceiling of
+                            a copy between two processes on one GPU (CUDA IPC)
+    peer-copy    torch      one process: `dst1.copy_(src0)` (cudaMemcpyPeerAsync), bulk; two GPUs only
     pinned-d2h   torch      one process: cuda:0 -> pinned host, non_blocking copy_, bulk
-    pinned-h2d   torch      one process: pinned host -> cuda:0, bulk
-    torch-gather torch      one process: index_select on GPU0 -> peer copy -> index_copy_ on GPU1, KV
-    copy-kernel  push/pull  one process, peer access: the copy kernel (one block per range) on GPU0
-                            writing GPU1 (push) or on GPU1 reading GPU0 (pull), bulk and KV
-    cuda-ipc     memcpy/kernel  two processes: GPU1's process exports a cudaMalloc'd buffer
-                            (cudaIpcGetMemHandle); GPU0's process opens it and writes into it
-                            with cudaMemcpyAsync (bulk) or the copy kernel (bulk and KV)
-    nccl         send/recv  two processes, torch.distributed (NCCL, FileStore), bulk
+    pinned-h2d   torch      one process: pinned host -> cuda:0, bulk (with D2H: the staged ceiling)
+    torch-gather torch      one process: index_select on the source device -> (peer copy) -> index_copy_
+                            on the destination device, KV
+    copy-kernel  push/pull  one process: the copy kernel (one block per range) on cuda:0 writing the
+                            destination (push) or, on two GPUs, on cuda:1 reading cuda:0 (pull), bulk and KV
+    cuda-ipc     memcpy/kernel  two processes: the destination's process exports a cudaMalloc'd buffer
+                            (cudaIpcGetMemHandle); the source's process opens it and writes into it
+                            with cudaMemcpyAsync (bulk) or the copy kernel (bulk and KV); on one GPU
+                            both processes are on cuda:0
+    nccl         send/recv  two processes, torch.distributed (NCCL, FileStore), bulk; two GPUs only
+                            (NCCL refuses two ranks on one device)
     nccl-nop2p   send/recv  the same with NCCL_P2P_DISABLE=1 (host-staged through shared memory)
 
-NIXL is in `_gpu_nixl`, HMC in `_gpu_hmc`. Every row: random source data
+NIXL is in `_gpu.nixl`, HMC in `_gpu.hmc_rows`. Every row: random source data
 (`pattern`), destination poisoned before the workload, post + wait timed per
 iteration, then every moved byte checked once on the destination's device
 (`torch.equal`), in the process that owns it; `pipelined_gbps` adds the rate of
@@ -22,7 +27,7 @@ back-to-back posts. NCCL iterations are timed on the sender (send + stream sync)
 while the receiver has its receives posted for the whole batch.
 
 Each child sends ("row", row) per measurement, ("done",) at the end, or
-("error", traceback); the parent (`_gpu_run`) bounds every wait and kills the
+("error", traceback); the parent (`_gpu.run`) bounds every wait and kills the
 children when one stalls.
 
 Concurrency: each child runs its measurements on its main thread.
@@ -36,29 +41,38 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from hmc.bench._child import RUN_TIMEOUT_S, receive, send_error
-from hmc.bench._gpu_common import (
+from _gpu.common import (
     CupyEventTimer,
+    Devices,
     TorchEventTimer,
     WallTimer,
     apply_env,
     gpu_row,
+    measure_row,
     pattern,
     pipeline_count,
     pipelined_gbps,
     poison,
+    serve_destination,
     sizes_of,
     verify,
 )
-from hmc.bench._timing import Timing, measure
+from hmc.bench._child import receive, send_error
+from hmc.bench._timing import Timing
 from hmc.bench._workloads import SEED, Workload, make_ranges
 
-__all__ = ["LOCAL_SYSTEMS", "NCCL_SYSTEMS", "ipc_initiator", "ipc_target", "local_child", "nccl_rank", "probe_child"]
+__all__ = ["LOCAL_SYSTEMS", "NCCL_SYSTEMS", "TWO_GPU_SYSTEMS", "ipc_initiator", "ipc_target", "local_child", "nccl_rank", "probe_child"]
 
-LOCAL_SYSTEMS = ("peer-copy", "pinned-d2h", "pinned-h2d", "torch-gather", "copy-kernel")
-"""Systems measured in one process that sees both GPUs."""
+LOCAL_SYSTEMS = ("device-copy", "peer-copy", "pinned-d2h", "pinned-h2d", "torch-gather", "copy-kernel")
+"""Systems measured in one process that sees every GPU of the run."""
 NCCL_SYSTEMS: dict[str, dict[str, str]] = {"nccl": {}, "nccl-nop2p": {"NCCL_P2P_DISABLE": "1"}}
 """System name -> extra environment of both ranks."""
+TWO_GPU_SYSTEMS = {
+    "peer-copy": "a copy between two GPUs",
+    "nccl": "NCCL refuses two ranks on one GPU",
+    "nccl-nop2p": "NCCL refuses two ranks on one GPU",
+}
+"""Systems that need two GPUs, and why."""
 STARTUP_TIMEOUT_S = 180.0
 """A peer's first message (torch import, CUDA and NCCL or UCX set-up)."""
 CUDA_MEMCPY_DEFAULT = 4
@@ -71,6 +85,11 @@ def _bulk(workloads: Sequence[Workload]) -> list[Workload]:
 
 def _kv(workloads: Sequence[Workload]) -> list[Workload]:
     return [w for w in workloads if w.random]
+
+
+def _index(device: str) -> int:
+    """'cuda:1' -> 1."""
+    return int(device.rpartition(":")[2] or 0)
 
 
 # -- probe ------------------------------------------------------------------------
@@ -96,11 +115,18 @@ def _dist_version(name: str) -> str | None:
 
 
 def probe_child(out: Connection) -> None:
-    """Child: devices, peer access, driver and library versions -> ("info", dict), ("done",)."""
+    """Child: devices, peer access, driver and library versions -> ("info", dict), ("done",).
+
+    Where torch does not import or sees no GPU, `device_count` is 0 and `why` says so.
+    """
     try:
         apply_env()
-        import torch
-
+        try:
+            import torch
+        except ImportError as exc:
+            out.send(("info", {"device_count": 0, "devices": [], "why": f"torch is not importable ({exc})"}))
+            out.send(("done",))
+            return
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         devices = []
         for index in range(count):
@@ -114,11 +140,12 @@ def probe_child(out: Connection) -> None:
                 "uuid": str(getattr(props, "uuid", "")),
             })
         nccl = None
-        try:
-            version = torch.cuda.nccl.version()
-            nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-        except Exception as exc:  # noqa: BLE001 - informative only
-            nccl = f"unknown ({type(exc).__name__})"
+        if count:
+            try:
+                version = torch.cuda.nccl.version()
+                nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+            except Exception as exc:  # noqa: BLE001 - informative only
+                nccl = f"unknown ({type(exc).__name__})"
         info: dict[str, Any] = {
             "device_count": count,
             "devices": devices,
@@ -137,39 +164,46 @@ def probe_child(out: Connection) -> None:
             },
             "env": {key: os.environ.get(key) for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "CUDA_VISIBLE_DEVICES")},
         }
-        try:
-            import cupy
+        if not count:
+            info["why"] = f"torch {torch.__version__} sees no CUDA GPU (torch.cuda.is_available() is {torch.cuda.is_available()})"
+        else:
+            try:
+                import cupy
 
-            info["driver_version"] = cupy.cuda.runtime.driverGetVersion()
-            info["runtime_version"] = cupy.cuda.runtime.runtimeGetVersion()
-        except Exception as exc:  # noqa: BLE001 - informative only
-            info["driver_version"] = f"unknown ({type(exc).__name__}: {exc})"
+                info["driver_version"] = cupy.cuda.runtime.driverGetVersion()
+                info["runtime_version"] = cupy.cuda.runtime.runtimeGetVersion()
+            except Exception as exc:  # noqa: BLE001 - informative only
+                info["driver_version"] = f"unknown ({type(exc).__name__}: {exc})"
         out.send(("info", info))
         out.send(("done",))
     except BaseException:
         send_error(out)
 
 
-# -- one process, both GPUs -------------------------------------------------------
+# -- one process ------------------------------------------------------------------
 
 
 class _Local:
-    """The tensors of the one-process systems: source on GPU0, destinations on GPU1 and GPU0, pinned host."""
+    """The tensors of the one-process systems: source and a destination on the source's GPU, a destination on the
+    other GPU (the same tensor on one GPU), pinned host memory."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, devices: Devices) -> None:
         import torch
 
         self.torch = torch
-        self.d0, self.d1 = torch.device("cuda", 0), torch.device("cuda", 1)
+        self.devices = devices
+        self.d0, self.d1 = torch.device(devices.src), torch.device(devices.dst)
         torch.cuda.set_device(self.d0)
         self.src0 = pattern(size, SEED, self.d0)
-        self.expected1 = pattern(size, SEED, self.d1)
-        self.dst1 = torch.empty(size, dtype=torch.uint8, device=self.d1)
         self.dst0 = torch.empty(size, dtype=torch.uint8, device=self.d0)
+        if devices.same:
+            self.dst1, self.expected1 = self.dst0, self.src0
+        else:
+            self.dst1 = torch.empty(size, dtype=torch.uint8, device=self.d1)
+            self.expected1 = pattern(size, SEED, self.d1)
         self.host: Any = None
         self.size = size
-        torch.cuda.synchronize(self.d0)
-        torch.cuda.synchronize(self.d1)
+        self.sync()
 
     def pinned(self) -> Any:
         if self.host is None:
@@ -184,12 +218,8 @@ class _Local:
         self.torch.cuda.synchronize(self.d1)
 
 
-def _peer_copy(t: _Local, w: Workload, timing: Timing) -> Any:
-    n = w.nbytes
-    src, dst = t.src0[:n], t.dst1[:n]
-    poison(t.dst1, w.total_size)
-    t.sync()
-    done = t.stream(t.d1).synchronize  # the copy runs on GPU0's stream; GPU1's stream waits for it
+def _timed_copy(dst: Any, src: Any, w: Workload, timing: Timing, stream: Any, done: Callable[[], None]) -> tuple[Any, float]:
+    """Iterations of `dst.copy_(src, non_blocking=True)` + `done()`; the times and the pipelined rate (`stream`'s events)."""
 
     def post() -> None:
         dst.copy_(src, non_blocking=True)
@@ -198,10 +228,28 @@ def _peer_copy(t: _Local, w: Workload, timing: Timing) -> Any:
         post()
         done()
 
-    times = measure(step, timing)
+    times = measure_row(step, timing, w)
+    return times, pipelined_gbps(post, TorchEventTimer(stream), w.nbytes, times)
+
+
+def _device_copy(t: _Local, w: Workload, timing: Timing) -> Any:
+    n = w.nbytes
+    poison(t.dst0, w.total_size)
+    t.sync()
+    stream = t.stream(t.d0)
+    times, pipe = _timed_copy(t.dst0[:n], t.src0[:n], w, timing, stream, stream.synchronize)
+    ok = verify(t.dst0, t.src0, w, *make_ranges(w)[:2])
+    return gpu_row("device-copy", "torch", w, times, ok, f"one process: dst.copy_(src, non_blocking=True), both on {t.d0}; stream sync", pipe, "cuda-events")
+
+
+def _peer_copy(t: _Local, w: Workload, timing: Timing) -> Any:
+    n = w.nbytes
+    poison(t.dst1, w.total_size)
+    t.sync()
+    # the copy runs on the source GPU's stream; the destination GPU's stream waits for it
+    times, pipe = _timed_copy(t.dst1[:n], t.src0[:n], w, timing, t.stream(t.d0), t.stream(t.d1).synchronize)
     ok = verify(t.dst1, t.expected1, w, *make_ranges(w)[:2])
-    pipe = pipelined_gbps(post, TorchEventTimer(t.stream(t.d0)), n, times)
-    return gpu_row("peer-copy", "torch", w, times, ok, "one process: dst(cuda:1).copy_(src(cuda:0), non_blocking=True); wait on cuda:1's stream", pipe, "cuda-events")
+    return gpu_row("peer-copy", "torch", w, times, ok, f"one process: dst({t.d1}).copy_(src({t.d0}), non_blocking=True); wait on {t.d1}'s stream", pipe, "cuda-events")
 
 
 def _pinned(t: _Local, w: Workload, timing: Timing, to_host: bool) -> Any:
@@ -215,23 +263,14 @@ def _pinned(t: _Local, w: Workload, timing: Timing, to_host: bool) -> Any:
         poison(t.dst0, w.total_size)
         dst, src = t.dst0[:n], host[:n]
     t.sync()
-
-    def post() -> None:
-        dst.copy_(src, non_blocking=True)
-
-    def step() -> None:
-        post()
-        stream.synchronize()
-
-    times = measure(step, timing)
+    times, pipe = _timed_copy(dst, src, w, timing, stream, stream.synchronize)
     if to_host:
         poison(t.dst0, w.total_size)
         t.dst0[:n].copy_(host[:n])  # back to the device, where the check runs
     ok = verify(t.dst0, t.src0, w, *make_ranges(w)[:2])
-    pipe = pipelined_gbps(post, TorchEventTimer(stream), n, times)
     if to_host:
-        return gpu_row("pinned-d2h", "torch", w, times, ok, "cuda:0 -> pinned host (torch pin_memory), copy_(non_blocking=True), stream sync", pipe, "cuda-events")
-    return gpu_row("pinned-h2d", "torch", w, times, ok, "pinned host -> cuda:0, copy_(non_blocking=True), stream sync", pipe, "cuda-events")
+        return gpu_row("pinned-d2h", "torch", w, times, ok, f"{t.d0} -> pinned host (torch pin_memory), copy_(non_blocking=True), stream sync", pipe, "cuda-events")
+    return gpu_row("pinned-h2d", "torch", w, times, ok, f"pinned host -> {t.d0}, copy_(non_blocking=True), stream sync", pipe, "cuda-events")
 
 
 def _torch_gather(t: _Local, w: Workload, timing: Timing) -> Any:
@@ -243,31 +282,33 @@ def _torch_gather(t: _Local, w: Workload, timing: Timing) -> Any:
     src_index = torch.from_numpy(so // block).to(t.d0)
     dst_index = torch.from_numpy(do // block).to(t.d1)
     stage0 = torch.empty((w.batch_size, block), dtype=torch.uint8, device=t.d0)
-    stage1 = torch.empty((w.batch_size, block), dtype=torch.uint8, device=t.d1)
+    stage1 = stage0 if t.devices.same else torch.empty((w.batch_size, block), dtype=torch.uint8, device=t.d1)
     poison(t.dst1, w.total_size)
     t.sync()
     done = t.stream(t.d1).synchronize
 
     def post() -> None:
         torch.index_select(src_blocks, 0, src_index, out=stage0)
-        stage1.copy_(stage0, non_blocking=True)
+        if stage1 is not stage0:
+            stage1.copy_(stage0, non_blocking=True)
         dst_blocks.index_copy_(0, dst_index, stage1)
 
     def step() -> None:
         post()
         done()
 
-    times = measure(step, timing)
+    times = measure_row(step, timing, w)
     ok = verify(t.dst1, t.expected1, w, so, do)
     pipe = pipelined_gbps(post, WallTimer(t.sync), w.nbytes, times)
-    return gpu_row("torch-gather", "torch", w, times, ok, "one process: index_select on cuda:0 -> copy_ to cuda:1 -> index_copy_ on cuda:1", pipe, "wall")
+    how = f"index_select -> index_copy_ on {t.d0}" if t.devices.same else f"index_select on {t.d0} -> copy_ to {t.d1} -> index_copy_ on {t.d1}"
+    return gpu_row("torch-gather", "torch", w, times, ok, f"one process: {how}", pipe, "wall")
 
 
 def _copy_kernel(t: _Local, w: Workload, timing: Timing, push: bool, streams: dict[int, Any]) -> Any:
-    from hmc.bench._gpu_kernel import RangeCopy
+    from _gpu.kernel import RangeCopy
 
     so, do, ln = make_ranges(w)
-    device = 0 if push else 1
+    device = _index(t.devices.src if push else t.devices.dst)
     stream = streams[device]
     kernel = RangeCopy(device, t.src0.data_ptr(), t.dst1.data_ptr(), so, do, ln, stream)
     poison(t.dst1, w.total_size)
@@ -277,20 +318,24 @@ def _copy_kernel(t: _Local, w: Workload, timing: Timing, push: bool, streams: di
         kernel.post()
         stream.synchronize()
 
-    times = measure(step, timing)
+    times = measure_row(step, timing, w)
     ok = verify(t.dst1, t.expected1, w, so, do)
     pipe = pipelined_gbps(kernel.post, CupyEventTimer(stream, device), w.nbytes, times)
-    detail = (f"one process, peer access: copy kernel ({kernel.blocks} blocks of 256 threads, one per range of <= 64 KiB) "
-              + ("on cuda:0 writing cuda:1 over NVLink" if push else "on cuda:1 reading cuda:0 over NVLink"))
+    where = (f"on {t.d0}, source and destination both on it" if t.devices.same
+             else f"on {t.d0} writing {t.d1} over NVLink" if push else f"on {t.d1} reading {t.d0} over NVLink")
+    detail = f"one process: copy kernel ({kernel.blocks} blocks of 256 threads, one per range of <= 64 KiB) {where}"
     return gpu_row("copy-kernel", "push" if push else "pull", w, times, ok, detail, pipe, "cuda-events")
 
 
-def local_child(out: Connection, workloads: Sequence[Workload], timing: Timing, systems: Sequence[str]) -> None:
+def local_child(out: Connection, workloads: Sequence[Workload], timing: Timing, systems: Sequence[str], devices: Devices) -> None:
     """Child: every one-process system in `systems` (LOCAL_SYSTEMS), rows as they finish."""
     try:
         apply_env()
-        t = _Local(sizes_of(workloads))
+        t = _Local(sizes_of(workloads), devices)
         bulk, kv = _bulk(workloads), _kv(workloads)
+        if "device-copy" in systems:
+            for w in bulk:
+                out.send(("row", _device_copy(t, w, timing)))
         if "peer-copy" in systems:
             for w in bulk:
                 out.send(("row", _peer_copy(t, w, timing)))
@@ -305,22 +350,29 @@ def local_child(out: Connection, workloads: Sequence[Workload], timing: Timing, 
             for w in kv:
                 out.send(("row", _torch_gather(t, w, timing)))
         if "copy-kernel" in systems:
-            import cupy
-
-            from hmc.bench._gpu_kernel import enable_peer_access
-
-            enable_peer_access(0, 1)
-            enable_peer_access(1, 0)
-            streams = {}
-            for device in (0, 1):
-                with cupy.cuda.Device(device):
-                    streams[device] = cupy.cuda.Stream(non_blocking=True)
-            for push in (True, False):
-                for w in workloads:
-                    out.send(("row", _copy_kernel(t, w, timing, push, streams)))
+            _copy_kernels(out, t, workloads, timing)
         out.send(("done",))
     except BaseException:
         send_error(out)
+
+
+def _copy_kernels(out: Connection, t: _Local, workloads: Sequence[Workload], timing: Timing) -> None:
+    """The copy-kernel rows: push (and, on two GPUs, pull) on every workload."""
+    import cupy
+
+    from _gpu.kernel import enable_peer_access
+
+    indices = sorted({_index(t.devices.src), _index(t.devices.dst)})
+    if len(indices) == 2:
+        enable_peer_access(indices[0], indices[1])
+        enable_peer_access(indices[1], indices[0])
+    streams = {}
+    for device in indices:
+        with cupy.cuda.Device(device):
+            streams[device] = cupy.cuda.Stream(non_blocking=True)
+    for push in (True,) if t.devices.same else (True, False):
+        for w in workloads:
+            out.send(("row", _copy_kernel(t, w, timing, push, streams)))
 
 
 # -- CUDA IPC across two processes --------------------------------------------------
@@ -336,22 +388,23 @@ def _cupy_tensor(ptr: int, size: int, device: int) -> Any:
     return torch.as_tensor(array, device=torch.device("cuda", device))
 
 
-def ipc_target(conn: Connection, size: int) -> None:
-    """Child on GPU1: a cudaMalloc'd destination, its IPC handle sent; poisons and checks on request."""
+def ipc_target(conn: Connection, size: int, device: str = "cuda:1") -> None:
+    """Child on `device`: a cudaMalloc'd destination, its IPC handle sent; poisons and checks on request."""
     try:
         apply_env()
         import cupy
         import torch
 
-        cupy.cuda.Device(1).use()
-        torch.cuda.set_device(1)
+        index = _index(device)
+        cupy.cuda.Device(index).use()
+        torch.cuda.set_device(index)
         ptr = cupy.cuda.runtime.malloc(size)
         try:
-            dst = _cupy_tensor(ptr, size, 1)
-            expected = pattern(size, SEED, torch.device("cuda", 1))
+            dst = _cupy_tensor(ptr, size, index)
+            expected = pattern(size, SEED, torch.device("cuda", index))
             torch.cuda.synchronize()
             conn.send(("handle", cupy.cuda.runtime.ipcGetMemHandle(ptr)))
-            _serve_destination(conn, dst, expected)
+            serve_destination(conn, dst, expected)
         finally:
             torch.cuda.synchronize()
             cupy.cuda.runtime.free(ptr)
@@ -359,53 +412,28 @@ def ipc_target(conn: Connection, size: int) -> None:
         send_error(conn)
 
 
-def _serve_destination(conn: Connection, dst: Any, expected: Any, idle: Any = None, recv: Callable[[Any], None] | None = None) -> None:
-    """A destination owner's loop: ("prep", w) poison -> ("ready",); ("iters", w, n): `recv` into dst n times (a
-    two-sided baseline's receiving side); ("verify", w) -> ("verified", ok); ("quit",)."""
-    import torch
-
-    sync = torch.cuda.synchronize if dst.is_cuda else (lambda: None)
-    while True:
-        if idle is not None:
-            idle(conn)
-        message = receive(conn, "", RUN_TIMEOUT_S)
-        if message[0] == "prep":
-            poison(dst, message[1].total_size)
-            sync()
-            conn.send(("ready",))
-        elif message[0] == "iters" and recv is not None:
-            view = dst[: message[1].nbytes]
-            for _ in range(message[2]):
-                recv(view)
-        elif message[0] == "verify":
-            sync()
-            w = message[1]
-            so, do, _ = make_ranges(w)
-            conn.send(("verified", verify(dst, expected, w, so, do)))
-        else:
-            sync()
-            return
-
-
-def ipc_initiator(conn: Connection, out: Connection, workloads: Sequence[Workload], timing: Timing) -> None:
-    """Child on GPU0: opens GPU1's IPC handle, writes into it with cudaMemcpyAsync and the copy kernel."""
+def ipc_initiator(conn: Connection, out: Connection, workloads: Sequence[Workload], timing: Timing, devices: Devices) -> None:
+    """Child on the source device: opens the destination's IPC handle, writes into it with cudaMemcpyAsync and the copy kernel."""
     try:
         apply_env()
         import cupy
         import torch
 
-        from hmc.bench._gpu_kernel import RangeCopy
+        from _gpu.kernel import RangeCopy
 
-        cupy.cuda.Device(0).use()
-        torch.cuda.set_device(0)
+        index = _index(devices.src)
+        cupy.cuda.Device(index).use()
+        torch.cuda.set_device(index)
         size = sizes_of(workloads)
-        src = pattern(size, SEED, torch.device("cuda", 0))
+        src = pattern(size, SEED, torch.device("cuda", index))
         torch.cuda.synchronize()
         src_ptr = src.data_ptr()
         handle = receive(conn, "handle", STARTUP_TIMEOUT_S)[1]
         remote = cupy.cuda.runtime.ipcOpenMemHandle(handle)
         stream = cupy.cuda.Stream(non_blocking=True)
         memcpy_async = cupy.cuda.runtime.memcpyAsync
+        opened = f"two processes: {devices.src}'s process opens {devices.dst}'s cudaIpcMemHandle"
+        link = " (one GPU: a device copy)" if devices.same else " over NVLink"
         try:
             for method in ("memcpy", "kernel"):
                 for w in (_bulk(workloads) if method == "memcpy" else workloads):
@@ -418,21 +446,20 @@ def ipc_initiator(conn: Connection, out: Connection, workloads: Sequence[Workloa
                         def post(args: tuple[int, ...] = args) -> None:
                             memcpy_async(*args)
 
-                        detail = "two processes: cuda:0's process opens cuda:1's cudaIpcMemHandle, cudaMemcpyAsync into it"
+                        detail = f"{opened}, cudaMemcpyAsync into it{link}"
                     else:
-                        kernel = RangeCopy(0, src_ptr, remote, so, do, ln, stream)
+                        kernel = RangeCopy(index, src_ptr, remote, so, do, ln, stream)
                         post = kernel.post
-                        detail = (f"two processes: cuda:0's process opens cuda:1's cudaIpcMemHandle; copy kernel on cuda:0 "
-                                  f"({kernel.blocks} blocks, one per range of <= 64 KiB) writes into it over NVLink")
+                        detail = f"{opened}; copy kernel on {devices.src} ({kernel.blocks} blocks, one per range of <= 64 KiB) writes into it{link}"
 
                     def step(post: Any = post) -> None:
                         post()
                         stream.synchronize()
 
-                    times = measure(step, timing)
+                    times = measure_row(step, timing, w)
                     conn.send(("verify", w))
                     ok = receive(conn, "verified")[1]
-                    pipe = pipelined_gbps(post, CupyEventTimer(stream, 0), w.nbytes, times)
+                    pipe = pipelined_gbps(post, CupyEventTimer(stream, index), w.nbytes, times)
                     out.send(("row", gpu_row("cuda-ipc", method, w, times, ok, detail, pipe, "cuda-events")))
         finally:
             stream.synchronize()
@@ -471,7 +498,7 @@ def nccl_rank(rank: int, conn: Connection, out: Connection | None, store_path: s
                 assert out is not None
                 _nccl_sender(dist, conn, out, system, pattern(size, SEED, device), workloads, timing, sync)
             else:
-                _serve_destination(conn, torch.empty(size, dtype=torch.uint8, device=device), pattern(size, SEED, device), recv=lambda view: dist.recv(view, 0))
+                serve_destination(conn, torch.empty(size, dtype=torch.uint8, device=device), pattern(size, SEED, device), recv=lambda view: dist.recv(view, 0))
         finally:
             dist.destroy_process_group()
     except BaseException:
@@ -494,7 +521,7 @@ def _nccl_sender(dist: Any, conn: Connection, out: Connection, system: str, src:
             post()
             sync()
 
-        times = measure(step, timing, announce=lambda n, w=w: conn.send(("iters", w, n)))
+        times = measure_row(step, timing, w, announce=lambda n, w=w: conn.send(("iters", w, n)))
         conn.send(("verify", w))
         ok = receive(conn, "verified")[1]
         count = pipeline_count(times)
