@@ -76,6 +76,7 @@ def test_demo_starts_hmcd_and_verifies_every_path(tmp_path: Path) -> None:
     by_path = {row["path"]: row for row in report["paths"]}
     for path in ("local", "ipc", "staged"):
         assert by_path[path]["available"] and by_path[path]["verified"], by_path[path]
-        assert by_path[path]["bytes"] == 8 << 20
-    assert not by_path["rdma"]["available"] and "rdma" in by_path["rdma"]["why"]
+        assert by_path[path]["bytes"] == 8 << 20 and by_path[path]["used"] == path
+    assert not by_path["rdma"]["available"] and "rdma" in by_path["rdma"]["why"] and "used" not in by_path["rdma"]
+    assert ("cuda" in report) == ("cuda_cross_vendor" in report)  # device sections only where CUDA devices exist (tests/gpu)
     assert not (tmp_path / "demo.sock").exists()

@@ -7,14 +7,19 @@ the pair, GB/s, and whether every byte arrived (BLAKE2b of the destination,
 computed where the destination lives, against the source's).
 
 Where CUDA devices exist it then does the same for device memory: cuda:0 here to
-cuda:1 in the child (cuda:0 there on a one-GPU machine), over every path but
-`local`, each forced as for host memory (so `staged` runs through its pinned
-ring although the pair would get `ipc`), each timed after one 4 KiB transfer
-that opens the peer's IPC handle or maps the ring. The size is cut to a quarter of the
-smaller GPU's memory where `--size` does not fit, and the report says so.
+cuda:1 in the child (cuda:0 there on a one-GPU machine: two processes on one GPU),
+over every path but `local`, each forced as for host memory (so `staged` runs
+through its pinned ring although the pair would get `ipc`), each timed after one
+4 KiB transfer that opens the peer's IPC handle or maps the ring. Then once more
+towards a second child that declares that GPU AMD (`Config.vendor_override`, as
+HMC_DEVICE_VENDOR_OVERRIDE=cuda:0=amd would): a cross-vendor pair, for which
+negotiation refuses vendor IPC and picks `staged`, what an NVIDIA-AMD pair gets.
+Every row says the path the transfer reports it took (`used`). The size is cut to
+a quarter of the smaller GPU's memory where `--size` does not fit, and the report
+says so; one device target at a time exists, beside the source.
 
-Concurrency: the CLI's main thread drives everything; the child agent answers
-over a pipe (hmc.agent._peer_process.PeerProcess).
+Concurrency: the CLI's main thread drives everything; each child agent answers
+over its pipe (hmc.agent._peer_process.PeerProcess), driven one at a time.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -46,6 +51,8 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _FILL_CHUNK = 64 << 20
 _WARM_UP = 4096
+_DECLARED_VENDOR = "amd"
+"""What the second peer of the device sections declares its GPU to be: a cross-vendor pair on an NVIDIA-only machine."""
 
 
 def parse_size(text: str) -> int:
@@ -123,7 +130,8 @@ def _forced(source: Any, target: Any, path: PathName) -> tuple[bool, str]:
 def _run_path(
     agent: Any, peer: Any, source: Any, target: Any, path: PathName, size: int, expected: bytes, timeout: float, quiet: bool, memory_pair: str = "host"
 ) -> dict[str, Any]:
-    """One path's row; device memory gets one 4 KiB transfer first (it opens IPC handles, maps the ring), not timed."""
+    """One path's row (`used`: the path the transfer reports); device memory (`memory_pair` names it) gets one 4 KiB
+    transfer first (it opens IPC handles, maps the ring), not timed."""
     from hmc.agent._peer_process import ranges_digest
 
     chosen = agent.path_to(source, target)
@@ -157,7 +165,7 @@ def _run_path(
     seconds = time.perf_counter() - started
     progress.update(size, f"{size / seconds / 1e9:.2f} GB/s")
     digest = ranges_digest(target.numpy()) if local_target else peer.digest(target.id)
-    row.update(bytes=size, seconds=round(seconds, 4), gbps=round(size / seconds / 1e9, 3), verified=digest == expected)
+    row.update(used=handle.path, bytes=size, seconds=round(seconds, 4), gbps=round(size / seconds / 1e9, 3), verified=digest == expected)
     return row
 
 
@@ -175,37 +183,77 @@ def _cuda_size(size: int, pair: tuple[Device, Device]) -> int:
     return min(size, cap) if cap > 0 else size
 
 
-def _cuda_rows(agent: Any, peer: Any, source: Any, size: int, name: str, timeout: float, quiet: bool) -> dict[str, Any] | None:
-    """The device-memory section of the report: cuda:0 here -> cuda:1 (or cuda:0) in the child, every path but local."""
-    from hmc.agent._peer_process import ranges_digest
+def _cuda_sections(agent: Any, peer: Any, config: Config, source: Any, size: int, name: str, quiet: bool) -> list[dict[str, Any]] | None:
+    """The device-memory sections of the report: cuda:0 here -> cuda:1 (or cuda:0) in the child, every path but
+    local; then the same towards a second child that declares that GPU AMD (`vendor_override`), a cross-vendor pair."""
+    from hmc.agent._peer_process import PeerProcess, ranges_digest
 
     pair = _cuda_pair()
     if pair is None:
         return None
     here, there = pair
     gpu_size = _cuda_size(size, pair)
-    section: dict[str, Any] = {"source": here.name, "target": there.name, "size_bytes": gpu_size, "paths": []}
+    override = {there.name: _DECLARED_VENDOR}
+    head: dict[str, Any] = {"source": here.name, "target": there.name, "size_bytes": gpu_size, "paths": []}
     if gpu_size < size:
-        section["note"] = f"{gpu_size} bytes instead of {size}: a quarter of the smaller GPU's memory"
-    memory_pair = f"{here.name}->{there.name}"
+        head["note"] = f"{gpu_size} bytes instead of {size}: a quarter of the smaller GPU's memory"
+    sections = [head, {**head, "paths": [], "vendor_override": override}]
+    owners: list[Callable[[], contextlib.AbstractContextManager[Any]]] = [
+        lambda: contextlib.nullcontext(peer),
+        lambda: PeerProcess(config.replace(vendor_override={**config.vendor_override, **override}), daemon=True),
+    ]
     try:
         with memory.allocate(gpu_size, here) as region:
             host_bytes = source.numpy()[:gpu_size]
             memory.copy(region, host_bytes)
             expected = ranges_digest(host_bytes)
             gpu_source = agent.register(region, name=f"{name}-source-{here.name}")
-            remote = peer.register(gpu_size, name=f"{name}-target-{there.name}", device=there.name)  # one GPU: here is there
+            try:
+                for section, owner in zip(sections, owners):
+                    _cuda_section(section, agent, owner, gpu_source, expected, name, config.timeout_s, quiet)
+            finally:
+                agent.unregister(gpu_source)
+    except HMCError as exc:  # no room on the GPU for the source, a driver failure: the host rows still stand
+        for section in sections:
+            section.setdefault("error", f"{type(exc).__name__}: {exc}")
+    return sections
+
+
+def _declared(section: dict[str, Any]) -> str:
+    """The vendor the section's peer declares its GPU to be, '' where it declares none."""
+    return str(section.get("vendor_override", {}).get(section["target"], ""))
+
+
+def _cuda_section(
+    section: dict[str, Any],
+    agent: Any,
+    owner: Callable[[], contextlib.AbstractContextManager[Any]],
+    gpu_source: Any,
+    expected: bytes,
+    name: str,
+    timeout: float,
+    quiet: bool,
+) -> None:
+    """Fill one device section: a buffer on the target GPU in the owner's process, every path but local forced into it.
+
+    On one GPU the target is cuda:0 in another process, so its name differs from the source's (and, with a declared
+    vendor, from the first peer's)."""
+    target, vendor = section["target"], _declared(section)
+    memory_pair = f"{section['source']}->{target}"
+    pair = f"two processes, same node, {memory_pair}" + (f", the peer declaring {target} {vendor}" if vendor else "")
+    label = f"{memory_pair} {vendor}".rstrip()
+    try:
+        with owner() as peer:
+            remote = peer.register(section["size_bytes"], name=f"{name}-target-{target}" + (f"-{vendor}" if vendor else ""), device=target)
             try:
                 for path in PathName:
                     if path is not PathName.LOCAL:
-                        row = _run_path(agent, peer, gpu_source, remote, path, gpu_size, expected, timeout, quiet, memory_pair)
-                        section["paths"].append(row | {"pair": f"two processes, same node, {memory_pair}"})
+                        row = _run_path(agent, peer, gpu_source, remote, path, section["size_bytes"], expected, timeout, quiet, label)
+                        section["paths"].append(row | {"pair": pair})
             finally:
-                agent.unregister(gpu_source)
                 peer.unregister(remote.id)
-    except HMCError as exc:  # no room on the GPU, a driver failure: the host rows still stand
+    except HMCError as exc:  # no room on the GPU, a driver failure, a peer that did not start: the other rows still stand
         section["error"] = f"{type(exc).__name__}: {exc}"
-    return section
 
 
 def _demo(args: argparse.Namespace, config: Config) -> int:
@@ -228,25 +276,25 @@ def _demo(args: argparse.Namespace, config: Config) -> int:
                 for path in PathName:
                     target = local_target if path is PathName.LOCAL else remote
                     rows.append(_run_path(agent, peer, source, target, path, size, expected, config.timeout_s, quiet))
-                cuda = _cuda_rows(agent, peer, source, size, name, config.timeout_s, quiet)
+                sections = _cuda_sections(agent, peer, config, source, size, name, quiet) or []
                 agent.unregister(source)
                 agent.unregister(local_target)
-    every = rows + (cuda["paths"] if cuda else [])
-    ok = all(row["verified"] for row in every if row["available"]) and not (cuda and "error" in cuda)
+    every = rows + [row for section in sections for row in section["paths"]]
+    ok = all(row["verified"] for row in every if row["available"]) and not any("error" in section for section in sections)
     report: dict[str, Any] = {"node": config.node, "hmcd": hmcd_state, "size_bytes": size, "paths": rows, "ok": ok}
-    if cuda is not None:
-        report["cuda"] = cuda
+    report.update(zip(("cuda", "cuda_cross_vendor"), sections))
     if args.json:
         print_json(report)
         return 0 if ok else 1
     print(f"\nhmc demo: {size / 2**30:.2f} GiB per path, node {config.node}, hmcd {hmcd_state}")
     print_table(_table(rows))
-    if cuda is not None:
-        note = f" ({cuda['note']})" if "note" in cuda else ""
-        print(f"\nCUDA device memory, {cuda['source']} -> {cuda['target']}: {cuda['size_bytes'] / 2**30:.2f} GiB per path{note}, after a 4 KiB warm-up")
-        if "error" in cuda:
-            print(f"failed: {cuda['error']}")
-        print_table(_table(cuda["paths"]))
+    for section in sections:
+        note = f" ({section['note']})" if "note" in section else ""
+        declared = f", the peer declaring its {section['target']} {_declared(section)} (vendor_override)" if _declared(section) else ""
+        print(f"\nCUDA device memory, {section['source']} -> {section['target']}{declared}: {section['size_bytes'] / 2**30:.2f} GiB per path{note}, after a 4 KiB warm-up")
+        if "error" in section:
+            print(f"failed: {section['error']}")
+        print_table(_table(section["paths"]))
     return 0 if ok else 1
 
 
@@ -269,7 +317,8 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
         help="move and verify bytes over every path available on this machine",
         description="Start hmcd if needed and two agents in two processes, move --size bytes over every path "
         "(local, ipc, rdma, ucx, staged), verify every byte, and report per path the choice, the reasons and GB/s; "
-        "where CUDA devices exist, the same for GPU memory (cuda:0 -> cuda:1, or cuda:0 in the other process on one GPU).",
+        "where CUDA devices exist, the same for GPU memory (cuda:0 -> cuda:1, or cuda:0 in the other process on one GPU), "
+        "and once more with the other process declaring that GPU AMD (a cross-vendor pair: staged).",
     )
     demo.add_argument("--size", default="1GiB", help="bytes to move per path (default: 1GiB; e.g. 256MiB)")
     demo.set_defaults(run=_demo)

@@ -17,7 +17,7 @@ event and runs `on_done` outside it. `on_late` runs at most once, on the
 backstop thread. `_Waiter._cond` guards its pending list, thread and closed
 flag; items are polled outside it. `_Latch` is the Completion of a sub-request
 handed to the host mover: `finish` from the mover's thread, `wait` on the
-posting thread, the parent's cancellation read through.
+posting thread, the parent's cancellation read through and its stop hook (`on_cancel`) handed to the parent.
 """
 
 from __future__ import annotations
@@ -49,6 +49,15 @@ class _Latch:
     @property
     def cancelled(self) -> bool:
         return bool(self._parent.cancelled)
+
+    @property
+    def on_cancel(self) -> Callable[[], None] | None:
+        return self._parent.on_cancel  # type: ignore[no-any-return]
+
+    @on_cancel.setter
+    def on_cancel(self, hook: Callable[[], None] | None) -> None:
+        """The host mover's stop hook becomes the parent's: cancelling the transfer stops the chunk in flight."""
+        self._parent.on_cancel = hook
 
     def set_running(self) -> None:
         return None

@@ -1,4 +1,6 @@
-"""Helpers shared by the GPU transfer tests: poison bytes, random data, byte-exact comparisons, device buffers registered with an agent, and the transfer checks every path between two GPUs passes."""
+"""Helpers shared by the GPU transfer tests: poison bytes, random data, byte-exact comparisons, device buffers registered
+with an agent, and the transfer checks every path between two processes passes, this one's buffers on cuda:0 and the
+peer's on `peer_device` (conftest.py: cuda:1, or cuda:0 on a one-GPU machine)."""
 
 from __future__ import annotations
 
@@ -71,15 +73,24 @@ def gpu_buffer(agent: Agent, data: np.ndarray | int, device: str = "cuda:0", siz
 
 
 def write_then_read(
-    agent: Agent, peer: PeerProcess, path: str, length: int, remote_offset: int, local_offset: int, slack: int, *, negotiated: PathName | None = None
+    agent: Agent,
+    peer: PeerProcess,
+    path: str,
+    length: int,
+    remote_offset: int,
+    local_offset: int,
+    slack: int,
+    *,
+    peer_device: str,
+    negotiated: PathName | None = None,
 ) -> None:
-    """One range written into the peer's cuda:1 buffer on `path` and read back, every byte of both buffers compared.
+    """One range written into the peer's buffer on `peer_device` on `path` and read back, every byte of both buffers compared.
 
     With `negotiated`, also asserts that path negotiation picks it before the write.
     """
     remote_size = remote_offset + length + slack
     data = random_bytes(local_offset + length + 3, length)
-    remote = peer.register(remote_size, fill=POISON, device="cuda:1")
+    remote = peer.register(remote_size, fill=POISON, device=peer_device)
     with gpu_buffer(agent, data) as local:
         if negotiated is not None:
             assert agent.path_to(local, remote).path is negotiated
@@ -97,10 +108,11 @@ def write_then_read(
     peer.unregister(remote.id)
 
 
-def peer_initiates_both_directions(agent: Agent, peer: PeerProcess, size: int, path: str) -> None:
-    """The peer writes three ranges (one the last byte) into a device buffer here, then reads a whole fresh one back, on `path`."""
+def peer_initiates_both_directions(agent: Agent, peer: PeerProcess, size: int, path: str, *, peer_device: str) -> None:
+    """The peer writes three ranges (one the last byte) from its buffer on `peer_device` into a device buffer here, then
+    reads a whole fresh one back, on `path`."""
     data = random_bytes(size, 11)
-    theirs = peer.register(size, device="cuda:1")
+    theirs = peer.register(size, device=peer_device)
     peer.fill(theirs.id, data.tobytes())
     with gpu_buffer(agent, POISON, size=size) as mine:
         assert peer.transfer("write", theirs.id, mine.descriptor, [0, 5000, size - 1], [3, 9000, size - 1], [4000, 70001, 1]) == path
@@ -114,11 +126,11 @@ def peer_initiates_both_directions(agent: Agent, peer: PeerProcess, size: int, p
     peer.unregister(theirs.id)
 
 
-def host_here_device_there(agent: Agent, peer: PeerProcess, size: int, seed: int, path: str) -> None:
-    """Host memory here written into the peer's poisoned cuda:1 buffer (unaligned, one byte short) and the whole
-    buffer read back into poisoned host memory, on `path`, every byte compared."""
+def host_here_device_there(agent: Agent, peer: PeerProcess, size: int, seed: int, path: str, *, peer_device: str) -> None:
+    """Host memory here written into the peer's poisoned buffer on `peer_device` (unaligned, one byte short) and the
+    whole buffer read back into poisoned host memory, on `path`, every byte compared."""
     data = random_bytes(size, seed)
-    remote = peer.register(size, fill=POISON, device="cuda:1")
+    remote = peer.register(size, fill=POISON, device=peer_device)
     local = agent.register(data.copy())
     try:
         handle = agent.write(local, remote, 1, 0, size - 1)

@@ -1,4 +1,10 @@
-"""GPU tests run only where the CUDA backend finds a device (`cuda`), and enough of them (`multi_gpu(n)`); elsewhere they are skipped with the reason."""
+"""GPU tests run only where the CUDA backend finds a device (`cuda`), and enough of them (`multi_gpu(n, reason=...)`); elsewhere
+they are skipped with the reason.
+
+One GPU is a whole machine for every cross-process path: the peer process owns its device memory on `peer_device`, cuda:1
+where two GPUs are visible and cuda:0 (the same GPU as this process, another process) where one is. Only what needs two
+physical GPUs (peer copy between devices, memory on a second device) is marked `multi_gpu(2, reason=...)`.
+"""
 
 from __future__ import annotations
 
@@ -38,12 +44,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if reason is not None:
         for item in cuda_items:
             item.add_marker(pytest.mark.skip(reason=reason))
-    for item in items:  # multi_gpu(n): skipped where fewer than n CUDA devices are visible
+    for item in items:  # multi_gpu(n, reason=why): skipped where fewer than n CUDA devices are visible
         marker = item.get_closest_marker("multi_gpu")
         if marker is not None:
             needed = int(marker.args[0]) if marker.args else 2
+            why = f" ({marker.kwargs['reason']})" if "reason" in marker.kwargs else ""
             if _cuda_device_count() < needed:
-                item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPUs, {_cuda_device_count()} visible"))
+                item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPUs{why}, {_cuda_device_count()} visible"))
 
 
 @pytest.fixture
@@ -56,6 +63,12 @@ def cuda_backend() -> CudaBackend:
 @pytest.fixture
 def cuda0() -> Device:
     return memory.get_device("cuda:0")
+
+
+@pytest.fixture(scope="session")
+def peer_device() -> str:
+    """The GPU a peer process's buffers live on: cuda:1 beside this process's cuda:0, or cuda:0 (in another process) on one GPU."""
+    return "cuda:1" if _cuda_device_count() > 1 else "cuda:0"
 
 
 @pytest.fixture(scope="module")

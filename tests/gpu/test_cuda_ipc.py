@@ -1,14 +1,17 @@
-"""The `ipc` path for CUDA memory between two processes of one host, on two GPUs.
+"""The `ipc` path for CUDA memory between two processes of one host, on one GPU or two.
 
 This process runs an Agent whose buffers live on cuda:0 (or in host memory); a
-`PeerProcess` owns buffers on cuda:1 (or in host memory). Both directions, both
+`PeerProcess` owns buffers on `peer_device` (or in host memory): cuda:1 where two
+GPUs are visible, cuda:0 where one is (the other process maps it through CUDA IPC
+all the same). Both directions, both
 initiators, random data into poisoned destinations, every byte compared (host
 copies of the device buffers, or BLAKE2b digests of whole 256 MiB buffers),
 odd sizes, unaligned offsets and ranges touching the last byte, the KV patterns
 of issue 3 (4096 x 64 KiB and 16384 x 16 KiB random ranges), the conformance
 suite with host memory here and device memory there, withdrawal closing the
 mapping, a wrong access key refused, and a vendor override turning the pair
-into a cross-vendor one. Skipped with the reason where fewer than two GPUs exist.
+into a cross-vendor one. Only the torch test that needs memory on a second GPU is
+skipped (with the reason) where one GPU exists.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from ._support import (
     write_then_read,
 )
 
-pytestmark = [pytest.mark.cuda, pytest.mark.multi_gpu(2), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
 
 KV_TOTAL = 256 << 20
 
@@ -77,36 +80,40 @@ def backend() -> CudaBackend:
     return found
 
 
-def test_ipc_declares_cuda_and_is_negotiated_between_the_gpus(gpu_agent: Agent, gpu_peer: PeerProcess) -> None:
+def test_ipc_declares_cuda_and_is_negotiated_between_the_processes(gpu_agent: Agent, gpu_peer: PeerProcess, peer_device: str) -> None:
     [ipc] = [t for t in gpu_agent.info.transports if t.path == "ipc"]
     assert common_pb2.DEVICE_KIND_CUDA in ipc.memory_kinds and common_pb2.DEVICE_KIND_HOST in ipc.memory_kinds
-    remote = gpu_peer.register(4096, device="cuda:1")
+    remote = gpu_peer.register(4096, device=peer_device)
+    assert remote.owner.pid == gpu_peer.pid != gpu_agent.info.pid and remote.device.name == peer_device
     with gpu_buffer(gpu_agent, POISON, size=4096) as local:
         choice = gpu_agent.path_to(local, remote)
         assert choice.path is PathName.IPC, choice
         assert remote.handles.HasField("cuda_ipc") and remote.device.kind == common_pb2.DEVICE_KIND_CUDA
+        assert remote.handles.cuda_ipc.pid == gpu_peer.pid
     gpu_peer.unregister(remote.id)
 
 
 @pytest.mark.parametrize(("length", "remote_offset", "local_offset", "slack"), CASES)
 def test_write_then_read_odd_sizes_unaligned_offsets(
-    gpu_agent: Agent, gpu_peer: PeerProcess, length: int, remote_offset: int, local_offset: int, slack: int
+    gpu_agent: Agent, gpu_peer: PeerProcess, peer_device: str, length: int, remote_offset: int, local_offset: int, slack: int
 ) -> None:
-    write_then_read(gpu_agent, gpu_peer, "ipc", length, remote_offset, local_offset, slack)
+    write_then_read(gpu_agent, gpu_peer, "ipc", length, remote_offset, local_offset, slack, peer_device=peer_device, negotiated=PathName.IPC)
 
 
-def test_batches_of_odd_unaligned_ranges_both_ways(gpu_agent: Agent, gpu_peer: PeerProcess) -> None:
+def test_batches_of_odd_unaligned_ranges_both_ways(gpu_agent: Agent, gpu_peer: PeerProcess, peer_device: str) -> None:
     """Many ranges take the gather/scatter kernel: every alignment skew, lengths from 1 byte, the last byte."""
     rng = np.random.default_rng(3)
     size = (8 << 20) + 13
     data = random_bytes(size, 4)
-    remote = gpu_peer.register(size, fill=POISON, device="cuda:1")
+    remote = gpu_peer.register(size, fill=POISON, device=peer_device)
     with gpu_buffer(gpu_agent, data) as local:
         dst, lengths = disjoint_ranges(rng, 1001, size, 20011)
         last = int(np.argmax(dst))
         dst[last], lengths[last] = size - 777, 777  # still inside the last slot: this range ends at the buffer's end
         src = rng.integers(0, size - lengths)
-        gpu_agent.write(local, remote, src, dst, lengths).wait()
+        handle = gpu_agent.write(local, remote, src, dst, lengths)
+        handle.wait()
+        assert handle.path == "ipc"
         expected = scatter(np.full(size, POISON, np.uint8), data, src, dst, lengths)
         assert_bytes_equal(np.frombuffer(gpu_peer.contents(remote.id), np.uint8), expected, "batched write")
         memory.fill(local.region, POISON)
@@ -119,18 +126,18 @@ def test_batches_of_odd_unaligned_ranges_both_ways(gpu_agent: Agent, gpu_peer: P
     gpu_peer.unregister(remote.id)
 
 
-def test_the_peer_initiates_both_directions(gpu_agent: Agent, gpu_peer: PeerProcess) -> None:
-    peer_initiates_both_directions(gpu_agent, gpu_peer, (1 << 20) + 3, "ipc")
+def test_the_peer_initiates_both_directions(gpu_agent: Agent, gpu_peer: PeerProcess, peer_device: str) -> None:
+    peer_initiates_both_directions(gpu_agent, gpu_peer, (1 << 20) + 3, "ipc", peer_device=peer_device)
 
 
 @pytest.mark.parametrize(("count", "block"), [(4096, 64 << 10), (16384, 16 << 10)])
-def test_kv_random_ranges_every_byte(gpu_agent: Agent, gpu_peer: PeerProcess, count: int, block: int) -> None:
+def test_kv_random_ranges_every_byte(gpu_agent: Agent, gpu_peer: PeerProcess, peer_device: str, count: int, block: int) -> None:
     rng = np.random.default_rng(count)
     slots = KV_TOTAL // block
     src = rng.permutation(slots)[:count].astype(np.int64) * block
     dst = rng.permutation(slots)[:count].astype(np.int64) * block
     data = random_bytes(KV_TOTAL, count)
-    remote = gpu_peer.register(KV_TOTAL, fill=POISON, device="cuda:1")
+    remote = gpu_peer.register(KV_TOTAL, fill=POISON, device=peer_device)
     with gpu_buffer(gpu_agent, data) as local:
         handle = gpu_agent.write(local, remote, src, dst, block)
         handle.wait()
@@ -175,15 +182,15 @@ class DeviceOwner:
         return self.peer.notifications(timeout)
 
 
-def test_host_memory_here_to_device_memory_there_conforms(gpu_agent: Agent, gpu_peer: PeerProcess) -> None:
-    """check_transport with numpy buffers here (page-locked by the path) and cuda:1 buffers in the peer.
+def test_host_memory_here_to_device_memory_there_conforms(gpu_agent: Agent, gpu_peer: PeerProcess, peer_device: str) -> None:
+    """check_transport with numpy buffers here (page-locked by the path) and device buffers on `peer_device` in the peer.
 
     The peer is not frozen for the deadline checks: a one-sided path needs nothing from it.
     """
 
     @contextlib.contextmanager
     def pair() -> Iterator[TransportPair]:
-        yield TransportPair(gpu_agent, DeviceOwner(gpu_peer, "cuda:1"), "ipc")
+        yield TransportPair(gpu_agent, DeviceOwner(gpu_peer, peer_device), "ipc")
 
     check_transport(pair)
 
@@ -216,9 +223,9 @@ def test_device_memory_here_to_host_memory_there(gpu_agent: Agent, gpu_peer: Pee
     gpu_peer.unregister(remote.id)
 
 
-def test_withdrawal_closes_the_mapping(gpu_agent: Agent, gpu_peer: PeerProcess, backend: CudaBackend) -> None:
+def test_withdrawal_closes_the_mapping(gpu_agent: Agent, gpu_peer: PeerProcess, peer_device: str, backend: CudaBackend) -> None:
     before = backend.ipc_mappings()
-    remote = gpu_peer.register(1 << 20, fill=POISON, device="cuda:1")
+    remote = gpu_peer.register(1 << 20, fill=POISON, device=peer_device)
     with gpu_buffer(gpu_agent, random_bytes(1 << 20, 5)) as local:
         gpu_agent.write(local, remote, 0, 0, 4096).wait()  # opens the mapping and sets up the inline route
         gpu_agent.write(local, remote, [0, 8192, 20000, 40000, 60000], [0, 8192, 20000, 40000, 60000], 100).wait()
@@ -231,8 +238,8 @@ def test_withdrawal_closes_the_mapping(gpu_agent: Agent, gpu_peer: PeerProcess, 
             gpu_agent.read(local, remote, [0, 100, 200, 300, 400], [0, 100, 200, 300, 400], 10).wait()
 
 
-def test_a_wrong_access_key_is_refused(gpu_agent: Agent, gpu_peer: PeerProcess, backend: CudaBackend) -> None:
-    remote = gpu_peer.register(1 << 20, fill=POISON, device="cuda:1")
+def test_a_wrong_access_key_is_refused(gpu_agent: Agent, gpu_peer: PeerProcess, peer_device: str, backend: CudaBackend) -> None:
+    remote = gpu_peer.register(1 << 20, fill=POISON, device=peer_device)
     forged = common_pb2.BufferDescriptor()
     forged.CopyFrom(remote)
     forged.access_key = bytes(16)
@@ -250,14 +257,14 @@ def test_a_wrong_access_key_is_refused(gpu_agent: Agent, gpu_peer: PeerProcess, 
     gpu_peer.unregister(remote.id)
 
 
-def test_vendor_override_picks_staged(gpu_config: Config, gpu_agent: Agent) -> None:
-    """A peer declares its cuda:1 as AMD (vendor_override, as HMC_DEVICE_VENDOR_OVERRIDE="cuda:1=amd" would):
-    negotiation refuses vendor IPC for the now cross-vendor pair and picks staged, what a real NVIDIA-AMD pair
-    gets. The staged path moves the device memory through its shared pinned ring (tests/gpu/test_cuda_staged.py
+def test_vendor_override_picks_staged(gpu_config: Config, gpu_agent: Agent, peer_device: str) -> None:
+    """A peer declares its GPU (`peer_device`) AMD (vendor_override, as HMC_DEVICE_VENDOR_OVERRIDE="cuda:1=amd" would;
+    on one GPU that is the cuda:0 this process declares NVIDIA): negotiation refuses vendor IPC for the now
+    cross-vendor pair and picks staged, what a real NVIDIA-AMD pair gets. The staged path moves the device memory through its shared pinned ring (tests/gpu/test_cuda_staged.py
     covers it in depth); this test asserts the negotiated path, the reasons, and one write each way.
     """
-    with PeerProcess(gpu_config.replace(vendor_override={"cuda:1": "amd"}), timeout=120.0) as amd:
-        remote = amd.register(1 << 20, fill=POISON, device="cuda:1")
+    with PeerProcess(gpu_config.replace(vendor_override={peer_device: "amd"}), timeout=120.0) as amd:
+        remote = amd.register(1 << 20, fill=POISON, device=peer_device)
         assert remote.device.vendor == common_pb2.VENDOR_AMD and remote.device.physical_vendor == common_pb2.VENDOR_NVIDIA
         data = random_bytes(1 << 20, 7)
         with gpu_buffer(gpu_agent, data) as local:
@@ -279,6 +286,7 @@ def test_vendor_override_picks_staged(gpu_config: Config, gpu_agent: Agent) -> N
         amd.unregister(remote.id)
 
 
+@pytest.mark.multi_gpu(2, reason="a tensor on a second GPU")
 def test_a_torch_tensor_on_the_second_gpu_registers_there(gpu_agent: Agent) -> None:
     """Pointer resolution names the GPU the memory is on (cuda.bindings alone answers 0 for every GPU)."""
     torch = pytest.importorskip("torch")

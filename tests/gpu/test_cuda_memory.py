@@ -133,11 +133,9 @@ def test_device_to_device(cuda0: Device, size: int, dst_offset: int, src_offset:
     assert_bytes_equal(whole, expected)
 
 
-@pytest.mark.multi_gpu(2)
+@pytest.mark.multi_gpu(2, reason="a peer copy between two devices")
 def test_peer_copy_both_directions() -> None:
     devices = cuda_devices()
-    if len(devices) < 2:
-        pytest.skip(f"needs two GPUs, found {len(devices)}")
     size, dst_offset, src_offset = (5 << 20) + 3, 13, 4095
     for source, target in ((devices[0], devices[1]), (devices[1], devices[0])):
         data = random_bytes(src_offset + size, seed=source.index)

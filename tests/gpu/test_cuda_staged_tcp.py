@@ -1,11 +1,12 @@
-"""The `staged` path for CUDA device memory between hosts (pinned rings, bytes over TCP), run on one host.
+"""The `staged` path for CUDA device memory between hosts (pinned rings, bytes over TCP), run on one host, one GPU or two.
 
 The peer process gets its own host id (HMC_HOST_ID, as agents in two containers sharing a kernel would), so
 both agents treat each other as other hosts: negotiation refuses ipc (different hosts) and staged moves device
-memory through pinned rings over TCP, not the shared ring of one host. Random data into poisoned destinations,
-every byte compared, in both directions and with either side initiating: odd sizes, unaligned offsets, ranges
-touching the last byte, transfers of many ring slots, host memory on one side, and a peer killed mid-transfer
-failing it within its deadline. Skipped with the reason where fewer than two GPUs exist.
+memory through pinned rings over TCP, not the shared ring of one host. The peer's buffers live on `peer_device`
+(cuda:1, or cuda:0 on a one-GPU machine). Random data into poisoned destinations, every byte compared, in both
+directions and with either side initiating: odd sizes, unaligned offsets, ranges touching the last byte, transfers
+of many ring slots, host memory on one side, and a peer killed mid-transfer failing it within its deadline.
+Skipped with the reason where no GPU exists.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from hmc.transport._base import PathName
 
 from ._support import gpu_buffer, host_here_device_there, peer_initiates_both_directions, write_then_read
 
-pytestmark = [pytest.mark.cuda, pytest.mark.multi_gpu(2), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
 
 CASES = [
     (1, 0, 0, 0),
@@ -57,13 +58,13 @@ def remote_host(gpu_config: Config) -> Iterator[PeerProcess]:
 
 @pytest.mark.parametrize(("length", "remote_offset", "local_offset", "slack"), CASES)
 def test_staged_cross_host_tcp_on_one_host_write_then_read(
-    gpu_agent: Agent, remote_host: PeerProcess, length: int, remote_offset: int, local_offset: int, slack: int
+    gpu_agent: Agent, remote_host: PeerProcess, peer_device: str, length: int, remote_offset: int, local_offset: int, slack: int
 ) -> None:
-    write_then_read(gpu_agent, remote_host, "staged", length, remote_offset, local_offset, slack, negotiated=PathName.STAGED)
+    write_then_read(gpu_agent, remote_host, "staged", length, remote_offset, local_offset, slack, peer_device=peer_device, negotiated=PathName.STAGED)
 
 
-def test_staged_cross_host_tcp_on_one_host_ipc_refused_as_different_hosts(gpu_agent: Agent, remote_host: PeerProcess) -> None:
-    remote = remote_host.register(4096, device="cuda:1")
+def test_staged_cross_host_tcp_on_one_host_ipc_refused_as_different_hosts(gpu_agent: Agent, remote_host: PeerProcess, peer_device: str) -> None:
+    remote = remote_host.register(4096, device=peer_device)
     with gpu_buffer(gpu_agent, 1, size=4096) as local:
         choice = gpu_agent.path_to(local, remote)
         assert choice.path is PathName.STAGED
@@ -71,18 +72,18 @@ def test_staged_cross_host_tcp_on_one_host_ipc_refused_as_different_hosts(gpu_ag
     remote_host.unregister(remote.id)
 
 
-def test_staged_cross_host_tcp_on_one_host_the_peer_initiates_both_directions(gpu_agent: Agent, remote_host: PeerProcess) -> None:
-    peer_initiates_both_directions(gpu_agent, remote_host, (70 << 20) + 3, "staged")
+def test_staged_cross_host_tcp_on_one_host_the_peer_initiates_both_directions(gpu_agent: Agent, remote_host: PeerProcess, peer_device: str) -> None:
+    peer_initiates_both_directions(gpu_agent, remote_host, (70 << 20) + 3, "staged", peer_device=peer_device)
 
 
-def test_staged_cross_host_tcp_on_one_host_host_memory_here_device_memory_there(gpu_agent: Agent, remote_host: PeerProcess) -> None:
-    host_here_device_there(gpu_agent, remote_host, (40 << 20) + 5, 31, "staged")
+def test_staged_cross_host_tcp_on_one_host_host_memory_here_device_memory_there(gpu_agent: Agent, remote_host: PeerProcess, peer_device: str) -> None:
+    host_here_device_there(gpu_agent, remote_host, (40 << 20) + 5, 31, "staged", peer_device=peer_device)
 
 
-def test_staged_cross_host_tcp_on_one_host_a_peer_killed_mid_transfer_fails_it(gpu_agent: Agent, gpu_config: Config) -> None:
+def test_staged_cross_host_tcp_on_one_host_a_peer_killed_mid_transfer_fails_it(gpu_agent: Agent, gpu_config: Config, peer_device: str) -> None:
     size = 1 << 30
     with _other_host(gpu_config) as peer:
-        remote = peer.register(size, device="cuda:1")
+        remote = peer.register(size, device=peer_device)
         with gpu_buffer(gpu_agent, 7, size=size) as local:
             gpu_agent.write(local, remote, 0, 0, 1 << 20).wait()
             handle = gpu_agent.write(local, remote, 0, 0, size, timeout=10.0)
