@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -11,7 +13,10 @@ import pytest
 
 from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
+from hmc.errors import BrokenResourceError, ProtocolError
 from hmc.testing import PeerProcess, TransportPair, check_transport
+from hmc.transport._wire import FrameStream, connect, handshake, raise_for_reply
+from hmc.v1 import common_pb2, peer_pb2
 
 POISON = 0xA5
 STAGED = PathPolicy(allow=("staged",))
@@ -90,11 +95,11 @@ def test_small_transfers_are_one_round_trip_on_the_callers_thread(config: Config
     from hmc.errors import OutOfRangeError
     from hmc.transport._staged import StagedTransport
 
-    remote = peer.register(1 << 20, fill=POISON)
+    remote = peer.register(2 << 20, fill=POISON)
     with Agent(config.replace(policy=STAGED), daemon=False) as a:
-        src = a.register(rng.integers(0, 256, 1 << 20, dtype=np.uint8))
+        src = a.register(rng.integers(0, 256, 2 << 20, dtype=np.uint8))
         back = a.register(np.zeros(1 << 20, np.uint8))
-        for length in (1, 4096, 128 << 10):  # two ranges: up to 256 KiB in all
+        for length in (1, 4096, 128 << 10, 256 << 10):  # two ranges: up to 512 KiB in all, inline or not
             handle = a.write(src, remote, [0, 300_000], [length, 600_000], length)
             assert handle.done()  # finished when write() returned
             handle.wait()
@@ -104,15 +109,17 @@ def test_small_transfers_are_one_round_trip_on_the_callers_thread(config: Config
             assert np.array_equal(back.numpy()[:length], src.numpy()[:length])
             assert np.array_equal(back.numpy()[300_000 : 300_000 + length], src.numpy()[300_000 : 300_000 + length])
         with pytest.raises(OutOfRangeError):  # the owner refuses; the connection stays usable
-            a.write(src, remote, 0, (1 << 20) - 8, 16, path="staged").wait()
+            a.write(src, remote, 0, (2 << 20) - 8, 16, path="staged").wait()
         a.write(src, remote, 0, 0, 4096).wait()
         assert _staged_threads() == []  # no stream was needed
         [transport] = [t for t in a._transports.values() if isinstance(t, StagedTransport)]
         [pipe] = transport._pipes.values()
         assert pipe.round_trips == len(pipe.idle) == 1
-        a.write(src, remote, 0, 0, (256 << 10) + 1).wait()  # larger: the streams
+        a.write(src, remote, 0, 0, 1 << 20).wait()  # up to 1 MiB: still a round trip
+        assert _staged_threads() == []
+        a.write(src, remote, 0, 0, (1 << 20) + 1).wait()  # larger: the streams
         assert len([n for n in _staged_threads() if n.startswith("hmc-staged-tx-")]) == config.staged_streams
-        assert peer.contents(remote.id)[: (256 << 10) + 1] == src.numpy()[: (256 << 10) + 1].tobytes()
+        assert peer.contents(remote.id)[: (1 << 20) + 1] == src.numpy()[: (1 << 20) + 1].tobytes()
 
 
 def test_concurrent_small_transfers_share_the_round_trip_connections(config: Config, peer: PeerProcess, rng: np.random.Generator) -> None:
@@ -136,3 +143,60 @@ def test_concurrent_small_transfers_share_the_round_trip_connections(config: Con
             thread.join()
         assert errors == []
         assert peer.contents(remote.id) == src.numpy().tobytes()
+
+
+def _data_connection(peer: PeerProcess, proves: common_pb2.BufferDescriptor) -> FrameStream:
+    """A raw data connection to the peer agent, authenticated with `proves`' key (what a staged initiator opens)."""
+    stream = FrameStream(connect(peer.info.endpoint, time.monotonic() + 5), "owner")
+    handshake(stream, common_pb2.AgentInfo(id="raw-initiator"), peer_pb2.PeerHello.CHANNEL_DATA, time.monotonic() + 5, proves)
+    return stream
+
+
+def _write_of(stream: FrameStream, remote: common_pb2.BufferDescriptor, offset: int, length: int) -> peer_pb2.PeerFrame:
+    ranges = common_pb2.RangeList(dst_offsets=struct.pack("<q", offset), lengths=struct.pack("<q", length))
+    return peer_pb2.PeerFrame(write=peer_pb2.DataWrite(buffer_id=remote.id, key_proof=stream.proof(remote.access_key), ranges=ranges))
+
+
+def test_an_inline_write_lands_whole_on_the_owner(peer: PeerProcess, rng: np.random.Generator) -> None:
+    remote = peer.register(1 << 16, fill=POISON)
+    data = rng.integers(0, 256, 4096, dtype=np.uint8)
+    stream = _data_connection(peer, remote)
+    try:
+        stream.send(_write_of(stream, remote, 1000, 4096), [memoryview(data)], time.monotonic() + 5)
+        raise_for_reply(stream.recv(time.monotonic() + 5, spin_s=1e-4).reply)
+    finally:
+        stream.close()
+    expected = np.full(1 << 16, POISON, np.uint8)
+    expected[1000:5096] = data
+    assert peer.contents(remote.id) == expected.tobytes()
+
+
+@pytest.mark.parametrize("inline", [100, 8192])  # too little for the ranges, too much
+def test_an_inline_payload_unlike_its_ranges_is_refused_and_nothing_lands(peer: PeerProcess, rng: np.random.Generator, inline: int) -> None:
+    remote = peer.register(1 << 16, fill=POISON)
+    stream = _data_connection(peer, remote)
+    try:
+        stream.send(_write_of(stream, remote, 0, 4096), [memoryview(rng.integers(0, 256, inline, dtype=np.uint8))], time.monotonic() + 5)
+        with pytest.raises(ProtocolError):  # a typed refusal, then the owner hangs up
+            raise_for_reply(stream.recv(time.monotonic() + 5).reply)
+        with pytest.raises(BrokenResourceError):
+            stream.recv(time.monotonic() + 5)
+    finally:
+        stream.close()
+    assert peer.contents(remote.id) == bytes([POISON]) * (1 << 16)
+
+
+def test_an_inline_frame_cut_short_ends_its_connection_and_nothing_lands(peer: PeerProcess, rng: np.random.Generator) -> None:
+    remote = peer.register(1 << 16, fill=POISON)
+    stream = _data_connection(peer, remote)
+    body = _write_of(stream, remote, 0, 4096).SerializeToString()
+    data = rng.integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    try:
+        stream._tx.send(struct.pack("<II", len(body) | (1 << 31), 4096) + body + data[:1000])  # the rest never comes
+        started = time.monotonic()
+        with pytest.raises(BrokenResourceError):  # the owner gives the rest of a frame 5 s, then hangs up
+            stream.recv(started + 30)
+        assert time.monotonic() - started < 15
+    finally:
+        stream.close()
+    assert peer.contents(remote.id) == bytes([POISON]) * (1 << 16)

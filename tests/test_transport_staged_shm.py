@@ -17,10 +17,11 @@ import pytest
 import hmc.transport._staged as staged
 from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
-from hmc.errors import AccessDeniedError, OutOfRangeError
+from hmc.errors import AccessDeniedError, HMCError, OutOfRangeError
 from hmc.testing import PeerProcess
 from hmc.transport._pinned import SlotCopier
 from hmc.transport._staged_owner import OwnerSegments
+from hmc.transport._staged_shm import SMALL_BYTES
 from hmc.transport._wire import error_reply
 from hmc.v1 import peer_pb2
 from staged_support import POISON, grown, scattered_read_every_byte, write_read_every_byte
@@ -65,16 +66,17 @@ def test_owner_queues_copies_and_replies_in_frame_order(monkeypatch: pytest.Monk
     """A slot copy still running holds back the replies behind it; the buffer is released once its copy finished."""
     gates = [threading.Event(), threading.Event()]
 
-    def start(self: Any, region: Any, offsets: list[int], lengths: list[int], slot: int, *, to_slot: bool) -> Any:
-        gate = gates[slot]
+    def start(self: Any, region: Any, offsets: Any, lengths: Any, slot: Any, at: int, *, to_slot: bool, deadline: float) -> Any:
+        gate = gates[at]
         return lambda deadline: gate.wait(5.0)
 
     monkeypatch.setattr(SlotCopier, "start", start)
     stream = _Replies()
     owner = OwnerSegments(stream)  # type: ignore[arg-type]
     released: list[int] = []
-    owner.start(1, None, [0], [8], 0, to_slot=False, release=lambda: released.append(1))
-    owner.start(2, None, [0], [8], 1, to_slot=False, release=lambda: released.append(2))
+    big = SMALL_BYTES + 1  # queued for the completion thread, not answered on the spot
+    owner.start(1, None, [0], [big], None, 0, total=big, to_slot=False, release=lambda: released.append(1))  # type: ignore[arg-type]
+    owner.start(2, None, [0], [big], None, 1, total=big, to_slot=False, release=lambda: released.append(2))  # type: ignore[arg-type]
     owner.reply(3, error_reply(AccessDeniedError("refused")))
     assert stream.sent == [] and released == []
     gates[1].set()  # the second copy finishing first changes nothing: replies keep frame order
@@ -86,3 +88,84 @@ def test_owner_queues_copies_and_replies_in_frame_order(monkeypatch: pytest.Monk
     owner.reply(4, error_reply(AccessDeniedError("refused")))  # nothing queued: sent at once
     assert stream.sent[-1][0] == 4
     owner.close()
+
+
+def test_owner_answers_a_small_copy_on_the_reading_thread_unless_copies_are_queued(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small chunk with nothing queued before it is waited for and answered by the caller's thread (no hand-off);
+    behind a queued copy it waits its turn, so replies keep frame order."""
+    gate = threading.Event()
+    waited_on: list[str] = []
+
+    def start(self: Any, region: Any, offsets: Any, lengths: Any, slot: Any, at: int, *, to_slot: bool, deadline: float) -> Any:
+        def wait(deadline: float) -> None:
+            if at == 1:
+                gate.wait(5.0)
+            waited_on.append(threading.current_thread().name)
+
+        return wait
+
+    monkeypatch.setattr(SlotCopier, "start", start)
+    stream = _Replies()
+    owner = OwnerSegments(stream)  # type: ignore[arg-type]
+    released: list[int] = []
+    owner.start(1, None, [0], [4096], None, 0, total=4096, to_slot=False, release=lambda: released.append(1))  # type: ignore[arg-type]
+    assert stream.sent == [(1, 0)] and released == [1]  # answered before start() returned
+    assert waited_on == [threading.current_thread().name]
+    big = SMALL_BYTES + 1
+    owner.start(2, None, [0], [big], None, 1, total=big, to_slot=False, release=lambda: released.append(2))  # type: ignore[arg-type]
+    owner.start(3, None, [0], [4096], None, 0, total=4096, to_slot=False, release=lambda: released.append(3))  # type: ignore[arg-type]
+    assert stream.sent == [(1, 0)]  # 3 waits behind 2
+    gate.set()
+    owner.drain()
+    assert [request_id for request_id, _ in stream.sent] == [1, 2, 3] and released == [1, 2, 3]
+    assert waited_on[1:] == ["hmc-staged-shm-owner"] * 2
+    owner.close()
+
+
+@pytest.mark.usefixtures("ring_only")
+def test_small_single_ranges_take_the_ring_fast_path_every_byte(config: Config, peer: PeerProcess, rng: np.random.Generator) -> None:
+    """After one transfer the pair's single small ranges run on the caller's thread through slot 0 (the agent's
+    inline route): odd sizes, unaligned offsets, the last byte, both directions; a refusal still arrives typed."""
+    size = (SMALL_BYTES * 2) + 5
+    remote = peer.register(size, fill=POISON)
+    with Agent(config.replace(policy=STAGED), daemon=False) as a:
+        data = rng.integers(0, 256, size, dtype=np.uint8)
+        src = a.register(data)
+        out = a.register(np.full(size, POISON ^ 0xFF, np.uint8))
+        a.write(src, remote, 0, 0, 1).wait()
+        assert remote.id in src.inline_routes  # the fast path was learned
+        expected = np.full(size, POISON, np.uint8)
+        expected[0] = data[0]
+        for length, src_at, dst_at in ((1, 7, size - 1), (4093, 1, 3), (SMALL_BYTES, 5, size - SMALL_BYTES), (65536, 11, 4099)):
+            handle = a.write(src, remote, src_at, dst_at, length)
+            assert handle.path == "staged" and handle.bytes_done == length
+            expected[dst_at : dst_at + length] = data[src_at : src_at + length]
+        assert peer.contents(remote.id) == expected.tobytes()
+        a.read(out, remote, 0, 0, 1).wait()
+        wanted = np.full(size, POISON ^ 0xFF, np.uint8)
+        wanted[0] = expected[0]
+        for length, remote_at, local_at in ((4093, size - 4093, 2), (SMALL_BYTES, 9, size - SMALL_BYTES - 1)):
+            a.read(out, remote, remote_at, local_at, length).wait()
+            wanted[local_at : local_at + length] = expected[remote_at : remote_at + length]
+        assert remote.id in out.inline_routes and np.array_equal(out.numpy(), wanted)
+        with pytest.raises(OutOfRangeError):
+            a.write(src, grown(remote), 0, size, 1).wait()  # past the owner's buffer: refused by the owner
+        assert peer.contents(remote.id) == expected.tobytes(), "a refused write changed the buffer"
+        a.write(src, remote, 3, 3, 64).wait()  # the ring works after the refusal
+        expected[3:67] = data[3:67]
+        assert peer.contents(remote.id) == expected.tobytes()
+
+
+@pytest.mark.usefixtures("ring_only")
+def test_the_ring_fast_path_fails_typed_when_the_owner_dies(config: Config, make_peer: Any) -> None:
+    doomed = make_peer()
+    remote = doomed.register(1 << 16, fill=POISON)
+    with Agent(config.replace(policy=STAGED, timeout_s=5.0), daemon=False) as a:
+        src = a.register(np.arange(1 << 16, dtype=np.uint64).view(np.uint8)[: 1 << 16].copy())
+        a.write(src, remote, 0, 0, 4096).wait()
+        assert remote.id in src.inline_routes
+        doomed.kill()
+        handle = a.write(src, remote, 0, 0, 4096)
+        with pytest.raises(HMCError):
+            handle.wait()
+        assert not src.inline_routes  # the failed route is forgotten: the next call takes the slow path again

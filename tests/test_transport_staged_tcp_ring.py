@@ -20,10 +20,11 @@ import hmc.agent._server as server
 import hmc.transport._staged as staged
 from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
-from hmc.memory._machine import HOST_ID_ENV, host_id
 from hmc.errors import AccessDeniedError, OutOfRangeError, TimeoutError
 from hmc.memory import MemoryKind
+from hmc.memory._machine import HOST_ID_ENV, host_id
 from hmc.testing import PeerProcess
+from hmc.transport._pinned import PinnedMapping
 from hmc.transport._staged_owner import OwnerSegments
 from hmc.transport._staged_tcp_ring import BounceSlots
 from hmc.v1 import peer_pb2
@@ -118,15 +119,16 @@ def test_owner_sends_a_read_payload_after_its_copy_then_releases() -> None:
     stream = _Sent()
     owner = OwnerSegments(stream)  # type: ignore[arg-type]
     source = np.arange(64, dtype=np.uint8)
-    slot = np.zeros(16, np.uint8)
+    slot = PinnedMapping(None, 4096, create=True)
     released: list[int] = []
 
     class _Region:
         kind = MemoryKind.HOST
         address = int(source.ctypes.data)
 
-    owner.start(7, _Region(), [3, 40], [10, 6], int(slot.ctypes.data), to_slot=True, release=lambda: released.append(7), payload=memoryview(slot))
+    owner.start(7, _Region(), [3, 40], [10, 6], slot, 100, total=16, to_slot=True, release=lambda: released.append(7), payload=slot.view(100, 16))
     owner.drain()
     assert stream.sent == [(7, 16, bytes(source[3:13]) + bytes(source[40:46]))]
     assert released == [7]
     owner.close()
+    slot.close()

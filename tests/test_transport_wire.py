@@ -17,6 +17,7 @@ from hmc.transport._ranges import iovec_rows
 from hmc.transport._splice import LEND_MIN_BYTES, Lender
 from hmc.transport._wire import (
     HELLO_FRAME,
+    INLINE_MAX,
     MAX_FRAME,
     FrameStream,
     _row_views,
@@ -291,11 +292,13 @@ def test_a_large_receive_in_steps_leaves_the_stream_ready_for_small_frames(tcp_s
 
     def trickle() -> None:  # the payload arrives unevenly: a slow start, then the rest at once, then a small frame
         view = memoryview(data)
-        left.send(peer_pb2.PeerFrame(request_id=1), [view[:100_000]], time.monotonic() + 10)
-        for at in range(100_000, 1_100_000, 250_000):
+        left.send(peer_pb2.PeerFrame(request_id=1), [view[:300_000]], time.monotonic() + 10)  # not inline: the rest follows raw
+        left._tx.settimeout(10.0)
+        for at in range(300_000, 1_300_000, 250_000):
             time.sleep(0.01)
             left._tx.sendall(view[at : at + 250_000])
-        left._tx.sendall(view[1_100_000:])
+        left._tx.sendall(view[1_300_000:])
+        left._tx.settimeout(0.0)
         left.send(peer_pb2.PeerFrame(request_id=2), deadline=time.monotonic() + 10)
 
     sender = threading.Thread(target=trickle)
@@ -321,3 +324,70 @@ def test_a_small_payload_given_as_rows_is_copied_byte_exact(tcp_streams: tuple[F
     out = np.full(sum(p.nbytes for p in parts), 0x66, np.uint8)
     right.recv_into([memoryview(out)], time.monotonic() + 10)
     assert np.array_equal(out, np.concatenate([np.asarray(p) for p in parts]))
+
+
+def test_small_payloads_travel_inline_and_larger_ones_after_their_frame(tcp_streams: tuple[FrameStream, FrameStream], rng: np.random.Generator) -> None:
+    left, right = tcp_streams
+    for size, inline in ((1, 1), (4096, 4096), (INLINE_MAX, INLINE_MAX), (INLINE_MAX + 1, 0)):
+        data = rng.integers(0, 256, size, dtype=np.uint8)
+        sender = threading.Thread(target=left.send, args=(peer_pb2.PeerFrame(request_id=size), [memoryview(data)], time.monotonic() + 5))
+        sender.start()
+        assert right.recv(time.monotonic() + 5, spin_s=1e-4).request_id == size
+        assert right.inline_bytes == inline  # an inline payload is all here before recv() returns
+        out = np.zeros(size, np.uint8)
+        right.recv_into([memoryview(out)], time.monotonic() + 5, spin_s=1e-4)
+        sender.join()
+        assert np.array_equal(out, data)
+
+
+def test_an_inline_payload_is_taken_whole_before_the_next_frame(tcp_streams: tuple[FrameStream, FrameStream], rng: np.random.Generator) -> None:
+    left, right = tcp_streams
+    data = rng.integers(0, 256, 100, dtype=np.uint8)
+    left.send(peer_pb2.PeerFrame(request_id=1), [memoryview(data)], time.monotonic() + 5)
+    left.send(peer_pb2.PeerFrame(request_id=2), deadline=time.monotonic() + 5)
+    assert right.recv(time.monotonic() + 5).request_id == 1
+    assert right.inline_bytes == 100
+    out = np.full(200, 0x77, np.uint8)
+    with pytest.raises(ProtocolError):  # more than came inline: nothing is copied
+        right.recv_into([memoryview(out)], time.monotonic() + 5)
+    assert (out == 0x77).all() and right.broken
+
+
+def test_a_frame_read_over_an_unread_inline_payload_is_a_protocol_error(tcp_streams: tuple[FrameStream, FrameStream]) -> None:
+    left, right = tcp_streams
+    left.send(peer_pb2.PeerFrame(request_id=1), [memoryview(b"x" * 64)], time.monotonic() + 5)
+    left.send(peer_pb2.PeerFrame(request_id=2), deadline=time.monotonic() + 5)
+    assert right.recv(time.monotonic() + 5).request_id == 1
+    with pytest.raises(ProtocolError):
+        right.recv(time.monotonic() + 5)
+
+
+@pytest.mark.parametrize(
+    ("max_frame", "raw"),
+    [
+        (HELLO_FRAME, struct.pack("<II", 2 | (1 << 31), 1) + b"\x08\x01x"),  # inline before authentication
+        (MAX_FRAME, struct.pack("<II", 2 | (1 << 31), INLINE_MAX + 1)),  # more inline than allowed
+        (MAX_FRAME, struct.pack("<II", (HELLO_FRAME + 1) | (1 << 31), 1)),  # an inline frame's own part too large
+    ],
+)
+def test_inline_frames_beyond_their_bounds_are_protocol_errors(tcp_streams: tuple[FrameStream, FrameStream], max_frame: int, raw: bytes) -> None:
+    left, right = tcp_streams
+    right.max_frame = max_frame
+    left._tx.send(raw)
+    with pytest.raises(ProtocolError):
+        right.recv(time.monotonic() + 5)
+    assert right.broken
+
+
+def test_a_large_frame_body_after_read_ahead_bytes_arrives_whole(tcp_streams: tuple[FrameStream, FrameStream]) -> None:
+    left, right = tcp_streams
+    big = peer_pb2.PeerFrame(request_id=5, write=peer_pb2.DataWrite(buffer_id="b", ranges=common_pb2.RangeList(lengths=bytes(200_000))))
+    def send_both() -> None:  # the small frame's read-ahead takes the start of the large one with it
+        left.send(peer_pb2.PeerFrame(request_id=4), deadline=time.monotonic() + 5)
+        left.send(big, deadline=time.monotonic() + 5)
+
+    sender = threading.Thread(target=send_both)
+    sender.start()
+    assert right.recv(time.monotonic() + 5).request_id == 4
+    assert right.recv(time.monotonic() + 5) == big
+    sender.join()

@@ -16,7 +16,6 @@ threads; one condition variable guards its dicts and user counts.
 
 from __future__ import annotations
 
-import collections
 import hmac
 import threading
 import time
@@ -68,11 +67,14 @@ class BufferTable:
     """Local registrations by id and name, with access checks, withdrawn ids and in-flight users."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()  # guards the three dicts/sets below
+        self._lock = threading.Lock()  # guards the three dicts/sets below and _waiting
+        self._cond = threading.Condition(self._lock)  # a buffer's last in-flight use ended
         self._by_id: dict[str, ConnBuffer] = {}
         self._withdrawn: set[str] = set()
-        self._users: dict[str, collections.Counter[Hashable]] = {}
+        self._users: dict[str, dict[Hashable, int]] = {}
         """Per buffer id: in-flight uses by holder (the connection each serves; None for local uses)."""
+        self._waiting = 0
+        """Threads in `wait_unused()`: only then does a release notify (the staged path's hot loop releases)."""
 
     def add(self, buffer: ConnBuffer) -> None:
         with self._cond:
@@ -83,7 +85,7 @@ class BufferTable:
         self, buffer_id: str, access_key: bytes | None = None, *, prove: Callable[[bytes], bytes] | None = None, proof: bytes = b""
     ) -> ConnBuffer:
         """The buffer, if it exists and `access_key` (when given) matches, or `proof` is `prove(its key)`; typed error otherwise."""
-        with self._cond:
+        with self._lock:
             buffer = self._by_id.get(buffer_id)
             if buffer is None:
                 if buffer_id in self._withdrawn:
@@ -109,21 +111,25 @@ class BufferTable:
         """Check access, then hold the buffer so `unregister()` waits for this use to end (or cuts `holder`): pair
         with `release()`."""
         buffer = self.get(buffer_id, access_key, prove=prove, proof=proof)
-        with self._cond:
+        with self._lock:
             if buffer_id not in self._by_id:
                 raise BufferWithdrawnError(f"buffer {buffer_id} was withdrawn")
-            self._users.setdefault(buffer_id, collections.Counter())[holder] += 1
+            users = self._users.get(buffer_id)
+            if users is None:
+                users = self._users[buffer_id] = {}
+            users[holder] = users.get(holder, 0) + 1
         return buffer
 
     def release(self, buffer_id: str, holder: Hashable = None) -> None:
-        with self._cond:
+        with self._lock:
             users = self._users[buffer_id]
             users[holder] -= 1
             if users[holder] <= 0:
                 del users[holder]
             if not users:
                 del self._users[buffer_id]
-                self._cond.notify_all()
+                if self._waiting:
+                    self._cond.notify_all()
 
     def holders(self, buffer_id: str) -> list[Hashable]:
         """Who still uses the buffer's memory (the connections whose receives write into it)."""
@@ -135,7 +141,12 @@ class BufferTable:
         with self._cond:
             while self._users.get(buffer_id):
                 left = deadline - time.monotonic()
-                if left <= 0 or not self._cond.wait(left):
+                self._waiting += 1
+                try:
+                    woken = left > 0 and self._cond.wait(left)
+                finally:
+                    self._waiting -= 1
+                if not woken:
                     return not self._users.get(buffer_id)
         return True
 

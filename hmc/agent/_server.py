@@ -11,7 +11,11 @@ Peers connect over TCP and say in their hello which channel they open:
   against the registered size, and the access key verified, before one byte is
   received into the buffer; a refused DataWrite's payload is drained and
   discarded and a typed error sent back. Malformed frames get a ProtocolError
-  reply and that connection (only) is closed. Device memory goes through a
+  reply and that connection (only) is closed; so does a write whose inline
+  payload (`hmc.transport._wire`) does not match its ranges, before any byte
+  lands. Host memory is answered by the thread that read the frame, right after
+  the bytes landed (and after the device copies queued before it), which then
+  polls briefly for the next frame before sleeping. Device memory goes through a
   shared ring slot the frame names (same host, `_staged_shm`) or, when the bytes
   travel with the frame (between hosts), a pinned bounce slot of the connection
   (`_staged_tcp_ring`); either way its copies are queued on the GPU and replied
@@ -53,7 +57,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hmc.agent._buffers import BufferTable, ConnBuffer
 from hmc.agent._transfer import Notification, NotificationInbox
@@ -79,6 +83,9 @@ _FDS_PER_CONNECTION = 4
 """File descriptors one served connection may hold (its socket, the dup for the receiving thread, a lending pipe)."""
 _FDS_KEPT = 64
 """File descriptors left to the rest of the process (its own outgoing connections, files) when bounding connections."""
+_NEXT_FRAME_SPIN_S = 50e-6
+"""A data connection polls this long for its next frame before sleeping: a caller moving small messages back to
+back sends it within microseconds of the reply, and a sleeping thread takes tens of microseconds to wake."""
 _EXPECTED_MAX = 4096
 """Transfers a data connection remembers the deadline of; older entries past their deadline are forgotten."""
 
@@ -277,38 +284,45 @@ class PeerServer:
             bounce.close()
 
     def _serve_frames(self, stream: FrameStream, segments: OwnerSegments, bounce: BounceSlots, expiry: _Expiry) -> None:
+        queued = False  # copies (or replies) handed to `segments` since it last drained: a reply sent here waits for them
         while True:
-            frame = stream.recv()
+            frame = stream.recv(spin_s=_NEXT_FRAME_SPIN_S)
             kind = frame.WhichOneof("kind")
-            request = frame.write if kind == "write" else frame.read if kind == "read" else None
-            if request is not None:
-                deadline = expiry.deadline(request.transfer_id, request.expires_ms)
-                if deadline < time.monotonic():  # its transfer has ended: nothing of it is written or read any more
-                    late = TimeoutError(f"transfer {request.transfer_id} is past its deadline; frame dropped")
-                    if kind == "write" and not request.HasField("shm"):
-                        stream.discard(_Side(request.ranges, "dst_offsets").total, time.monotonic() + self._timeout_s)
-                    segments.drain()
-                    stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=error_reply(late)))
-                    continue
-            if kind == "write" and frame.write.HasField("shm"):
-                self._shm_copy(stream, frame.request_id, frame.write, "dst_offsets", segments, write=True)
-                continue
-            if kind == "read" and frame.read.HasField("shm"):
-                self._shm_copy(stream, frame.request_id, frame.read, "src_offsets", segments, write=False)
-                continue
             if kind == "write":
-                reply = self._receive_write(stream, frame.request_id, frame.write, segments, bounce, deadline)
+                request: peer_pb2.DataWrite | peer_pb2.DataRead = frame.write
             elif kind == "read":
-                reply = self._send_read(stream, frame, segments, bounce, deadline)
+                request = frame.read
             else:
                 raise ProtocolError(f"{kind or 'empty frame'} is not a data request")
-            if reply is None:
+            if stream.inline_bytes and (kind != "write" or request.HasField("shm")):
+                raise ProtocolError(f"a {kind} request with {stream.inline_bytes} bytes of payload inline")
+            deadline = expiry.deadline(request.transfer_id, request.expires_ms)
+            if deadline < time.monotonic():  # its transfer has ended: nothing of it is written or read any more
+                late = TimeoutError(f"transfer {request.transfer_id} is past its deadline; frame dropped")
+                if kind == "write" and not request.HasField("shm"):
+                    stream.discard(_Side(request.ranges, "dst_offsets").total, time.monotonic() + self._timeout_s)
+                segments.drain()
+                queued = False
+                stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=error_reply(late)))
                 continue
-            segments.drain()  # replies go out in frame order
-            if reply is _OK and not frame.request_id:
-                stream.send_serialized(_OK_FRAME)
+            if request.HasField("shm"):
+                self._shm_copy(stream, frame.request_id, request, "dst_offsets" if kind == "write" else "src_offsets", segments, write=kind == "write")
+                queued = True
+                continue
+            if kind == "write":
+                reply = self._receive_write(stream, frame.request_id, frame.write, segments, bounce, deadline, queued=queued)
             else:
-                stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=reply))
+                reply = self._send_read(stream, frame, segments, bounce, deadline, queued=queued)
+            if reply is _SENT:
+                queued = False
+                continue
+            if reply is None:
+                queued = True
+                continue
+            if queued:  # replies go out in frame order
+                segments.drain()
+                queued = False
+            stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=reply))
 
     def _shm_copy(self, stream: FrameStream, request_id: int, request: peer_pb2.DataWrite | peer_pb2.DataRead, field: str, segments: OwnerSegments, *, write: bool) -> None:
         """A staged chunk through a shared ring slot: queue the copy of the slot into the buffer (write) or the
@@ -328,17 +342,22 @@ class PeerServer:
             self._buffers.release(buffer.id, stream)
             segments.reply(request_id, error_reply(exc))
             return
-        offsets, lengths = side.lists()
+        offsets, lengths = side.arrays()
         release = functools.partial(self._buffers.release, buffer.id, stream)
-        segments.start(request_id, buffer.region, offsets, lengths, slot, to_slot=not write, release=release)
+        segments.start(request_id, buffer.region, offsets, lengths, slot, request.shm.offset, total=side.total, to_slot=not write, release=release)
 
     def _receive_write(
-        self, stream: FrameStream, request_id: int, request: peer_pb2.DataWrite, segments: OwnerSegments, bounce: BounceSlots, deadline: float
+        self, stream: FrameStream, request_id: int, request: peer_pb2.DataWrite, segments: OwnerSegments, bounce: BounceSlots,
+        deadline: float, *, queued: bool,
     ) -> peer_pb2.PeerReply | None:
-        """Receive a write's payload into host memory (the reply to send), or into a bounce slot whose copy into
-        device memory `segments` queues and answers (None). The payload must have arrived by `deadline`, its
-        transfer's: a receive cut off there breaks the connection, and nothing lands afterwards."""
+        """Receive a write's payload into host memory and acknowledge it (after what `segments` has `queued`: _SENT),
+        or into a bounce slot whose copy into device memory `segments` queues and answers (None); returns a refusal
+        to send. The payload must have arrived by `deadline`, its transfer's: a receive cut off there breaks the
+        connection, and nothing lands afterwards. An inline payload must match the ranges (ProtocolError, before any
+        byte lands: the connection ends)."""
         side = _Side(request.ranges, "dst_offsets")
+        if stream.inline_bytes not in (0, side.total):
+            raise ProtocolError(f"a write of {side.total} bytes came with {stream.inline_bytes} bytes inline")
         buffer = None
         slot = None
         try:
@@ -355,25 +374,32 @@ class PeerServer:
             return error_reply(exc)
         if slot is None:
             try:
-                stream.recv_into(side.views(buffer.view), deadline)
+                stream.recv_into(side.views(buffer.view), deadline, spin_s=_NEXT_FRAME_SPIN_S)
+                if queued:
+                    segments.drain()  # replies go out in frame order
+                if request_id:
+                    stream.send(peer_pb2.PeerFrame(request_id=request_id, reply=_OK))
+                else:
+                    stream.send_serialized(_OK_FRAME)
             finally:
-                self._buffers.release(buffer.id, stream)
-            return _OK
+                self._buffers.release(buffer.id, stream)  # after the reply: the initiator need not wait for it
+            return _SENT
         release = _releaser(self._buffers, buffer.id, bounce, slot, stream)
         try:
             stream.recv_into([slot.view(0, side.total)], min(deadline, time.monotonic() + BOUNCE_WAIT_S))
         except BaseException:
             release()
             raise
-        offsets, lengths = side.lists()
-        segments.start(request_id, buffer.region, offsets, lengths, slot.address, to_slot=False, release=release)
+        offsets, lengths = side.arrays()
+        segments.start(request_id, buffer.region, offsets, lengths, slot, 0, total=side.total, to_slot=False, release=release)
         return None
 
     def _send_read(
-        self, stream: FrameStream, frame: peer_pb2.PeerFrame, segments: OwnerSegments, bounce: BounceSlots, deadline: float
+        self, stream: FrameStream, frame: peer_pb2.PeerFrame, segments: OwnerSegments, bounce: BounceSlots, deadline: float, *, queued: bool
     ) -> peer_pb2.PeerReply | None:
-        """Send a read's reply and payload straight from host memory (by `deadline`), or queue device memory's copy
-        into a bounce slot that `segments` sends once it finished; returns a refusal to send, else None."""
+        """Send a read's reply and payload straight from host memory (by `deadline`, after what `segments` has
+        `queued`: _SENT), or queue device memory's copy into a bounce slot that `segments` sends once it finished
+        (None); returns a refusal to send."""
         side = _Side(frame.read.ranges, "src_offsets")
         try:
             buffer = self._buffers.acquire(frame.read.buffer_id, prove=stream.proof, proof=frame.read.key_proof, holder=stream)
@@ -386,17 +412,20 @@ class PeerServer:
             self._buffers.release(buffer.id, stream)
             return error_reply(exc)
         if slot is not None:
-            offsets, lengths = side.lists()
+            offsets, lengths = side.arrays()
             release = _releaser(self._buffers, buffer.id, bounce, slot, stream)
-            segments.start(frame.request_id, buffer.region, offsets, lengths, slot.address, to_slot=True, release=release, payload=slot.view(0, side.total))
+            segments.start(
+                frame.request_id, buffer.region, offsets, lengths, slot, 0, total=side.total, to_slot=True, release=release, payload=slot.view(0, side.total)
+            )
             return None
         try:
-            segments.drain()  # replies go out in frame order
+            if queued:
+                segments.drain()  # replies go out in frame order
             reply = peer_pb2.PeerReply(payload_bytes=side.total)
             stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=reply), side.views(buffer.view), deadline)
         finally:
             self._buffers.release(buffer.id, stream)
-        return None
+        return _SENT
 
     def close(self) -> None:
         """Stop accepting, break every connection, join the threads (bounded); idempotent."""
@@ -487,9 +516,13 @@ _MAX_RANGE = 1 << 40
 """Longest single range accepted on the wire (keeps the payload size computable without overflow)."""
 _FEW = 8
 """Up to this many ranges a request is decoded with struct and checked on Python ints (numpy costs more)."""
+_INT64S = [struct.Struct(f"<{count}q") for count in range(_FEW + 1)]
+"""Decoders of up to `_FEW` little-endian int64s, built once."""
 _OK = peer_pb2.PeerReply()
 _OK_FRAME = peer_pb2.PeerFrame(reply=_OK).SerializeToString()
 """The reply to almost every data request, serialized once (a request id of 0 is not on the wire)."""
+_SENT = peer_pb2.PeerReply(payload_bytes=1)
+"""What `_receive_write` and `_send_read` return once they sent the reply themselves: nothing is left to send."""
 
 
 class _Side:
@@ -510,8 +543,9 @@ class _Side:
             self.ranges = ranges if field == "dst_offsets" else ranges.swapped()
             self.offsets, self.lengths, self.total = self.ranges.dst, self.ranges.lengths, self.ranges.total
             return
-        self.lengths = list(struct.unpack(f"<{count}q", raw_lengths))
-        self.offsets = list(struct.unpack(f"<{count}q", raw_offsets)) if raw_offsets else [0] * count
+        unpack = _INT64S[count].unpack
+        self.lengths = list(unpack(raw_lengths))
+        self.offsets = list(unpack(raw_offsets)) if raw_offsets else [0] * count
         if self.lengths and not 0 <= min(self.lengths) <= max(self.lengths) <= _MAX_RANGE:
             raise ProtocolError("range lengths in a data request are negative or absurd")
         self.total = sum(self.lengths)
@@ -530,6 +564,12 @@ class _Side:
         if self.ranges is None:
             return self.offsets, self.lengths
         return self.ranges.dst.tolist(), self.ranges.lengths.tolist()
+
+    def arrays(self) -> tuple[Sequence[int], Sequence[int]]:
+        """Offsets and lengths for a batched copy: int64 arrays (lists of ints for a few ranges)."""
+        if self.ranges is None:
+            return self.offsets, self.lengths
+        return self.ranges.dst, self.ranges.lengths
 
     def views(self, view: memoryview) -> list[memoryview]:
         offsets, lengths = self.lists()

@@ -24,9 +24,10 @@ Waiting never blocks without a deadline: `wait_idle()` and `event_done()` poll
 (`spin_until()`: tight at first, then yielding, then sleeping briefly).
 
 Concurrency: any thread may use a lane. `_lock` guards the range tables and the
-kernel: the staging table is rewritten only after its previous upload left it,
-and "upload, launch" stay together on the stream. `_bounce_lock` hands the
-bounce buffer to one transfer at a time.
+kernel: a table's host side is rewritten only after its previous upload left it,
+and "upload, launch" stay together on the stream. `_events` (under `_event_lock`)
+keeps finished events for reuse, so a batch costs no cuEventCreate. `_bounce_lock`
+hands the bounce buffer to one transfer at a time.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ FEW = 4
 PIECE_BYTES = 256 << 10
 """Ranges longer than this are cut, so one long range still spreads over many thread blocks."""
 _FIRST_ROWS = 4096
+_TABLES = 4
+"""Range tables per lane, used in turn: a batch is queued while the previous ones' tables are still on their way
+(the staged ring queues a launch per slot, several slots ahead of the GPU)."""
 _BLOCK_SMALL, _BLOCK_LARGE = 256, 512
 _SMALL_PIECE = 32 << 10
 """Batches whose longest piece is at most this get 256-thread blocks (one unrolled pass moves 16 KiB), others 512."""
@@ -255,6 +259,30 @@ def spin_until(query: Callable[[], Any], deadline: float, *, yield_s: float = 0.
 # -- lanes ---------------------------------------------------------------------------
 
 
+class _Table:
+    """One range table: page-locked host rows written here, which the kernel reads uploaded to device rows, or
+    in place through their device mapping."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self.host: MemoryRegion | None = None
+        self.host_pointer = 0
+        """Where the GPU reads the host rows in place."""
+        self.array: np.ndarray = np.empty(0, np.int64)
+        self.device: MemoryRegion | None = None
+        self.uploaded = check(driver.cuEventCreate(int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
+        """Recorded once the host rows are read (after the upload, or after a launch that reads them in place):
+        they may be rewritten once it completed."""
+
+    def free(self) -> None:
+        for region in (self.device, self.host):
+            if region is not None:
+                region.free()
+        self.device = self.host = None
+        self.array = np.empty(0, np.int64)
+        self.rows = 0
+
+
 class Bounce:
     """A lane's page-locked bounce buffer: host `region`, and `pointer`, the address its GPU uses."""
 
@@ -277,15 +305,15 @@ class Lane:
         self.stream = backend.stream(device)
         self.handle = self.stream.handle
         self._ok, self._not_ready = driver.CUresult.CUDA_SUCCESS, driver.CUresult.CUDA_ERROR_NOT_READY
-        self._lock = threading.Lock()  # guards _kernel, the range tables and _uploaded
+        self._lock = threading.Lock()  # guards _kernel, _tables and _turn
         self._kernel: _ModuleKernel | _CupyKernel | None = None
         self._kernel_loaded = False
-        self._rows = 0
-        self._host_table: MemoryRegion | None = None
-        self._table: np.ndarray = np.empty(0, np.int64)
-        self._device_table: MemoryRegion | None = None
         with self._contexts.use(self.ordinal):
-            self._uploaded = check(driver.cuEventCreate(int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
+            self._tables = [_Table() for _ in range(_TABLES)]
+        self._turn = 0
+        self._event_lock = threading.Lock()
+        self._events: list[Any] = []
+        """Events given back (release_event), reused by record()."""
         self._bounce_lock = threading.Lock()  # one transfer at a time uses the bounce buffer
         self._bounce: Bounce | None = None
         self.copy_now = self._copier()
@@ -300,11 +328,14 @@ class Lane:
 
     def enqueue(
         self, src: np.ndarray, src_base: int, dst: np.ndarray, dst_base: int, lengths: np.ndarray, deadline: float,
-        *, per_range: bool = False, record: bool = False,
+        *, per_range: bool = False, record: bool = False, table_in_place: bool = False,
     ) -> Any:
         """Queue copies of ranges (int64 offsets from each side's base address) on the stream.
 
-        With `record`, return an event marking their end (release it with release_event).
+        With `record`, return an event marking their end (release it with release_event). With
+        `table_in_place`, a kernel reads its range table from page-locked host memory instead of an upload: no
+        copy-engine work before the launch, which would queue behind the other direction's copies (the staged
+        ring on one GPU, where both ends' slot copies share the copy engines).
         """
         with self._contexts.use(self.ordinal):
             if per_range or lengths.size <= FEW:
@@ -315,12 +346,10 @@ class Lane:
                     if kernel is None:
                         self._copies(src + src_base, dst + dst_base, lengths)
                     else:
-                        self._launch(kernel, src, src_base, dst, dst_base, lengths, deadline)
+                        self._launch(kernel, src, src_base, dst, dst_base, lengths, deadline, table_in_place)
             if not record:
                 return None
-            event = check(driver.cuEventCreate(int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
-            check(driver.cuEventRecord(event, self.handle))
-            return event
+            return self._recorded()
 
     def _copier(self) -> Callable[[int, int, int, float], bool]:
         """`copy_now`: one closure with the driver functions and handles bound (the single-range fast path, a 4 KiB write).
@@ -360,9 +389,21 @@ class Lane:
     def record(self) -> Any:
         """An event marking everything queued so far (release it with release_event)."""
         with self._contexts.use(self.ordinal):
+            return self._recorded()
+
+    def _recorded(self) -> Any:
+        """A pooled (else new) event recorded on the stream; the lane's context is current."""
+        with self._event_lock:
+            event = self._events.pop() if self._events else None
+        if event is None:
             event = check(driver.cuEventCreate(int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
-            check(driver.cuEventRecord(event, self.handle))
-            return event
+        check(driver.cuEventRecord(event, self.handle))
+        return event
+
+    def wait_for(self, event: Any) -> None:
+        """Make work queued on this stream from now on wait for `event` (recorded on another of this GPU's lanes)."""
+        with self._contexts.use(self.ordinal):
+            check(driver.cuStreamWaitEvent(self.handle, event, 0))
 
     def wait_idle(self, deadline: float) -> bool:
         """Poll until everything queued on the stream finished (True) or `deadline` passed (False)."""
@@ -385,8 +426,9 @@ class Lane:
             return spin_until(lambda: driver.cuEventQuery(event)[0], deadline, yield_s=_YIELD_S)
 
     def release_event(self, event: Any) -> None:
-        with self._contexts.use(self.ordinal):
-            check(driver.cuEventDestroy(event))
+        """Give an event back for reuse (it must not be waited for any more)."""
+        with self._event_lock:
+            self._events.append(event)
 
     @contextlib.contextmanager
     def bounce(self, size: int, deadline: float) -> Iterator[Bounce]:
@@ -414,68 +456,75 @@ class Lane:
             check(driver.cuMemcpyAsync(d, s, n, stream))
 
     def _launch(
-        self, kernel: _ModuleKernel | _CupyKernel, src: np.ndarray, src_base: int, dst: np.ndarray, dst_base: int, lengths: np.ndarray, deadline: float
+        self, kernel: _ModuleKernel | _CupyKernel, src: np.ndarray, src_base: int, dst: np.ndarray, dst_base: int, lengths: np.ndarray,
+        deadline: float, table_in_place: bool,
     ) -> None:
         longest = int(lengths.max())
         if longest > PIECE_BYTES:
             src, dst, lengths = pieces(src, dst, lengths)
             longest = PIECE_BYTES
         rows = int(lengths.size)
-        self._reserve(rows, deadline)
-        if not spin_until(lambda: driver.cuEventQuery(self._uploaded)[0], deadline):
+        table = self._tables[self._turn]
+        self._turn = (self._turn + 1) % len(self._tables)
+        self._reserve(table, rows, deadline)
+        if not spin_until(lambda: driver.cuEventQuery(table.uploaded)[0], deadline):
             raise TimeoutError(f"the range table of {self.device.name} stayed in use past the deadline")
-        table = self._table  # sources, destinations, lengths: rows entries each, back to back
-        np.add(src, src_base, out=table[:rows])
-        np.add(dst, dst_base, out=table[rows : 2 * rows])
-        table[2 * rows : 3 * rows] = lengths
-        assert self._device_table is not None and self._host_table is not None
-        check(driver.cuMemcpyHtoDAsync(self._device_table.address, self._host_table.address, rows * 24, self.handle))
-        check(driver.cuEventRecord(self._uploaded, self.handle))
-        kernel.launch(rows, _BLOCK_SMALL if longest <= _SMALL_PIECE else _BLOCK_LARGE, self._device_table.address, self.handle)
-
-    def _reserve(self, rows: int, deadline: float) -> None:
-        """Range tables of at least `rows` rows (old ones freed once the stream no longer reads them)."""
-        if rows <= self._rows:
+        rows_out = table.array  # sources, destinations, lengths: rows entries each, back to back
+        np.add(src, src_base, out=rows_out[:rows])
+        np.add(dst, dst_base, out=rows_out[rows : 2 * rows])
+        rows_out[2 * rows : 3 * rows] = lengths
+        assert table.device is not None and table.host is not None
+        block = _BLOCK_SMALL if longest <= _SMALL_PIECE else _BLOCK_LARGE
+        if table_in_place:
+            kernel.launch(rows, block, table.host_pointer, self.handle)
+            check(driver.cuEventRecord(table.uploaded, self.handle))
             return
-        if self._device_table is not None:
+        check(driver.cuMemcpyHtoDAsync(table.device.address, table.host.address, rows * 24, self.handle))
+        check(driver.cuEventRecord(table.uploaded, self.handle))
+        kernel.launch(rows, block, table.device.address, self.handle)
+
+    def _reserve(self, table: _Table, rows: int, deadline: float) -> None:
+        """Make `table` hold at least `rows` rows (its old memory freed once the stream no longer reads it)."""
+        if rows <= table.rows:
+            return
+        if table.device is not None:
             if not self.wait_idle(deadline):
                 raise TimeoutError(f"the range table of {self.device.name} stayed in use past the deadline")
-            self._free_tables()
-        capacity = max(rows, 2 * self._rows, _FIRST_ROWS)
-        self._host_table = self._backend.allocate_pinned_host(capacity * 24)
-        self._table = self._host_table.numpy().view(np.int64)
-        self._device_table = self._backend.allocate(self.device, capacity * 24)
-        self._rows = capacity
+            table.free()
+        capacity = max(rows, 2 * table.rows, _FIRST_ROWS)
+        table.host = self._backend.allocate_pinned_host(capacity * 24)
+        table.host_pointer = mapped_pointer(table.host.address)
+        table.array = table.host.numpy().view(np.int64)
+        table.device = self._backend.allocate(self.device, capacity * 24)
+        table.rows = capacity
 
-    def _free_tables(self) -> None:
-        for region in (self._device_table, self._host_table):
-            if region is not None:
-                region.free()
-        self._device_table = self._host_table = None
-        self._table = np.empty(0, np.int64)
-        self._rows = 0
-
-    def close(self, deadline: float) -> None:
-        """Wait (bounded) for queued work, then free the tables, the bounce buffer, the kernel and the stream."""
+    def close(self, deadline: float) -> bool:
+        """Wait (bounded) for queued work, then free the tables, the bounce buffer, the kernel and the stream; False
+        when the work did not end (everything is left allocated: the GPU may still use it)."""
         try:
             idle = self.wait_idle(deadline)
         except HMCError:
             idle = False
         if not idle:  # the GPU may still read them: leak rather than free memory in use
             _log.warning("copies on %s still running at close; their buffers are left allocated", self.device.name)
-            return
-        with self._lock:
-            self._free_tables()
+            return False
+        with self._lock, self._contexts.use(self.ordinal):
+            for table in self._tables:
+                table.free()
+                check(driver.cuEventDestroy(table.uploaded))
+            self._tables = []
             if self._kernel is not None:
-                with self._contexts.use(self.ordinal):
-                    self._kernel.close()
+                self._kernel.close()
                 self._kernel = None
-            with self._contexts.use(self.ordinal):
-                check(driver.cuEventDestroy(self._uploaded))
+            with self._event_lock:
+                events, self._events = self._events, []
+            for event in events:
+                check(driver.cuEventDestroy(event))
         if self._bounce is not None:
             self._bounce.region.free()
             self._bounce = None
         self.stream.close()
+        return True
 
 
 def mapped_pointer(address: int) -> int:

@@ -259,6 +259,42 @@ class RangeList:
                 out.append(RangeList(flat.src[part], flat.dst[part], flat.lengths[part]))
         return out
 
+    def packed(self, slot_bytes: int) -> list[RangeList]:
+        """The ranges laid end to end and cut at every multiple of `slot_bytes`: every slot but the last is full.
+
+        A staging ring's chunks: range i of a slot sits at the slot's offset `positions()[i]`. Ranges
+        that straddle a slot boundary are split there (vectorized: no Python loop per range); empty ones go.
+        """
+        if slot_bytes <= 0:
+            raise ArgumentError("slot size must be positive")
+        if self.lengths.size == 1:  # the small transfer's single range: no arrays to build
+            length = int(self.lengths[0])
+            if 0 < length <= slot_bytes:
+                return [self]
+        keep = self.lengths > 0
+        src, dst, lens = (self.src, self.dst, self.lengths) if keep.all() else (self.src[keep], self.dst[keep], self.lengths[keep])
+        if not lens.size:
+            return []
+        ends = np.cumsum(lens)
+        starts = ends - lens
+        first_slot, last_slot = starts // slot_bytes, (ends - 1) // slot_bytes
+        if lens.size == 1 or int((last_slot - first_slot).max()) > 0:  # some range straddles: cut at the boundaries
+            counts = last_slot - first_slot + 1
+            index = np.repeat(np.arange(lens.size), counts)
+            within = np.arange(index.size) - np.repeat(np.cumsum(counts) - counts, counts)
+            slot = first_slot[index] + within
+            piece_start = np.maximum(starts[index], slot * slot_bytes)
+            piece_end = np.minimum(ends[index], (slot + 1) * slot_bytes)
+            shift = piece_start - starts[index]
+            src, dst, lens = src[index] + shift, dst[index] + shift, piece_end - piece_start
+            first_slot = slot
+        cuts = np.flatnonzero(np.diff(first_slot)) + 1
+        return [RangeList(s, d, n) for s, d, n in zip(np.split(src, cuts), np.split(dst, cuts), np.split(lens, cuts))]
+
+    def positions(self) -> np.ndarray:
+        """Where each range starts when the ranges are laid end to end (a slot's layout)."""
+        return np.cumsum(self.lengths) - self.lengths
+
     def to_proto(self) -> common_pb2.RangeList:
         return common_pb2.RangeList(src_offsets=self.src.tobytes(), dst_offsets=self.dst.tobytes(), lengths=self.lengths.tobytes())
 

@@ -8,27 +8,31 @@ streams. Each stream has a sender thread that writes frames back to back without
 waiting for acknowledgements, and a receiver thread that collects the owner's
 replies in order: the pipeline stays full.
 
-WRITE sends `DataWrite` + the payload straight from registered memory, its
-pages lent to the socket (`hmc.transport._splice`: the source stays unchanged
-until the owner replied, so TCP may read it late; the owner's receive is the one
-copy); the owner bounds-checks the ranges and the access key before receiving
-into its buffer. READ sends `DataRead`; the owner answers with a reply announcing
-`payload_bytes` and the bytes follow, received straight into the destination
-(`recvmsg_into`). No intermediate copy on either side.
+WRITE sends `DataWrite` + the payload straight from registered memory in one
+sendmsg (copied into the socket: over loopback on the 2-core VM, lending the
+pages as `hmc.transport._splice` can moved 256 MiB slower than the copy, whose
+cost the other core absorbs); the owner bounds-checks the ranges and the access
+key before receiving into its buffer. READ sends `DataRead`; the owner answers
+with a reply announcing `payload_bytes` and the bytes follow, received straight
+into the destination (`recvmsg_into`). No intermediate copy on either side,
+except that payloads up to `INLINE_MAX` travel inline with their frame and land
+from the receiver's read-ahead buffer (`hmc.transport._wire`).
 
 Device memory (at either end) takes a pinned ring instead, on a data connection
 of its own per peer: between processes of one host the ring is shared memory both
 map (`_staged_shm`); between hosts each end has its own pinned memory and the
 chunks travel over TCP (`_staged_tcp_ring`). Host memory never goes through a ring.
 
-Small transfers (up to 256 KiB) skip the streams: the caller's thread sends the
+Small transfers (up to 1 MiB) skip the streams: the caller's thread sends the
 whole request on an idle round-trip connection to the owner, whose connection
-thread answers, and reads the reply (and a read's payload) itself. No thread
-hand-off on this side, no chunking; the transfer is finished when post()
-returns. Up to 4 such connections per peer are kept; a caller that finds them
-all busy uses the streams instead. Once a pair has moved one range this way,
-the agent's fast path (`inline()`) sends later single ranges without building
-range lists, requests or handles (it waits for a free connection instead).
+thread answers, and reads the reply (and a read's payload) itself, polling for
+it briefly before sleeping (`_REPLY_SPIN_S`). No thread hand-off on either
+side, no chunking; the transfer is finished when post() returns. Up to 4 such
+connections per peer are kept; a caller that finds them all busy uses the
+streams instead. Once a pair has moved one range this way, the agent's fast
+path (`inline()`) sends later single ranges without building range lists,
+requests or handles: each connection keeps the request frame it sent to a
+buffer and fills in the next range (it waits for a free connection instead).
 
 Deadlines and failures. A transfer that has ended never writes another byte.
 Every frame names its transfer and what was left of its deadline when sent
@@ -68,12 +72,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutError
 from hmc.memory import DeviceKind, MemoryKind
 from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport
-from hmc.transport._ranges import RangeList, iovec_rows
+from hmc.transport._ranges import RangeList
 from hmc.transport._staged_shm import ShmStaging, same_host
 from hmc.transport._staged_tcp_ring import TcpRingStaging
 from hmc.transport._wire import FrameStream, expires_ms, raise_for_reply
@@ -82,7 +84,7 @@ from hmc.v1 import common_pb2, peer_pb2
 __all__ = ["StagedTransport"]
 
 _TICK_S = 0.25
-_ROUND_TRIP_BYTES = 256 << 10
+_ROUND_TRIP_BYTES = 1 << 20
 """A transfer up to this size is one round trip on the caller's thread (see the module's "Small transfers")."""
 _ROUND_TRIP_CONNECTIONS = 4
 """Round-trip connections per peer: callers that find them all busy use the streams."""
@@ -92,6 +94,11 @@ steps of at most this much, at no cost in speed (64 MiB chunks moved 256 MiB as 
 _FRAME_RANGES = 1 << 18
 """Most ranges in one chunk's frame (4 MiB of offsets and lengths, well inside MAX_FRAME): a frame of tiny ranges
 costs both ends a little per range, and each frame must be answered within the stall bound."""
+_REPLY_SPIN_S = 200e-6
+"""A round trip polls this long for the owner's reply before sleeping: it is microseconds away, and a sleeping
+thread takes tens of microseconds to wake (4 KiB WRITE p50 on the 2-core VM: see docs/decisions.md)."""
+_FRAMES_KEPT = 256
+"""Remote buffers a round-trip connection keeps request frames for (then it starts over)."""
 _JOIN_S = 2.0
 _LANDING_S = 2.0
 """How long an abort waits for a read payload's receive to let go of user memory (it is woken at once)."""
@@ -146,12 +153,12 @@ class _Chunk:
     def frame(self, stream: FrameStream) -> peer_pb2.PeerFrame:
         return _frame(self.transfer.request, self.ranges, stream)
 
-    def payload_rows(self) -> np.ndarray | None:
-        """A WRITE's payload as iovec rows, to lend: its source stays unchanged until the owner replied."""
+    def payload(self) -> list[memoryview]:
+        """A WRITE's payload: views of its source ranges (copied into the socket), none for a READ."""
         request = self.transfer.request
         if request.op is not TransferOp.WRITE:
-            return None
-        return iovec_rows(self.ranges.src + request.local.region.address, self.ranges.lengths)
+            return []
+        return _views(request, self.ranges.src, self.ranges.lengths)
 
 
 def _views(request: TransferRequest, local_offsets: Any, lengths: Any) -> list[memoryview]:
@@ -177,22 +184,23 @@ def _round_trip(stream: FrameStream, request: TransferRequest) -> peer_pb2.PeerR
     write = request.op is TransferOp.WRITE
     payload = _views(request, ranges.src, ranges.lengths) if write else []
     into = None if write else _views(request, ranges.dst, ranges.lengths)
-    return _exchange(stream, _frame(request, ranges, stream), payload, into, ranges.total, request.deadline)
+    return _exchange(stream, _frame(request, ranges, stream).SerializeToString(), payload, into, ranges.total, request.deadline)
 
 
 def _exchange(
-    stream: FrameStream, frame: peer_pb2.PeerFrame, payload: list[memoryview], into: list[memoryview] | None, nbytes: int, deadline: float
+    stream: FrameStream, body: bytes, payload: list[memoryview], into: list[memoryview] | None, nbytes: int, deadline: float
 ) -> peer_pb2.PeerReply:
-    """One request and its reply; a read (`into` given) receives its `nbytes` of payload there."""
-    stream.send(frame, payload, deadline=deadline)
-    answer = stream.recv(deadline)
+    """One serialized request (a write's payload inline with it) and its reply; a read (`into` given) receives its
+    `nbytes` of payload there."""
+    stream.send_serialized(body, payload, deadline)
+    answer = stream.recv(deadline, spin_s=_REPLY_SPIN_S)
     if answer.WhichOneof("kind") != "reply":
         raise ProtocolError(f"expected a reply on a data connection, got {answer.WhichOneof('kind')}")
     reply = answer.reply
     if into is not None and not (reply.HasField("error") and reply.error.code):
         if reply.payload_bytes != nbytes:
             raise ProtocolError(f"peer announced {reply.payload_bytes} bytes for a {nbytes}-byte read")
-        stream.recv_into(into, deadline)
+        stream.recv_into(into, deadline, spin_s=_REPLY_SPIN_S)
     return reply
 
 
@@ -272,7 +280,7 @@ class _Stream:
                     return None
                 self._sent.append(chunk)
             try:
-                self._stream.send(frame, deadline=chunk.sent_at + self._stall_s, lend=chunk.payload_rows())
+                self._stream.send(frame, chunk.payload(), deadline=chunk.sent_at + self._stall_s)
             except HMCError as exc:
                 return exc
         return None
@@ -369,6 +377,37 @@ class _Stream:
                 thread.join(_JOIN_S)
 
 
+class _RoundTrip:
+    """A round-trip connection and the single-range request frames it reuses (see `inline()`): used by one caller
+    at a time, so a frame is filled in and sent without building messages."""
+
+    __slots__ = ("frames", "stream")
+
+    def __init__(self, stream: FrameStream) -> None:
+        self.stream = stream
+        self.frames: dict[tuple[str, bool], tuple[peer_pb2.PeerFrame, Any, common_pb2.RangeList]] = {}
+        """Per (remote buffer id, write): the frame, its request and its range list, proving the key on this connection."""
+
+    def single(self, remote: common_pb2.BufferDescriptor, write: bool, offset: int, length: int, deadline: float) -> bytes:
+        """The serialized request for one range at `offset` of `remote` (written or read), expiring at `deadline`."""
+        cached = self.frames.get((remote.id, write))
+        if cached is None:
+            if len(self.frames) >= _FRAMES_KEPT:
+                self.frames.clear()
+            frame = peer_pb2.PeerFrame()
+            request = frame.write if write else frame.read
+            request.buffer_id, request.key_proof = remote.id, self.stream.proof(remote.access_key)
+            cached = self.frames[(remote.id, write)] = (frame, request, request.ranges)
+        frame, request, ranges = cached
+        if write:
+            ranges.dst_offsets = _I64.pack(offset)
+        else:
+            ranges.src_offsets = _I64.pack(offset)
+        ranges.lengths = _I64.pack(length)
+        request.expires_ms = expires_ms(deadline)
+        return frame.SerializeToString()
+
+
 class _Pipe:
     """The streams to one peer agent, dealt chunks round-robin, and its round-trip connections."""
 
@@ -376,7 +415,7 @@ class _Pipe:
         self.streams: list[_Stream] = []
         self.next = 0
         self.opening = threading.Lock()  # one thread at a time opens this pipe's missing streams
-        self.idle: list[FrameStream] = []
+        self.idle: list[_RoundTrip] = []
         """Round-trip connections nobody uses right now."""
         self.round_trips = 0
         """Round-trip connections open or being opened, idle or in use."""
@@ -404,6 +443,8 @@ class StagedTransport(Transport):
         self._lock = threading.Lock()  # guards _pipes, _closed, each pipe's stream list and round-trip connections
         self._pipes: dict[str, _Pipe] = {}
         self._freed = threading.Condition(self._lock)  # a round-trip connection was given back
+        self._waiting = 0
+        """Callers waiting on `_freed` (under `_lock`): only then is a connection's return announced."""
         self._closed = False
         self.capabilities = Capabilities(path=PathName.STAGED, memory_kinds=memory_kinds | {DeviceKind.HOST}, detail=f"tcp x{self._streams}")
         self._shm = ShmStaging(connect)
@@ -452,15 +493,15 @@ class StagedTransport(Transport):
             return True
         if taken is None:
             return False
-        pipe, stream = taken
+        pipe, connection = taken
         request.completion.set_running()
         try:
-            reply = _round_trip(stream, request)
+            reply = _round_trip(connection.stream, request)
         except HMCError as exc:  # the connection is in an unknown state: drop it
-            self._give_back(owner, pipe, stream, broken=True)
+            self._give_back(owner, pipe, connection, broken=True)
             request.completion.finish(_stream_error(exc))
             return True
-        self._give_back(owner, pipe, stream, broken=False)
+        self._give_back(owner, pipe, connection, broken=False)
         try:
             raise_for_reply(reply)
         except HMCError as exc:  # the owner refused (access, bounds): the connection is fine
@@ -469,69 +510,78 @@ class StagedTransport(Transport):
         request.completion.finish()
         return True
 
-    def _take_connection(self, remote: common_pb2.BufferDescriptor, deadline: float, *, wait: bool = False) -> tuple[_Pipe, FrameStream] | None:
+    def _take_connection(self, remote: common_pb2.BufferDescriptor, deadline: float, *, wait: bool = False) -> tuple[_Pipe, _RoundTrip] | None:
         """An idle round-trip connection to `remote`'s owner, a new one, or (all busy) None or, with `wait`, the first freed."""
         owner = remote.owner
-        with self._freed:
-            pipe = self._pipes.setdefault(owner.id, _Pipe())
+        with self._lock:
+            pipe = self._pipes.get(owner.id)
+            if pipe is not None and pipe.idle:  # the usual case, first
+                return pipe, pipe.idle.pop()
+            if pipe is None:
+                pipe = self._pipes[owner.id] = _Pipe()
             while not pipe.idle and pipe.round_trips >= _ROUND_TRIP_CONNECTIONS:
                 if not wait:
                     return None
-                if not self._freed.wait(max(deadline - time.monotonic(), 0.0)):
+                self._waiting += 1
+                try:
+                    freed = self._freed.wait(max(deadline - time.monotonic(), 0.0))
+                finally:
+                    self._waiting -= 1
+                if not freed:
                     raise TimeoutError(f"every data connection to agent {owner.id} stayed busy until the deadline")
                 pipe = self._pipes.setdefault(owner.id, _Pipe())
             if pipe.idle:
                 return pipe, pipe.idle.pop()
             pipe.round_trips += 1
         try:
-            return pipe, self._connect(remote, deadline)
+            return pipe, _RoundTrip(self._connect(remote, deadline))
         except BaseException:
-            with self._freed:
+            with self._lock:
                 pipe.round_trips -= 1
-                self._freed.notify()
+                if self._waiting:
+                    self._freed.notify()
             raise
 
-    def _give_back(self, owner: common_pb2.AgentInfo, pipe: _Pipe, stream: FrameStream, *, broken: bool) -> None:
-        with self._freed:
+    def _give_back(self, owner: common_pb2.AgentInfo, pipe: _Pipe, connection: _RoundTrip, *, broken: bool) -> None:
+        stream = connection.stream
+        with self._lock:
             keep = not broken and not stream.broken and not self._closed and self._pipes.get(owner.id) is pipe
             if keep:
-                pipe.idle.append(stream)
+                pipe.idle.append(connection)
             else:
                 pipe.round_trips -= 1
-            self._freed.notify()
+            if self._waiting:
+                self._freed.notify()
         if not keep:
             if broken:
                 stream.abort()  # a failed round trip's bytes never leave late
             stream.close()
 
     def inline(self, local: Any, remote: common_pb2.BufferDescriptor) -> InlineCopy | None:
-        """One range as one round trip, the agent's fast path (within `stall_s`, the agent's default deadline)."""
-        if local.region.kind is MemoryKind.DEVICE or remote.device.kind not in _HOST_KINDS:
-            return None
-        owner, view, buffer_id, key = remote.owner, local.view, remote.id, remote.access_key
-        pack = _I64.pack
+        """One range as one round trip, the agent's fast path (within `stall_s`, the agent's default deadline): the
+        connection's request frame for `remote` is filled in and sent with the range, inline."""
+        if local.region.kind is MemoryKind.DEVICE or remote.device.kind not in _HOST_KINDS:  # device memory: its ring's
+            return (self._shm if same_host(remote.owner) else self._tcp_ring).inline(local, remote, self._stall_s)
+        owner, view = remote.owner, local.view
 
-        def run(message: Any, payload: list[memoryview], into: list[memoryview] | None, nbytes: int) -> None:
+        def run(write: bool, local_offset: int, remote_offset: int, length: int) -> None:
             deadline = time.monotonic() + self._stall_s
-            pipe, stream = self._take_connection(remote, deadline, wait=True)  # type: ignore[misc]
-            message.key_proof = stream.proof(key)
-            message.expires_ms = expires_ms(deadline)
-            frame = peer_pb2.PeerFrame(write=message) if isinstance(message, peer_pb2.DataWrite) else peer_pb2.PeerFrame(read=message)
+            pipe, connection = self._take_connection(remote, deadline, wait=True)  # type: ignore[misc]
+            mine = [view[local_offset : local_offset + length]]
             try:
-                reply = _exchange(stream, frame, payload, into, nbytes, deadline)
+                body = connection.single(remote, write, remote_offset, length, deadline)
+                reply = _exchange(connection.stream, body, mine if write else [], None if write else mine, length, deadline)
             except HMCError as exc:
-                self._give_back(owner, pipe, stream, broken=True)
+                self._give_back(owner, pipe, connection, broken=True)
                 raise _stream_error(exc) from exc
-            self._give_back(owner, pipe, stream, broken=False)
+            self._give_back(owner, pipe, connection, broken=False)
             raise_for_reply(reply)
 
         def write(local_offset: int, remote_offset: int, length: int) -> None:
-            wire = common_pb2.RangeList(dst_offsets=pack(remote_offset), lengths=pack(length))
-            run(peer_pb2.DataWrite(buffer_id=buffer_id, ranges=wire), [view[local_offset : local_offset + length]], None, length)
+            run(True, local_offset, remote_offset, length)
 
         def read(local_offset: int, remote_offset: int, length: int) -> None:
-            wire = common_pb2.RangeList(src_offsets=pack(remote_offset), lengths=pack(length))
-            run(peer_pb2.DataRead(buffer_id=buffer_id, ranges=wire), [], [view[local_offset : local_offset + length]], length)
+            run(False, local_offset, remote_offset, length)
 
         return InlineCopy(write=write, read=read, local_size=local.size, remote_size=remote.size, max_bytes=self._round_trip_bytes, waits=True)
 
@@ -586,6 +636,6 @@ class StagedTransport(Transport):
         with self._lock:
             idle, pipe.idle = pipe.idle, []
         for connection in idle:
-            connection.close()
+            connection.stream.close()
         for stream in list(pipe.streams):
             stream.close()

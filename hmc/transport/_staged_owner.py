@@ -1,9 +1,10 @@
 """The owner side of the staged ring paths: one data connection's slot hand-offs, copied and answered in order.
 
 A slot's copy is queued on the GPU's stream as soon as its frame arrives, behind the copies of earlier
-frames, so the copy engine never waits for a reply to go out or the next frame to be read; a
-completion thread per connection waits for the copies in frame order and sends the replies (the
-initiator matches replies by order). Every copy is bounded by `_OWNER_COPY_S`.
+frames, so the GPU never waits for a reply to go out or the next frame to be read; a completion
+thread per connection waits for the copies in frame order and sends the replies (the initiator
+matches replies by order). A small chunk (up to `SMALL_BYTES`) with nothing queued before it is
+answered by the thread that read its frame. Every copy is bounded by `_OWNER_COPY_S`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 from hmc.errors import HMCError, ProtocolError, TimeoutError
 from hmc.transport._pinned import PinnedMapping, SlotCopier, no_wait
-from hmc.transport._staged_shm import RING_NAME, ring_dirs
+from hmc.transport._staged_shm import RING_NAME, SMALL_BYTES, ring_dirs
 from hmc.transport._wire import FrameStream, error_reply
 from hmc.v1 import peer_pb2
 
@@ -80,14 +81,16 @@ class OwnerSegments:
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def slot(self, shm: peer_pb2.ShmSlot, nbytes: int) -> int:
-        """The address of `nbytes` at the slot; ProtocolError when the slot is malformed."""
-        directory, name = os.path.split(shm.segment)
-        if not RING_NAME.fullmatch(name) or directory not in ring_dirs():
-            raise ProtocolError(f"{shm.segment!r} is not a staging ring")
+    def slot(self, shm: peer_pb2.ShmSlot, nbytes: int) -> PinnedMapping:
+        """The ring holding `nbytes` at `shm.offset`; ProtocolError when the slot is malformed."""
         if shm.offset + nbytes > shm.segment_bytes:
             raise ProtocolError("a staging slot reaches past its ring")
         mapping = self._mappings.get(shm.segment)
+        if mapping is not None and mapping.size == shm.segment_bytes:  # mapped before: its name was checked then
+            return mapping
+        directory, name = os.path.split(shm.segment)
+        if not RING_NAME.fullmatch(name) or directory not in ring_dirs():
+            raise ProtocolError(f"{shm.segment!r} is not a staging ring")
         if mapping is None or mapping.size != shm.segment_bytes:
             try:
                 mapping = PinnedMapping(shm.segment, shm.segment_bytes, create=False)
@@ -101,26 +104,29 @@ class OwnerSegments:
             while len(self._mappings) > _MAX_SEGMENTS:
                 self.drain()
                 self._mappings.popitem(last=False)[1].close()
-        return mapping.address + shm.offset
+        return mapping
 
     def start(
         self,
         request_id: int,
         region: Any,
-        offsets: list[int],
-        lengths: list[int],
-        slot: int,
+        offsets: Any,
+        lengths: Any,
+        slot: PinnedMapping,
+        at: int,
         *,
+        total: int,
         to_slot: bool,
         release: Callable[[], None],
         payload: memoryview | None = None,
     ) -> None:
-        """Queue the copy between `slot` and the region's ranges; its reply (followed by `payload`, the slot's bytes,
-        when given) goes out once it finished, then `release()` runs."""
+        """Queue the copy between `slot` (from byte `at`) and the region's ranges (`total` bytes); its reply (followed by `payload`,
+        the slot's bytes, when given) goes out once it finished, then `release()` runs. A small copy with nothing
+        queued before it is waited for and answered right here (no hand-off to the completion thread)."""
         if self._copier is None:
             self._copier = SlotCopier()
         try:
-            wait = self._copier.start(region, offsets, lengths, slot, to_slot=to_slot)
+            wait = self._copier.start(region, offsets, lengths, slot, at, to_slot=to_slot, deadline=time.monotonic() + _OWNER_COPY_S)
         except HMCError as exc:
             release()
             self.reply(request_id, error_reply(exc))
@@ -129,6 +135,20 @@ class OwnerSegments:
             release()
             self.reply(request_id, _OK)
             return
+        if total <= SMALL_BYTES:
+            with self._cond:
+                idle = not self._queue  # only this thread queues: nothing can slip in before the reply below
+            if idle:
+                try:
+                    wait(time.monotonic() + _OWNER_COPY_S)
+                    reply, out = _payload_reply(payload)
+                except Exception as exc:  # noqa: BLE001 - a driver failure still answers its chunk
+                    reply, out = error_reply(exc), None
+                try:
+                    self._send(request_id, reply, out)
+                finally:
+                    release()
+                return
         try:
             self._push(_Queued(request_id, wait, None, release, payload))
         except HMCError:

@@ -8,9 +8,14 @@ naming it, once per data connection. The wire is the ring; the data connection
 only carries slot hand-offs: DataWrite / DataRead frames whose `shm` field names
 the slot, and the owner's replies, in frame order.
 
-Both sides keep their copy engine fed. WRITE: the initiator queues the device-to-host
-copies (one cuMemcpyAsync per range, concatenated) of a chunk into every free slot
-at once, hands off the oldest chunk whose copy finished (DataWrite naming the slot),
+Chunks are the ranges laid end to end and cut at slot boundaries (`RangeList.packed`,
+vectorized); a chunk's copy between device memory and its slot is one batch on the
+GPU's lane (`_pinned.SlotCopier`): a few ranges go to the copy engines, many are one
+launch of the batched copy kernel, which gathers them into the slot or scatters them
+out of it through the slot's device mapping. No call per range.
+
+Both sides keep their GPU copies fed. WRITE: the initiator queues the device-to-host
+copies of a chunk into every free slot at once, hands off the oldest chunk whose copy finished (DataWrite naming the slot),
 and collects the replies that arrived meanwhile (select on the socket, no wait),
 waiting for one only when no copy is queued. The owner queues each hand-off's
 host-to-device copy on its GPU's stream the moment the frame arrives (behind the
@@ -29,11 +34,16 @@ owner's by `_OWNER_COPY_S` per slot; a broken connection fails the transfer, and
 transfer that does not end cleanly drops its connection and its ring (the owner
 may still be copying into it; the next transfer makes a new one).
 
-Concurrency: each peer's transfers run one after another on that peer's worker
-thread ("hmc-staged-shm", started on first use, stopped when the peer is
-forgotten), which owns the peer's connection and ring (`_Link.lock` keeps close
-from pulling them away mid-transfer); a transfer still queued at its deadline
-fails without running. The owner side is `_staged_owner.OwnerSegments`; mappings
+Small transfers (up to `SMALL_BYTES`) run on the caller's thread when the peer's ring
+is free: one hand-off each way, the copy's event and the reply polled briefly before
+sleeping; the owner answers them from the thread that read the frame.
+
+Concurrency: each peer's transfers run one after another under the peer's
+`_Link.lock`, which owns the peer's connection and ring (and keeps close from
+pulling them away mid-transfer): on the peer's worker thread ("hmc-staged-shm",
+started on first use, stopped when the peer is forgotten), or, for a small transfer
+that finds the lock free, on the caller's thread. A transfer still queued at its
+deadline fails without running. The owner side is `_staged_owner.OwnerSegments`; mappings
 and slot copies are `_pinned`.
 """
 
@@ -46,23 +56,24 @@ import logging
 import os
 import queue
 import re
+import struct
 import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutError, UnsupportedError
 from hmc.memory._machine import host_id
-from hmc.transport._base import TransferOp, TransferRequest
+from hmc.transport._base import InlineCopy, TransferOp, TransferRequest
 from hmc.transport._pinned import PinnedMapping, SlotCopier
-from hmc.transport._ranges import RangeList
-from hmc.transport._wire import FrameStream, raise_for_reply
+from hmc.transport._wire import FrameStream, expires_ms, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
-__all__ = ["RING_NAME", "SLOT_BYTES", "ShmStaging", "frame_of", "reply_of", "ring_dirs", "same_host", "shm_available"]
+__all__ = ["RING_NAME", "SLOT_BYTES", "SMALL_BYTES", "ShmStaging", "frame_of", "reply_of", "ring_dirs", "same_host", "shm_available"]
 
 _log = logging.getLogger(__name__)
 _SHM_DIR = "/dev/shm"
@@ -71,6 +82,12 @@ RING_NAME = re.compile(r"hmc-staged-[0-9a-f]{32}")
 """The names ring files have (the owner maps no other file)."""
 SLOT_BYTES = 16 << 20
 """A ring slot: the most one chunk of a staged device-memory transfer holds."""
+SMALL_BYTES = 256 << 10
+"""Transfers up to this size run on the caller's thread when the ring is free (one hand-off each way), and the
+owner answers them from the thread that read the frame, when no copy is queued before them."""
+_I64 = struct.Struct("<q")
+_POLL_S = 200e-6
+"""How long a small transfer polls for its reply before it sleeps in the receive (a wake-up costs more)."""
 Connect = Callable[[common_pb2.BufferDescriptor, float], FrameStream]
 
 
@@ -142,43 +159,22 @@ class _Link:
         self.drop()
 
 
-def _pack(ranges: RangeList, slot_bytes: int) -> list[tuple[list[int], list[int], list[int]]]:
-    """Chunks of at most `slot_bytes`: (local offsets, remote offsets, lengths), long ranges cut."""
-    chunks: list[tuple[list[int], list[int], list[int]]] = []
-    src, dst, lengths = ranges.src.tolist(), ranges.dst.tolist(), ranges.lengths.tolist()
-    current: tuple[list[int], list[int], list[int]] = ([], [], [])
-    filled = 0
-    for s, d, n in zip(src, dst, lengths):
-        while n > 0:
-            take = min(n, slot_bytes - filled)
-            current[0].append(s)
-            current[1].append(d)
-            current[2].append(take)
-            filled += take
-            s, d, n = s + take, d + take, n - take
-            if filled == slot_bytes:
-                chunks.append(current)
-                current, filled = ([], [], []), 0
-    if filled:
-        chunks.append(current)
-    return chunks
-
-
 def frame_of(message: peer_pb2.DataWrite | peer_pb2.DataRead) -> peer_pb2.PeerFrame:
     return peer_pb2.PeerFrame(write=message) if isinstance(message, peer_pb2.DataWrite) else peer_pb2.PeerFrame(read=message)
 
 
-def reply_of(stream: FrameStream, deadline: float) -> peer_pb2.PeerReply:
-    """The next reply on a data connection; a refusal raises its typed error."""
-    answer = stream.recv(deadline)
+def reply_of(stream: FrameStream, deadline: float, nbytes: int = 0) -> peer_pb2.PeerReply:
+    """The next reply on a data connection, to a chunk of `nbytes`; a refusal raises its typed error. A small
+    chunk's reply is microseconds away: it is polled for briefly before the receive sleeps."""
+    answer = stream.recv(deadline, spin_s=_POLL_S if nbytes and nbytes <= SMALL_BYTES else 0.0)
     if answer.WhichOneof("kind") != "reply":
         raise ProtocolError(f"expected a reply on a data connection, got {answer.WhichOneof('kind')}")
     raise_for_reply(answer.reply)
     return answer.reply
 
 
-def _range_list(offsets: list[int], lengths: list[int], field: str) -> common_pb2.RangeList:
-    return common_pb2.RangeList(**{field: np.asarray(offsets, dtype="<i8").tobytes(), "lengths": np.asarray(lengths, dtype="<i8").tobytes()})
+def _range_list(offsets: np.ndarray, lengths: np.ndarray, field: str) -> common_pb2.RangeList:
+    return common_pb2.RangeList(**{field: offsets.tobytes(), "lengths": lengths.tobytes()})
 
 
 class ShmStaging:
@@ -200,7 +196,8 @@ class ShmStaging:
         self._copier = SlotCopier()
 
     def post(self, request: TransferRequest) -> None:
-        """Queue the transfer for its peer's worker thread (started on first use); its completion reports the outcome."""
+        """Run a small transfer here when its peer's ring is free, else queue it for the peer's worker thread
+        (started on first use); its completion reports the outcome."""
         if not request.ranges.total:
             request.completion.finish()
             return
@@ -210,10 +207,19 @@ class ShmStaging:
                 request.completion.finish(BrokenResourceError("the staged path is closed"))
                 return
             link = self._links.setdefault(request.remote.owner.id, _Link())
-            link.requests.put(request)  # under _lock: a link popped by forget_peer/close gets its None after this
-            if link.worker is None:
-                link.worker = threading.Thread(target=self._serve, args=(link,), name=self._WORKER, daemon=True)
-                link.worker.start()
+            if request.ranges.total <= SMALL_BYTES and link.lock.acquire(blocking=False):
+                small = True
+            else:
+                small = False
+                link.requests.put(request)  # under _lock: a link popped by forget_peer/close gets its None after this
+                if link.worker is None:
+                    link.worker = threading.Thread(target=self._serve, args=(link,), name=self._WORKER, daemon=True)
+                    link.worker.start()
+        if small:
+            try:
+                self._run_locked(link, request)
+            finally:
+                link.lock.release()
 
     def _serve(self, link: _Link) -> None:
         """The link's worker: runs its transfers one after another; once stopped, fails those still queued."""
@@ -231,13 +237,19 @@ class ShmStaging:
                 left.completion.finish(BrokenResourceError("the staged path to this agent was closed"))
 
     def _run(self, link: _Link, request: TransferRequest) -> None:
-        owner = request.remote.owner
         if not link.lock.acquire(timeout=max(request.deadline - time.monotonic(), 0.0)):
-            request.completion.finish(TimeoutError(f"the staging ring to agent {owner.id} stayed busy until the deadline"))
+            request.completion.finish(TimeoutError(f"the staging ring to agent {request.remote.owner.id} stayed busy until the deadline"))
             return
         try:
+            self._run_locked(link, request)
+        finally:
+            link.lock.release()
+
+    def _run_locked(self, link: _Link, request: TransferRequest) -> None:
+        """Move the request through the link's ring (its lock held) and finish its completion."""
+        try:
             if link.closed:
-                raise BrokenResourceError(f"agent {owner.id} went away")
+                raise BrokenResourceError(f"agent {request.remote.owner.id} went away")
             self._prepare(link, request.remote, request.deadline)
             if request.op is TransferOp.WRITE:
                 self._write(link, request)
@@ -251,9 +263,64 @@ class ShmStaging:
             link.drop()
             request.completion.finish(BrokenResourceError(f"staging failed: {exc}"))
             return
-        finally:
-            link.lock.release()
         request.completion.finish()
+
+    def inline(self, local: Any, remote: common_pb2.BufferDescriptor, stall_s: float) -> InlineCopy:
+        """One small range through slot 0 of the peer's ring on the caller's thread, the agent's fast path (within
+        `stall_s`): the copy polled on the spot, one hand-off, the reply polled briefly before sleeping."""
+        owner, region = remote.owner, local.region
+
+        def run(write: bool, local_offset: int, remote_offset: int, length: int) -> None:
+            deadline = time.monotonic() + stall_s
+            with self._lock:
+                if self._closed:
+                    raise BrokenResourceError("the staged path is closed")
+                link = self._links.setdefault(owner.id, _Link())
+            if not link.lock.acquire(timeout=stall_s):
+                raise TimeoutError(f"the staging ring to agent {owner.id} stayed busy until the deadline")
+            try:
+                self._inline_locked(link, remote, write, region, local_offset, remote_offset, length, deadline)
+            except HMCError:
+                link.drop()
+                raise
+            except Exception as exc:  # noqa: BLE001 - the driver's own failures are typed here
+                link.drop()
+                raise BrokenResourceError(f"staging failed: {exc}") from exc
+            finally:
+                link.lock.release()
+
+        def write(local_offset: int, remote_offset: int, length: int) -> None:
+            run(True, local_offset, remote_offset, length)
+
+        def read(local_offset: int, remote_offset: int, length: int) -> None:
+            run(False, local_offset, remote_offset, length)
+
+        return InlineCopy(write=write, read=read, local_size=local.size, remote_size=remote.size, max_bytes=SMALL_BYTES, waits=True)
+
+    def _inline_locked(
+        self, link: _Link, remote: common_pb2.BufferDescriptor, write: bool, region: Any, local_offset: int, remote_offset: int, length: int, deadline: float
+    ) -> None:
+        if link.closed:
+            raise BrokenResourceError(f"agent {remote.owner.id} went away")
+        self._prepare(link, remote, deadline)
+        stream, ring = link.stream, link.ring
+        assert stream is not None and ring is not None
+        wire = common_pb2.RangeList(lengths=_I64.pack(length))
+        if write:
+            self._copier.copy(region, (local_offset,), (length,), ring, 0, to_slot=True, deadline=deadline)
+            wire.dst_offsets = _I64.pack(remote_offset)
+            message: peer_pb2.DataWrite | peer_pb2.DataRead = peer_pb2.DataWrite(buffer_id=remote.id, ranges=wire)
+        else:
+            wire.src_offsets = _I64.pack(remote_offset)
+            message = peer_pb2.DataRead(buffer_id=remote.id, ranges=wire)
+        message.key_proof = stream.proof(remote.access_key)
+        message.expires_ms = expires_ms(deadline)
+        self._hand_off(link, stream, message, 0, length, deadline)
+        if write:
+            reply_of(stream, deadline, length)
+            return
+        self._answer(link, stream, 0, length, deadline)
+        self._copier.copy(region, (local_offset,), (length,), ring, 0, to_slot=False, deadline=deadline)
 
     def _prepare(self, link: _Link, remote: common_pb2.BufferDescriptor, deadline: float) -> None:
         if link.ring is None:
@@ -277,12 +344,12 @@ class ShmStaging:
     def _hand_off(self, link: _Link, stream: FrameStream, message: peer_pb2.DataWrite | peer_pb2.DataRead, slot: int, nbytes: int, deadline: float) -> None:
         """Send a chunk's request naming its slot of the shared ring (a write's bytes are there already)."""
         assert link.ring is not None
-        message.shm.CopyFrom(peer_pb2.ShmSlot(segment=link.name, segment_bytes=link.ring.size, offset=slot * self._slot_bytes))
+        message.shm.segment, message.shm.segment_bytes, message.shm.offset = link.name, link.ring.size, slot * self._slot_bytes
         stream.send(frame_of(message), deadline=deadline)
 
     def _answer(self, link: _Link, stream: FrameStream, slot: int, nbytes: int, deadline: float) -> None:
         """Take the owner's reply to the oldest chunk handed off (a read's `nbytes` are in its slot then)."""
-        reply_of(stream, deadline)
+        reply_of(stream, deadline, nbytes)
 
     def _write(self, link: _Link, request: TransferRequest) -> None:
         """Every free slot gets its chunk's copy queued at once; the oldest finished copy is handed off first,
@@ -290,7 +357,7 @@ class ShmStaging:
         stream, ring = link.stream, link.ring
         assert stream is not None and ring is not None
         remote, region, deadline, completion = request.remote, request.local.region, request.deadline, request.completion
-        chunks = _pack(request.ranges, self._slot_bytes)
+        chunks = request.ranges.packed(self._slot_bytes)
         queued: collections.deque[tuple[Callable[[float], None], peer_pb2.DataWrite, int, int]] = collections.deque()  # copying into slots
         inflight: collections.deque[int] = collections.deque()  # bytes of chunks handed off, reply pending
         started = 0
@@ -302,11 +369,11 @@ class ShmStaging:
                 if completion.cancelled:
                     raise BrokenResourceError("transfer cancelled")
                 while started < len(chunks) and len(queued) + len(inflight) < self._slots:
-                    local, far, lengths = chunks[started]
+                    chunk = chunks[started]
                     slot = started % self._slots
-                    wait = self._copier.start(region, local, lengths, ring.address + slot * self._slot_bytes, to_slot=True)
-                    write = peer_pb2.DataWrite(buffer_id=remote.id, key_proof=stream.proof(remote.access_key), ranges=_range_list(far, lengths, "dst_offsets"), transfer_id=request.transfer_id)
-                    queued.append((wait, write, slot, sum(lengths)))
+                    wait = self._copier.start(region, chunk.src, chunk.lengths, ring, slot * self._slot_bytes, to_slot=True, deadline=deadline)
+                    write = peer_pb2.DataWrite(buffer_id=remote.id, key_proof=stream.proof(remote.access_key), ranges=_range_list(chunk.dst, chunk.lengths, "dst_offsets"), transfer_id=request.transfer_id)
+                    queued.append((wait, write, slot, chunk.total))
                     started += 1
                 if queued:
                     wait, write, slot, nbytes = queued.popleft()
@@ -314,7 +381,7 @@ class ShmStaging:
                     self._hand_off(link, stream, write, slot, nbytes, deadline)
                     inflight.append(nbytes)
                 elif inflight:
-                    reply_of(stream, deadline)
+                    reply_of(stream, deadline, inflight[0])
                     completion.add_bytes(inflight.popleft())
         finally:
             while queued:  # never leave a queued copy running into a ring the next transfer reuses
@@ -327,12 +394,12 @@ class ShmStaging:
         stream, ring = link.stream, link.ring
         assert stream is not None and ring is not None
         remote, region, deadline, completion = request.remote, request.local.region, request.deadline, request.completion
-        chunks = _pack(request.ranges.swapped(), self._slot_bytes)  # (local dst, remote src, lengths)
+        chunks = request.ranges.swapped().packed(self._slot_bytes)  # src: local destinations, dst: remote sources
 
         def ask(index: int) -> None:
-            _, far, lengths = chunks[index]
-            read = peer_pb2.DataRead(buffer_id=remote.id, key_proof=stream.proof(remote.access_key), ranges=_range_list(far, lengths, "src_offsets"), transfer_id=request.transfer_id)
-            self._hand_off(link, stream, read, index % self._slots, sum(lengths), deadline)
+            chunk = chunks[index]
+            read = peer_pb2.DataRead(buffer_id=remote.id, key_proof=stream.proof(remote.access_key), ranges=_range_list(chunk.dst, chunk.lengths, "src_offsets"), transfer_id=request.transfer_id)
+            self._hand_off(link, stream, read, index % self._slots, chunk.total, deadline)
 
         asked = min(self._slots, len(chunks))
         for index in range(asked):
@@ -342,16 +409,16 @@ class ShmStaging:
         try:
             for _ in range(len(chunks)):
                 while answered < asked and (not copying or stream.readable()):
-                    local, _, lengths = chunks[answered]
-                    self._answer(link, stream, answered % self._slots, sum(lengths), deadline)
+                    chunk = chunks[answered]
+                    self._answer(link, stream, answered % self._slots, chunk.total, deadline)
                     if completion.cancelled:
                         raise BrokenResourceError("transfer cancelled")
-                    slot = ring.address + (answered % self._slots) * self._slot_bytes
-                    copying.append((answered, self._copier.start(region, local, lengths, slot, to_slot=False)))
+                    at = (answered % self._slots) * self._slot_bytes
+                    copying.append((answered, self._copier.start(region, chunk.src, chunk.lengths, ring, at, to_slot=False, deadline=deadline)))
                     answered += 1
                 index, wait = copying.popleft()
                 wait(deadline)
-                completion.add_bytes(sum(chunks[index][2]))
+                completion.add_bytes(chunks[index].total)
                 if asked < len(chunks):
                     ask(asked)
                     asked += 1

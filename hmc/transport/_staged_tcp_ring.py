@@ -2,7 +2,8 @@
 
 Initiator (`TcpRingStaging`): the shared ring's pipeline (`ShmStaging`) with another
 wire. Its ring (8 x 16 MiB) is private pinned memory; a write's hand-off is a
-DataWrite followed by the slot's bytes (its pages lent to TCP: `hmc.transport._splice`),
+DataWrite followed by the slot's bytes (its pages lent to TCP, `hmc.transport._splice`,
+above `SMALL_BYTES`; copied into the socket below),
 a read's answer is the owner's reply followed by the chunk's bytes, received into the slot. The rest is the shared ring's: the
 device-to-host copies of every free slot queued at once, the oldest finished one sent,
 replies collected in order as they come, reads asked `slots` chunks ahead, every wait
@@ -33,7 +34,7 @@ import numpy as np
 
 from hmc.errors import ProtocolError, TimeoutError
 from hmc.transport._pinned import PinnedMapping
-from hmc.transport._staged_shm import SLOT_BYTES, ShmStaging, _Link, frame_of, reply_of
+from hmc.transport._staged_shm import SLOT_BYTES, SMALL_BYTES, ShmStaging, _Link, frame_of, reply_of
 from hmc.transport._wire import FrameStream
 from hmc.v1 import peer_pb2
 
@@ -60,13 +61,16 @@ class TcpRingStaging(ShmStaging):
         if not isinstance(message, peer_pb2.DataWrite):
             stream.send(frame_of(message), deadline=deadline)
             return
+        if nbytes <= SMALL_BYTES:  # lending pages costs more than copying a few
+            stream.send(frame_of(message), [link.ring.view(slot * self._slot_bytes, nbytes)], deadline)
+            return
         pages = np.array([[link.ring.address + slot * self._slot_bytes, nbytes]], np.uint64)
         stream.send(frame_of(message), deadline=deadline, lend=pages)
 
     def _answer(self, link: _Link, stream: FrameStream, slot: int, nbytes: int, deadline: float) -> None:
         """Take the owner's reply to the oldest read asked for and receive its `nbytes` into the slot."""
         assert link.ring is not None
-        reply = reply_of(stream, deadline)
+        reply = reply_of(stream, deadline, nbytes)
         if reply.payload_bytes != nbytes:
             raise ProtocolError(f"peer announced {reply.payload_bytes} bytes for a {nbytes}-byte read")
         stream.recv_into([link.ring.view(slot * self._slot_bytes, nbytes)], deadline)

@@ -1,9 +1,19 @@
 """Framing of `hmc.v1.PeerFrame` on stream sockets, and the versioned handshake.
 
 A frame is a 4-byte little-endian length followed by one serialized PeerFrame.
-After a DataWrite (and after a reply announcing `payload_bytes`) the raw payload
-follows directly: it is sent from and received into registered memory, never
-copied through an intermediate buffer.
+After a DataWrite (and after a reply announcing `payload_bytes`) the payload
+follows directly, sent from registered memory in the same sendmsg as the frame.
+A payload of up to `INLINE_MAX` bytes is inline: the length word has its top bit
+set and a second word gives the payload's length, so the receiver reads frame and
+payload together (usually one receive) and holds all of it before the caller
+touches memory: a small write lands whole or not at all. A larger payload is
+received straight into registered memory (`recv_into`), never copied through an
+intermediate buffer beyond the few KiB read ahead with its frame.
+
+Sockets stay non-blocking: a receive or send is tried first and waits (poll)
+only when the kernel has nothing; a caller that expects an answer within
+microseconds may spin for it briefly (`recv(spin_s=...)`) before sleeping, as a
+sleeping thread takes tens of microseconds to wake.
 
 This module is the transport layer's one boundary for socket errors: a socket
 timeout becomes `TimeoutError`, EOF and every other `OSError` become
@@ -27,8 +37,9 @@ holds to send, lent pages included: a failed transfer's bytes never leave late.
 
 Concurrency: a FrameStream holds two socket objects over one connection (the
 second a dup), so one sending thread and one receiving thread can each apply
-their own deadline. Sends are serialized by a lock; receives belong to a
-single reader thread. A timeout in the middle of a frame breaks the stream.
+their own deadline. Sends are serialized by a lock; receives (and the bytes
+read ahead) belong to a single reader thread. A timeout in the middle of a
+frame breaks the stream.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ import contextlib
 import ctypes
 import hashlib
 import hmac
+import math
 import os
 import secrets
 import select
@@ -64,6 +76,7 @@ from hmc.v1 import common_pb2, peer_pb2
 
 __all__ = [
     "HELLO_FRAME",
+    "INLINE_MAX",
     "IOV_MAX",
     "MAX_FRAME",
     "PROTOCOL_VERSION",
@@ -78,7 +91,7 @@ __all__ = [
     "tune_socket",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_FRAME = 64 << 20
 """Largest frame an authenticated connection accepts (a range list of ~2.8 million ranges)."""
 HELLO_FRAME = 64 << 10
@@ -89,6 +102,16 @@ IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _NO_DEADLINE_S = 86400.0
 """Stand-in for "no deadline": sockets always stay in timeout (non-blocking) mode."""
 _HEADER = struct.Struct("<I")
+_INLINE_HEADER = struct.Struct("<II")
+_INLINE = 1 << 31
+"""Length-word flag of an inline frame: a second word, the payload's length, follows (frames stay below 2 GiB)."""
+INLINE_MAX = 64 << 10
+"""Largest payload sent inline with its frame: above it, copying it out of the read-ahead buffer costs more than the
+receives it saves (docs/decisions.md, "Staged host memory over TCP")."""
+_INLINE_BODY_MAX = HELLO_FRAME
+"""Largest frame that carries an inline payload: a frame and its payload fit the read-ahead buffer together."""
+_AHEAD_BYTES = 16 << 10
+"""Bytes read ahead with a frame at first; the buffer grows to hold the largest inline frame received."""
 
 
 _LAST_CHANCE_S = 0.001
@@ -147,7 +170,11 @@ def _disconnect(sock: socket.socket) -> None:
 def tune_socket(sock: socket.socket, keepalive_s: float, unacked_s: float) -> None:
     """Detect a silent peer: keepalive probes after `keepalive_s` idle (3 probes, `keepalive_s`/3 apart), and
     the kernel resets the connection when sent data stays unacknowledged for `unacked_s` (TCP_USER_TIMEOUT),
-    which also drops what it still held to send."""
+    which also drops what it still held to send.
+
+    A connection within this host (both ends on one address: the kernel's loopback) is switched to Reno, which
+    every kernel allows: a pacing congestion control (BBR) only slows it down, there being no network to share
+    (2-core VM, a 4 MiB send and its one-byte answer: 1.08 ms under BBR, 0.49 ms under Reno)."""
     idle = max(1, int(keepalive_s))
     with contextlib.suppress(OSError, AttributeError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -155,6 +182,9 @@ def tune_socket(sock: socket.socket, keepalive_s: float, unacked_s: float) -> No
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, idle // 3))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1000, int(unacked_s * 1000)))
+    with contextlib.suppress(OSError, AttributeError):
+        if sock.getsockname()[0] == sock.getpeername()[0]:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"reno")
 
 
 def expires_ms(deadline: float) -> int:
@@ -168,6 +198,22 @@ def _remaining(deadline: float | None) -> float:
     return max(deadline - time.monotonic(), _LAST_CHANCE_S)
 
 
+def _rest_of_frame(deadline: float | None) -> float:
+    """The deadline of the rest of a frame whose first byte arrived: `_FRAME_REST_S` from now at least."""
+    rest = time.monotonic() + _FRAME_REST_S
+    return rest if deadline is None else max(deadline, rest)
+
+
+def _await(poller: select.poll, deadline: float | None) -> None:
+    """Sleep until the socket `poller` watches is ready; socket.timeout once `deadline` passed (after one short try)."""
+    if not poller.poll(max(1, math.ceil(_remaining(deadline) * 1000))):
+        raise socket.timeout("timed out")
+
+
+def _payload_bytes(payload: Sequence[memoryview]) -> int:
+    return sum(view.nbytes for view in payload)
+
+
 class FrameStream:
     """Length-prefixed PeerFrames plus raw payloads over one connected stream socket."""
 
@@ -179,13 +225,28 @@ class FrameStream:
         """The listener's nonce, which every key proof on this connection is computed over."""
         self.peer_max_frame = MAX_FRAME
         """Largest frame the other end announced it accepts: `send()` refuses a larger one before it leaves."""
+        self.inline_bytes = 0
+        """Payload bytes that came inline with the frame `recv()` returned last (0: none, or not inline)."""
         self._proofs: dict[bytes, bytes] = {}
         self._tx = sock
         self._rx = sock.dup()
+        for end in (self._tx, self._rx):  # non-blocking: try first, poll only when the kernel has nothing
+            end.settimeout(0.0)
+        self._tx_ready = select.poll()
+        self._tx_ready.register(self._tx.fileno(), select.POLLOUT)
+        self._rx_ready = select.poll()
+        self._rx_ready.register(self._rx.fileno(), select.POLLIN)
         self._send_lock = threading.Lock()  # serializes whole frames (+ payload) from several threads; guards _lender
         self._lender = Lender()
         self._lowat = max(1, min(_LOWAT_BYTES, self._rx.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4))
         """Bytes a large receive waits for before waking (a quarter of the receive buffer at most: more could never arrive)."""
+        self._ahead = bytearray(_AHEAD_BYTES)
+        self._ahead_view = memoryview(self._ahead)
+        self._head = 0
+        self._tail = 0
+        """Bytes read ahead and not consumed yet: `_ahead[_head:_tail]` (the reader thread's)."""
+        self._inline_left = 0
+        """Of the last frame's inline payload, the bytes not consumed yet: no frame is read before they are."""
         self._broken: BrokenResourceError | None = None
         self._closed = False
 
@@ -199,7 +260,7 @@ class FrameStream:
     def send(
         self, frame: peer_pb2.PeerFrame, payload: Sequence[memoryview] = (), deadline: float | None = None, *, lend: np.ndarray | None = None
     ) -> None:
-        """Send one frame and, directly after it, the payload views (no intermediate buffer).
+        """Send one frame and, directly after it, the payload views (no intermediate buffer; inline up to INLINE_MAX).
 
         `lend`: the payload given as iovec rows (`hmc.transport._ranges.iovec_rows`)
         instead of views, for memory the caller keeps unchanged until the peer has
@@ -216,27 +277,37 @@ class FrameStream:
         assert lend is None or not payload, "a payload is given as views or as rows to lend, not both"
         if len(body) > self.peer_max_frame:
             raise UnsupportedError(f"a frame of {len(body)} bytes exceeds the {self.peer_max_frame} {self.peer} accepts")
-        parts: list[memoryview | bytes] = [_HEADER.pack(len(body)) + body]
+        if lend is not None and int(lend[:, 1].sum()) < LEND_MIN_BYTES:
+            payload, lend = _row_views(lend, 0), None
+        nbytes = (payload[0].nbytes if len(payload) == 1 else _payload_bytes(payload)) if payload else 0
+        if 0 < nbytes <= INLINE_MAX and len(body) <= _INLINE_BODY_MAX:
+            head = _INLINE_HEADER.pack(len(body) | _INLINE, nbytes) + body
+        else:
+            head = _HEADER.pack(len(body)) + body
         with self._send_lock:
             self._check()
             try:
                 if lend is None:
-                    self._sendmsg_all(parts + list(payload), deadline)
-                elif int(lend[:, 1].sum()) < LEND_MIN_BYTES:
-                    self._sendmsg_all(parts + _row_views(lend, 0), deadline)
+                    self._sendmsg_all([head, *payload], deadline, total=len(head) + nbytes)
                 else:
-                    self._sendmsg_all(parts, deadline, socket.MSG_MORE)
+                    self._sendmsg_all([head], deadline, socket.MSG_MORE)
                     lent = self._lender.send(self._tx, lend, time.monotonic() + _remaining(deadline))
                     self._sendmsg_all(_row_views(lend, lent), deadline)
             except OSError as exc:
                 raise self._translate(exc) from exc
 
-    def _sendmsg_all(self, parts: list[memoryview | bytes], deadline: float | None, flags: int = 0) -> None:
+    def _sendmsg_all(self, parts: list[memoryview | bytes], deadline: float | None, flags: int = 0, *, total: int = -1) -> None:
+        """Send `parts` in order (`total` bytes, when the caller knows: usually one sendmsg sends them all)."""
         index = 0
         while index < len(parts):
-            self._tx.settimeout(_remaining(deadline))
             batch = parts[index : index + IOV_MAX]
-            sent = self._tx.sendmsg(batch, (), flags)
+            try:
+                sent = self._tx.sendmsg(batch, (), flags)
+            except BlockingIOError:
+                _await(self._tx_ready, deadline)
+                continue
+            if sent == total:
+                return
             for part in batch:
                 size = len(part) if isinstance(part, bytes) else part.nbytes
                 if sent < size:
@@ -245,58 +316,160 @@ class FrameStream:
                 sent -= size
                 index += 1
 
-    def recv(self, deadline: float | None = None, *, idle_ok: bool = False) -> peer_pb2.PeerFrame:
-        """The next frame. With `idle_ok`, a timeout before its first byte leaves the stream usable."""
-        header = bytearray(4)
-        self._recv_exact(memoryview(header), deadline, idle_ok=idle_ok)
-        rest = time.monotonic() + _FRAME_REST_S
-        deadline = rest if deadline is None else max(deadline, rest)
-        (length,) = _HEADER.unpack(header)
+    def recv(self, deadline: float | None = None, *, idle_ok: bool = False, spin_s: float = 0.0) -> peer_pb2.PeerFrame:
+        """The next frame (an inline payload, `inline_bytes` of it, waits read for `recv_into`).
+
+        With `idle_ok`, a timeout before its first byte leaves the stream usable.
+        `spin_s`: poll this long for the first byte before sleeping (an answer expected within microseconds).
+        """
+        if self._inline_left:
+            raise self._protocol_error(f"a frame from {self.peer} was read before the previous one's inline payload")
+        self.inline_bytes = 0
+        if self._tail - self._head < _HEADER.size:
+            self._fill(_HEADER.size, deadline, spin_until=time.monotonic() + spin_s if spin_s > 0 else 0.0, keep=idle_ok)
+        word = _HEADER.unpack_from(self._ahead, self._head)[0]
+        length = word & ~_INLINE
         if length > self.max_frame:
             raise self._protocol_error(f"frame of {length} bytes from {self.peer} exceeds {self.max_frame}")
-        body = bytearray(length)
-        self._recv_exact(memoryview(body), deadline)
+        inline = 0
+        header = _HEADER.size
+        if word & _INLINE:
+            header = _INLINE_HEADER.size
+            if self._tail - self._head < header:
+                self._fill(header, _rest_of_frame(deadline))
+            inline = _INLINE_HEADER.unpack_from(self._ahead, self._head)[1]
+            if self.max_frame <= HELLO_FRAME or length > _INLINE_BODY_MAX or inline > INLINE_MAX:
+                raise self._protocol_error(f"inline frame of {length} + {inline} bytes from {self.peer} exceeds what is allowed")
+        if not inline and header + length > len(self._ahead):
+            body = self._recv_large(header, length, _rest_of_frame(deadline))
+        else:
+            if self._tail - self._head < header + length + inline:  # an inline payload arrives whole before the frame is returned
+                self._fill(header + length + inline, _rest_of_frame(deadline))
+            start = self._head + header
+            body = self._ahead_view[start : start + length]
+            self._head = start + length
         frame = peer_pb2.PeerFrame()
         try:
-            frame.ParseFromString(bytes(body))
+            frame.ParseFromString(body)
         except DecodeError as exc:
             raise self._protocol_error(f"undecodable frame from {self.peer}") from exc
+        finally:
+            body.release()
+        self.inline_bytes = self._inline_left = inline
         return frame
+
+    def _recv_large(self, header: int, length: int, deadline: float) -> memoryview:
+        """A frame body larger than the read-ahead buffer: what was read ahead of it, the rest received straight in."""
+        body = memoryview(bytearray(length))
+        self._head += header
+        pending = [body]
+        if self._take_ahead(pending) == 0:
+            self._recv_exact(pending[0], deadline)
+        return body
+
+    def _fill(self, nbytes: int, deadline: float | None, *, spin_until: float = 0.0, keep: bool = False) -> None:
+        """Read ahead until at least `nbytes` wait in the buffer (growing it to hold them)."""
+        buffered = self._tail - self._head
+        if buffered >= nbytes:
+            return
+        if self._head + nbytes > len(self._ahead):  # no room behind what is buffered: move it to the front
+            if nbytes > len(self._ahead):
+                grown = bytearray(max(nbytes, 2 * len(self._ahead)))
+                grown[:buffered] = self._ahead_view[self._head : self._tail]
+                self._ahead, self._ahead_view = grown, memoryview(grown)
+            else:
+                self._ahead[:buffered] = self._ahead[self._head : self._tail]
+            self._head, self._tail = 0, buffered
+        while self._tail - self._head < nbytes:
+            self._tail += self._receive([self._ahead_view[self._tail :]], deadline, spin_until=spin_until, keep=keep and self._tail == self._head)
+
+    def _take_ahead(self, pending: list[memoryview]) -> int:
+        """Fill `pending` in order from the bytes read ahead (trimming a view left part-filled); the index of the first
+        view not filled."""
+        index = 0
+        head, tail, ahead = self._head, self._tail, self._ahead_view
+        while head < tail and index < len(pending):
+            view = pending[index]
+            if view.format != "B":
+                view = pending[index] = view.cast("B")
+            count = min(view.nbytes, tail - head)
+            view[:count] = ahead[head : head + count]
+            head += count
+            index = _consume(pending, index, count)
+        self._head = head
+        if head == tail:
+            self._head = self._tail = 0
+        return index
+
+    def _receive(
+        self, into: list[memoryview], deadline: float | None, *, spin_until: float = 0.0, keep: bool = False, wait: bool = False
+    ) -> int:
+        """One receive of at least one byte into `into` (scattered); sleeps (after spinning until `spin_until`) only
+        while nothing arrived, or first when `wait`."""
+        sock = self._rx
+        while True:
+            if self._broken is not None:
+                raise BrokenResourceError(str(self._broken))
+            try:
+                if wait:
+                    _await(self._rx_ready, deadline)
+                got = sock.recv_into(into[0]) if len(into) == 1 else sock.recvmsg_into(into)[0]
+            except BlockingIOError:
+                wait = not spin_until or time.monotonic() >= spin_until
+                continue
+            except OSError as exc:
+                raise self._translate(exc, keep=keep) from exc
+            if got == 0:
+                raise self._eof()
+            return got
 
     def readable(self) -> bool:
         """True when a receive would not block: bytes (a frame's start) wait, or the stream is broken."""
-        if self._broken is not None:
+        if self._broken is not None or self._tail > self._head:
             return True
         try:
             return bool(select.select([self._rx], [], [], 0)[0])
         except (OSError, ValueError):  # closed meanwhile: a receive fails at once
             return True
 
-    def recv_into(self, views: Sequence[memoryview], deadline: float | None = None) -> None:
-        """Fill `views` in order with the payload that follows (scatter receive, zero copy).
+    def recv_into(self, views: Sequence[memoryview], deadline: float | None = None, *, spin_s: float = 0.0) -> None:
+        """Fill `views` in order with the payload that follows (scatter receive, zero copy beyond what was read
+        ahead with the frame). An inline payload must be taken whole by one call, and no more than it.
 
         While at least twice `_lowat` bytes are left, the socket wakes this
         thread only once `_lowat` bytes wait (SO_RCVLOWAT): fewer, larger receives.
+        Below that, `spin_s` of the call may be spent polling instead of sleeping
+        (the rest of a payload whose frame just arrived is microseconds away).
         """
+        self._check()
+        if self._inline_left:  # all of it is here: copy it out
+            asked = views[0].nbytes if len(views) == 1 else _payload_bytes(views)
+            if asked != self._inline_left:
+                raise self._protocol_error(f"{self.peer} sent {self._inline_left} bytes inline where {asked} were expected")
+            self._inline_left = 0
+            self._take_ahead(list(views))
+            return
         pending = [view for view in views if view.nbytes]
-        left = sum(view.nbytes for view in pending)
-        index = 0
+        index = self._take_ahead(pending) if self._tail > self._head else 0
+        if index < len(pending):
+            self._recv_exact_views(pending, index, deadline, time.monotonic() + spin_s if spin_s > 0 else 0.0)
+
+    def _recv_exact_views(self, pending: list[memoryview], index: int, deadline: float | None, spin_until: float) -> None:
+        left = _payload_bytes(pending[index:])
         sock = self._rx
         lowat = 1
+        wait = False
         try:
             while index < len(pending):
-                self._check()
-                try:
-                    want = self._lowat if left >= 2 * self._lowat else 1
-                    if want != lowat:
+                want = self._lowat if left >= 2 * self._lowat else 1
+                if want != lowat:
+                    try:
                         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
-                        lowat = want
-                    sock.settimeout(_remaining(deadline))
-                    got = sock.recvmsg_into(pending[index : index + IOV_MAX])[0]
-                except OSError as exc:
-                    raise self._translate(exc) from exc
-                if got == 0:
-                    raise self._eof()
+                    except OSError as exc:
+                        raise self._translate(exc) from exc
+                    lowat = want
+                got = self._receive(pending[index : index + IOV_MAX], deadline, spin_until=0.0 if wait else spin_until, wait=wait)
+                wait = lowat > 1  # a large receive sleeps until `_lowat` bytes wait rather than taking each trickle
                 left -= got
                 index = _consume(pending, index, got)
         finally:
@@ -306,24 +479,18 @@ class FrameStream:
 
     def discard(self, nbytes: int, deadline: float | None = None) -> None:
         """Read and drop `nbytes` of payload (a refused DataWrite's)."""
+        if self._inline_left:
+            self.recv_into([memoryview(bytearray(nbytes))], deadline)
+            return
         scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
         while nbytes > 0:
             self.recv_into([scratch[: min(nbytes, scratch.nbytes)]], deadline)
             nbytes -= min(nbytes, scratch.nbytes)
 
-    def _recv_exact(self, view: memoryview, deadline: float | None, *, idle_ok: bool = False) -> None:
+    def _recv_exact(self, view: memoryview, deadline: float | None) -> None:
         done = 0
-        sock = self._rx
         while done < view.nbytes:
-            self._check()
-            try:
-                sock.settimeout(_remaining(deadline))
-                got = sock.recv_into(view[done:])
-            except OSError as exc:
-                raise self._translate(exc, keep=idle_ok and done == 0) from exc
-            if got == 0:
-                raise self._eof()
-            done += got
+            done += self._receive([view[done:]], deadline)
 
     def _translate(self, exc: OSError, *, keep: bool = False) -> HMCError:
         """The boundary: a socket timeout becomes TimeoutError (the stream survives only if `keep`), anything else breaks it."""

@@ -1,0 +1,123 @@
+"""Slot packing of the staged ring under hypothesis: ranges straddling slots, odd sizes and slots, unaligned
+offsets, the last byte of a buffer. First the packing itself, then every byte through a real owner's shared
+ring with host memory (the ring protocol and the owner's scatter out of slots run end to end; with CUDA memory
+the same chunks become one kernel launch per slot, tests/gpu/test_cuda_staged.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import hmc.transport._staged as staged
+from hmc.agent import Agent
+from hmc.config import Config, PathPolicy
+from hmc.testing import PeerProcess
+from hmc.transport._ranges import RangeList
+from hmc.transport._staged_shm import ShmStaging
+
+POISON = 0xA5
+SLOT = 4099
+"""An odd slot size: no range boundary lines up with a slot boundary by accident."""
+
+
+@st.composite
+def scattered(draw: st.DrawFn, max_size: int = 5 * SLOT + 7) -> tuple[int, int, RangeList]:
+    """(source size, destination size, ranges): disjoint destination ranges in random order, sources anywhere."""
+    dst_size = draw(st.integers(1, max_size))
+    src_size = draw(st.integers(1, max_size))
+    cuts = sorted(set(draw(st.lists(st.integers(0, dst_size), max_size=40)) + [0, dst_size]))
+    blocks = [(a, b - a) for a, b in zip(cuts, cuts[1:]) if b > a]
+    blocks = [block for block in blocks if block[1] <= src_size]
+    chosen = draw(st.lists(st.sampled_from(blocks), unique=True, min_size=1)) if blocks else []
+    if not chosen:
+        return src_size, dst_size, RangeList.build([0], [dst_size - 1], [1])  # the last byte alone
+    dst = [d for d, _ in chosen]
+    lengths = [n for _, n in chosen]
+    src = [draw(st.integers(0, src_size - n)) for n in lengths]
+    return src_size, dst_size, RangeList.build(src, dst, lengths)
+
+
+def _stream(data: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> bytes:
+    return b"".join(data[o : o + n].tobytes() for o, n in zip(offsets.tolist(), lengths.tolist()))
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=scattered(), slot=st.integers(1, 3 * SLOT))
+def test_packing_fills_every_slot_but_the_last_and_keeps_every_byte(case: tuple[int, int, RangeList], slot: int) -> None:
+    src_size, dst_size, ranges = case
+    chunks = ranges.packed(slot)
+    totals = [chunk.total for chunk in chunks]
+    assert sum(totals) == ranges.total
+    assert all(total == slot for total in totals[:-1]) and 0 < totals[-1] <= slot
+    assert all(int(chunk.lengths.min()) > 0 for chunk in chunks)
+    for chunk in chunks:  # a slot's layout: its ranges end to end
+        assert np.array_equal(chunk.positions(), np.concatenate(([0], np.cumsum(chunk.lengths)[:-1])))
+    rng = np.random.default_rng(src_size * 31 + dst_size)
+    src, dst = rng.integers(0, 256, src_size, np.uint8), rng.integers(0, 256, dst_size, np.uint8)
+    joined = RangeList(*(np.concatenate([getattr(c, f) for c in chunks]) for f in ("src", "dst", "lengths")))
+    assert _stream(src, joined.src, joined.lengths) == _stream(src, ranges.src, ranges.lengths)
+    assert _stream(dst, joined.dst, joined.lengths) == _stream(dst, ranges.dst, ranges.lengths)
+
+
+def test_packing_drops_empty_ranges_and_refuses_a_bad_slot() -> None:
+    ranges = RangeList.build([0, 5, 9], [0, 5, 9], [0, 4, 0])
+    assert [(c.src.tolist(), c.lengths.tolist()) for c in ranges.packed(3)] == [([5], [3]), ([8], [1])]
+    assert RangeList.build([0], [0], [0]).packed(8) == []
+    from hmc.errors import ArgumentError
+
+    with pytest.raises(ArgumentError):
+        ranges.packed(0)
+
+
+@pytest.fixture(scope="module")
+def ring(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Agent, PeerProcess]]:
+    """An agent whose staged path puts host memory through an 8-slot ring of odd `SLOT`-byte slots, and a real
+    owner process."""
+    config = Config(socket=str(Path(tmp_path_factory.mktemp("ring")) / "no-hmcd.sock"), timeout_s=10.0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(staged, "_HOST_KINDS", ())
+        patch.setitem(ShmStaging.__init__.__kwdefaults__, "slot_bytes", SLOT)
+        with PeerProcess(config) as peer, Agent(config.replace(policy=PathPolicy(allow=("staged",))), daemon=False) as agent:
+            assert agent._transports["staged"]._shm._slot_bytes == SLOT  # the odd slots are the ones in use
+            yield agent, peer
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=scattered())
+@example(case=(5 * SLOT + 7, 5 * SLOT + 7, RangeList.build([1], [0], [5 * SLOT + 6])))  # up to the last byte, unaligned
+@example(case=(SLOT + 1, 3 * SLOT, RangeList.build([SLOT, 0], [3 * SLOT - 1, SLOT - 1], [1, SLOT + 1])))  # straddles, last byte
+def test_every_byte_through_the_ring_both_ways(ring: tuple[Agent, PeerProcess], case: tuple[int, int, RangeList]) -> None:
+    agent, peer = ring
+    src_size, dst_size, ranges = case
+    rng = np.random.default_rng(src_size * 131 + dst_size + len(ranges))
+    data = rng.integers(0, 256, src_size, np.uint8)
+    remote = peer.register(dst_size, fill=POISON)
+    src = agent.register(data)
+    try:
+        handle = agent.write(src, remote, ranges.src, ranges.dst, ranges.lengths)
+        handle.wait()
+        assert handle.path == "staged" and handle.bytes_done == ranges.total
+        expected = np.full(dst_size, POISON, np.uint8)
+        for s, d, n in zip(ranges.src.tolist(), ranges.dst.tolist(), ranges.lengths.tolist()):
+            expected[d : d + n] = data[s : s + n]
+        assert peer.contents(remote.id) == expected.tobytes()
+
+        # read the same remote ranges back into a poisoned buffer, laid end to end from byte 1 (shifted, unaligned)
+        local = 1 + ranges.positions()
+        out = agent.register(np.full(ranges.total + 2, POISON ^ 0xFF, np.uint8))
+        try:
+            agent.read(out, remote, ranges.dst, local, ranges.lengths).wait()
+            wanted = np.full(ranges.total + 2, POISON ^ 0xFF, np.uint8)
+            for at, d, n in zip(local.tolist(), ranges.dst.tolist(), ranges.lengths.tolist()):
+                wanted[at : at + n] = expected[d : d + n]
+            assert np.array_equal(out.numpy(), wanted)
+        finally:
+            agent.unregister(out)
+    finally:
+        agent.unregister(src)
+        peer.unregister(remote.id)
