@@ -420,10 +420,13 @@ class Lane:
         check((status,))
         return True
 
-    def event_wait(self, event: Any, deadline: float) -> bool:
-        """Poll until the work before `event` finished (True) or `deadline` passed (False; a past one: one look)."""
+    def event_wait(self, event: Any, deadline: float, *, yield_s: float = _YIELD_S) -> bool:
+        """Poll until the work before `event` finished (True) or `deadline` passed (False; a past one: one look).
+
+        `yield_s`: how long to poll with sched_yield before napping (`spin_until`); 0 for threads that share the
+        GIL with busy ones (the staged ring's), which a yielding poller would starve for a switch interval."""
         with self._contexts.use(self.ordinal):
-            return spin_until(lambda: driver.cuEventQuery(event)[0], deadline, yield_s=_YIELD_S)
+            return spin_until(lambda: driver.cuEventQuery(event)[0], deadline, yield_s=yield_s)
 
     def release_event(self, event: Any) -> None:
         """Give an event back for reuse (it must not be waited for any more)."""

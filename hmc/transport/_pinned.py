@@ -266,7 +266,7 @@ class SlotCopier:
 
         def wait(deadline: float) -> None:
             try:
-                if not lane.event_wait(event, deadline):
+                if not lane.event_wait(event, deadline, yield_s=0.0):  # napping: the owner's reader shares the GIL
                     raise TimeoutError("a staging copy did not finish before the deadline")
             finally:
                 lane.release_event(event)
