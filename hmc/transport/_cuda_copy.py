@@ -59,7 +59,7 @@ FEW = 4
 PIECE_BYTES = 256 << 10
 """Ranges longer than this are cut, so one long range still spreads over many thread blocks."""
 _FIRST_ROWS = 4096
-_TABLES = 4
+_TABLES = 8
 """Range tables per lane, used in turn: a batch is queued while the previous ones' tables are still on their way
 (the staged ring queues a launch per slot, several slots ahead of the GPU)."""
 _BLOCK_SMALL, _BLOCK_LARGE = 256, 512

@@ -29,6 +29,8 @@ _log = logging.getLogger(__name__)
 _CLOSE_S = 5.0
 """How long closing a copier waits for copies still queued on its lanes."""
 _ZERO = np.zeros(1, np.int64)
+_SCRATCH_SLOTS = 2
+"""Device scratch slots per GPU, used in turn: batch k+1 is gathered while batch k is copied."""
 _SCRATCH_MIN = 4 << 20
 """The smallest device scratch slot made (grown to the largest gathered chunk, at most a ring slot)."""
 _NOW_BYTES = 256 << 10
@@ -129,8 +131,8 @@ class _GpuSide:
         self.device = device
         self.lane = Lane(backend, device)
         self.kernels = Lane(backend, device)
-        self.scratch: list[Any] = [None, None]
-        self.freed: list[Any] = [None, None]
+        self.scratch: list[Any] = [None] * _SCRATCH_SLOTS
+        self.freed: list[Any] = [None] * _SCRATCH_SLOTS
         self.turn = 0
         self.batch = threading.Lock()
         """Held while a batch and its copy are queued (guards scratch, freed, turn)."""
@@ -160,7 +162,7 @@ class _GpuSide:
     def _next(self, nbytes: int, first: Any, deadline: float) -> tuple[int, int]:
         """The next scratch slot (grown to `nbytes`), with `first`, the lane that touches it first, made to wait until
         the work that last used it ended."""
-        index, self.turn = self.turn, self.turn ^ 1
+        index, self.turn = self.turn, (self.turn + 1) % len(self.scratch)
         scratch = self.scratch[index]
         if scratch is None or scratch.size < nbytes:
             if scratch is not None:
