@@ -7,6 +7,9 @@ Systems (row `system`, `path`):
     peer-copy    torch      one process: `dst1.copy_(src0)` (cudaMemcpyPeerAsync), bulk; two GPUs only
     pinned-d2h   torch      one process: cuda:0 -> pinned host, non_blocking copy_, bulk
     pinned-h2d   torch      one process: pinned host -> cuda:0, bulk (with D2H: the staged ceiling)
+    pinned-both  torch      one process: cuda:0 -> pinned host and pinned host -> cuda:0 at once, on two
+                            streams, bulk; GB/s per direction: the ceiling of a staged pair whose two
+                            ends share one GPU (its PCIe link carries both directions)
     torch-gather torch      one process: index_select on the source device -> (peer copy) -> index_copy_
                             on the destination device, KV
     copy-kernel  push/pull  one process: the copy kernel (one block per range) on cuda:0 writing the
@@ -63,7 +66,7 @@ from hmc.bench._workloads import SEED, Workload, make_ranges
 
 __all__ = ["LOCAL_SYSTEMS", "NCCL_SYSTEMS", "TWO_GPU_SYSTEMS", "ipc_initiator", "ipc_target", "local_child", "nccl_rank", "probe_child"]
 
-LOCAL_SYSTEMS = ("device-copy", "peer-copy", "pinned-d2h", "pinned-h2d", "torch-gather", "copy-kernel")
+LOCAL_SYSTEMS = ("device-copy", "peer-copy", "pinned-d2h", "pinned-h2d", "pinned-both", "torch-gather", "copy-kernel")
 """Systems measured in one process that sees every GPU of the run."""
 NCCL_SYSTEMS: dict[str, dict[str, str]] = {"nccl": {}, "nccl-nop2p": {"NCCL_P2P_DISABLE": "1"}}
 """System name -> extra environment of both ranks."""
@@ -202,6 +205,7 @@ class _Local:
             self.dst1 = torch.empty(size, dtype=torch.uint8, device=self.d1)
             self.expected1 = pattern(size, SEED, self.d1)
         self.host: Any = None
+        self.host_out: Any = None
         self.size = size
         self.sync()
 
@@ -209,6 +213,12 @@ class _Local:
         if self.host is None:
             self.host = self.torch.empty(self.size, dtype=self.torch.uint8, pin_memory=True)
         return self.host
+
+    def pinned_out(self) -> Any:
+        """A second pinned buffer: what `pinned-both` copies out of the GPU while it copies `pinned()` in."""
+        if self.host_out is None:
+            self.host_out = self.torch.empty(self.size, dtype=self.torch.uint8, pin_memory=True)
+        return self.host_out
 
     def stream(self, device: Any) -> Any:
         return self.torch.cuda.current_stream(device)
@@ -327,6 +337,29 @@ def _copy_kernel(t: _Local, w: Workload, timing: Timing, push: bool, streams: di
     return gpu_row("copy-kernel", "push" if push else "pull", w, times, ok, detail, pipe, "cuda-events")
 
 
+def _pinned_both(t: _Local, w: Workload, timing: Timing) -> Any:
+    """D2H and H2D of `w.nbytes` each at once, on two streams; every byte of both results compared."""
+    torch, n = t.torch, w.nbytes
+    into, out = t.pinned(), t.pinned_out()
+    into[:n].copy_(t.src0[:n])
+    out[:n].fill_(0xA5)
+    poison(t.dst0, w.total_size)
+    t.sync()
+    down, up = torch.cuda.Stream(t.d0), torch.cuda.Stream(t.d0)
+
+    def step() -> None:
+        with torch.cuda.stream(down):
+            out[:n].copy_(t.src0[:n], non_blocking=True)
+        with torch.cuda.stream(up):
+            t.dst0[:n].copy_(into[:n], non_blocking=True)
+        down.synchronize()
+        up.synchronize()
+
+    times = measure_row(step, timing, w)
+    ok = verify(t.dst0, t.src0, w, *make_ranges(w)[:2]) and bool(torch.equal(out[:n].to(t.d0), t.src0[:n]))
+    return gpu_row("pinned-both", "torch", w, times, ok, f"{t.d0} -> pinned host and pinned host -> {t.d0} at once (two streams); GB/s per direction")
+
+
 def local_child(out: Connection, workloads: Sequence[Workload], timing: Timing, systems: Sequence[str], devices: Devices) -> None:
     """Child: every one-process system in `systems` (LOCAL_SYSTEMS), rows as they finish."""
     try:
@@ -346,6 +379,9 @@ def local_child(out: Connection, workloads: Sequence[Workload], timing: Timing, 
             t.pinned().copy_(t.src0)
             for w in bulk:
                 out.send(("row", _pinned(t, w, timing, to_host=False)))
+        if "pinned-both" in systems:
+            for w in bulk:
+                out.send(("row", _pinned_both(t, w, timing)))
         if "torch-gather" in systems:
             for w in kv:
                 out.send(("row", _torch_gather(t, w, timing)))

@@ -4,6 +4,8 @@ Issue 11 (the cross-vendor path; on one GPU and on two), with `big` the run's
 largest bulk workload (1 GiB in a full run) and `small` its smallest (4 KiB):
 
     hmc staged (peer AMD) big WRITE, READ     >= 0.9 x min(pinned D2H, pinned H2D)   (GB/s)
+                                              >= 0.9 x pinned D2H and H2D at once    (GB/s; the
+                                                 ceiling where both ends share one GPU's link)
     hmc staged (peer AMD) each KV WRITE, READ >= 0.8 x the same op's big rate          (GB/s)
                                               >= 80 x NIXL UCX_TLS=tcp,cuda_copy, same ranges and op
     hmc and hmc-prepared staged small WRITE p50 <= NIXL UCX_TLS=tcp,cuda_copy's        (us)
@@ -62,6 +64,7 @@ def cross_vendor_checks(workloads: Sequence[Workload]) -> list[Check | MinCheck]
     for op in OPS:
         pinned = (("pinned-d2h", "", "WRITE", big), ("pinned-h2d", "", "WRITE", big))
         checks.append(MinCheck(f"{STAGED_AMD} {big} {op} vs min(pinned D2H, pinned H2D)", ("hmc", "staged", op, big), pinned, 0.9))
+        checks.append(Check(f"{STAGED_AMD} {big} {op} vs pinned D2H and H2D at once (one GPU's link)", ("hmc", "staged", op, big), ("pinned-both", "", "WRITE", big), 0.9))
     for kv in kvs:
         for op in OPS:
             staged = ("hmc", "staged", op, kv)

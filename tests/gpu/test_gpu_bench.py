@@ -134,7 +134,9 @@ def test_cross_vendor_checks_of_issue_11() -> None:
     ]
     checks = gpu_checks(wls, 1)
     assert sum(isinstance(c, MinCheck) for c in checks) == 2
-    ratios = {r["check"]: r for r in evaluate_checks(checks, rows)}
+    ratios = {r["check"]: r for r in evaluate_checks(checks, rows + [_row("pinned-both", "torch", big, 2.2e-4)])}
+    both = ratios["hmc staged (peer AMD) bulk_1MiB WRITE vs pinned D2H and H2D at once (one GPU's link)"]
+    assert both["ratio"] == pytest.approx(2.2e-4 / 1.9e-4, rel=1e-3) and both["ok"] is True
     write = ratios["hmc staged (peer AMD) bulk_1MiB WRITE vs min(pinned D2H, pinned H2D)"]
     assert write["ratio"] == pytest.approx(2e-4 / 1.9e-4, rel=1e-3) and write["ok"] is True  # against H2D, the slower
     assert write["denominator"] == "min(pinned-d2h WRITE bulk_1MiB, pinned-h2d WRITE bulk_1MiB)"
@@ -275,7 +277,7 @@ def _quick_run(tmp_path: Path, gpus: int) -> dict:
     assert set(SYSTEMS) == systems | skipped
     wls = gpu_quick_workloads()
     bulk = [w.name for w in wls if not w.random]
-    for system in ("device-copy", "pinned-d2h", "pinned-h2d"):
+    for system in ("device-copy", "pinned-d2h", "pinned-h2d", "pinned-both"):
         assert [r["workload"] for r in report["rows"] if r["system"] == system] == bulk
     hmc = {(r["path"], r["op"], r["workload"]) for r in report["rows"] if r["system"] == "hmc"}
     assert hmc == {(p, op, w.name) for p in HMC_PATHS for op in ("WRITE", "READ") for w in wls}
