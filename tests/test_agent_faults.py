@@ -23,7 +23,7 @@ def test_owner_killed_mid_transfer_fails_the_handle_promptly(make_agent: Callabl
     a = make_agent((path,))
     remote = peer.register(BIG)
     src = a.register(np.ones(BIG, np.uint8))
-    for length in (4096, 1 << 20):  # connections and grants up (staged: the small transfers' round-trip connection and the streams)
+    for length in (4096, 4 << 20):  # connections and grants up (staged: the small transfers' round-trip connection and the streams)
         a.write(src, remote, 0, 0, length).wait()
     with peer.stalled():  # frozen first, so the kill surely lands mid-transfer
         handle = a.write(src, remote, 0, 0, BIG, notify=b"never")

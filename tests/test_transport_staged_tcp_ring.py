@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-import hmc.agent._server as server
 import hmc.transport._staged as staged
+import hmc.transport._staged_serve as staged_serve
 from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
 from hmc.errors import AccessDeniedError, OutOfRangeError, TimeoutError
@@ -73,7 +73,7 @@ def test_tcp_ring_to_another_host_every_byte(config: Config, other_host: PeerPro
 @pytest.mark.usefixtures("tcp_ring")
 def test_tcp_ring_owner_bounces_through_pinned_slots(config: Config, monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
     """The owner's side (bounce slots, queued copies, read payloads sent from slots) with an owner in this process."""
-    monkeypatch.setattr(server, "_BOUNCED", frozenset({MemoryKind.DEVICE, MemoryKind.HOST}))
+    monkeypatch.setattr(staged_serve, "_BOUNCED", frozenset({MemoryKind.DEVICE, MemoryKind.HOST}))
     size = (50 << 20) + 7  # four slots, the last one short
     with Agent(config.replace(policy=STAGED), daemon=False) as owner, Agent(config.replace(policy=STAGED), daemon=False) as a:
         theirs = owner.register(np.full(size, POISON, np.uint8))

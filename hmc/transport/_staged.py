@@ -22,6 +22,9 @@ Device memory (at either end) takes a pinned ring instead, on a data connection
 of its own per peer: between processes of one host the ring is shared memory both
 map (`_staged_shm`); between hosts each end has its own pinned memory and the
 chunks travel over TCP (`_staged_tcp_ring`). Host memory never goes through a ring.
+The owner side of every variant (frames checked and served into the owner's
+buffers, replies in frame order) is `_staged_serve`, with `_staged_owner` for
+its device copies.
 
 Small transfers (up to 1 MiB) skip the streams: the caller's thread sends the
 whole request on an idle round-trip connection to the owner, whose connection
@@ -422,7 +425,7 @@ class _Pipe:
 
 
 class StagedTransport(Transport):
-    """TCP streams between any two agents (initiator side; the owner side is the agent's server)."""
+    """TCP streams between any two agents (initiator side; the owner side is `_staged_serve.DataConnections`)."""
 
     def __init__(
         self,

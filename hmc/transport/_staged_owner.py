@@ -5,6 +5,7 @@ frames, so the GPU never waits for a reply to go out or the next frame to be rea
 thread per connection waits for the copies in frame order and sends the replies (the initiator
 matches replies by order). A small chunk (up to `SMALL_BYTES`) with nothing queued before it is
 answered by the thread that read its frame. Every copy is bounded by `_OWNER_COPY_S`.
+The connection's frames are read, checked and handed here by `_staged_serve`.
 """
 
 from __future__ import annotations
@@ -210,7 +211,7 @@ class OwnerSegments:
                 self._stream.send(peer_pb2.PeerFrame(request_id=request_id, reply=reply))
             else:
                 self._stream.send(peer_pb2.PeerFrame(request_id=request_id, reply=reply), [payload], deadline=time.monotonic() + _OWNER_COPY_S)
-        except HMCError as exc:  # the connection broke: the server's receive loop ends it
+        except HMCError as exc:  # the connection broke: its receive loop (`_staged_serve`) ends it
             _log.debug("a staging reply was not sent: %s", exc)
 
     def drain(self) -> None:

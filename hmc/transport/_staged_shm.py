@@ -43,8 +43,8 @@ Concurrency: each peer's transfers run one after another under the peer's
 pulling them away mid-transfer): on the peer's worker thread ("hmc-staged-shm",
 started on first use, stopped when the peer is forgotten), or, for a small transfer
 that finds the lock free, on the caller's thread. A transfer still queued at its
-deadline fails without running. The owner side is `_staged_owner.OwnerSegments`; mappings
-and slot copies are `_pinned`.
+deadline fails without running. The owner side is `_staged_serve` (the frames) and
+`_staged_owner.OwnerSegments` (the slot copies); mappings and slot copies are `_pinned`.
 """
 
 from __future__ import annotations

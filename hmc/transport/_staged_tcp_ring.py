@@ -10,7 +10,7 @@ replies collected in order as they come, reads asked `slots` chunks ahead, every
 bounded by the request's deadline, a failed transfer drops its connection and unpins
 and unmaps its ring (after waiting, within the deadline, for the copies queued into it).
 
-Owner (`BounceSlots`, one per data connection, used by the agent's server): a DataWrite
+Owner (`BounceSlots`, one per data connection, used by `_staged_serve`): a DataWrite
 into device memory is bounds- and key-checked, received into a free pinned slot, and its
 host-to-device copy queued on the GPU's stream (`OwnerSegments`); the reply goes out once
 the copy finished, then the slot is free again. A DataRead from device memory queues the
