@@ -121,3 +121,20 @@ def test_every_byte_through_the_ring_both_ways(ring: tuple[Agent, PeerProcess], 
     finally:
         agent.unregister(src)
         peer.unregister(remote.id)
+
+
+def test_many_short_ranges_travel_in_pairs_of_slots() -> None:
+    """Short ranges (the KV pattern) fill two slots per chunk on the shared ring; long ones, and the TCP ring (whose
+    owner's bounce slots hold one), keep one slot per chunk."""
+    from types import SimpleNamespace
+
+    from hmc.transport._staged_tcp_ring import TcpRingStaging
+
+    short = SimpleNamespace(ranges=RangeList.build(np.arange(64) * 100, np.arange(64) * 100, 64))
+    long = SimpleNamespace(ranges=RangeList.build([0], [0], [5 << 20]))
+    ring = ShmStaging(lambda *_: None, slots=8, slot_bytes=SLOT)  # type: ignore[arg-type]
+    assert ring._layout(short) == (2 * SLOT, 4) and ring._layout(long) == (SLOT, 8)  # type: ignore[arg-type]
+    tcp = TcpRingStaging(lambda *_: None, slots=8, slot_bytes=SLOT)  # type: ignore[arg-type]
+    assert tcp._layout(short) == (SLOT, 8)  # type: ignore[arg-type]
+    ring.close()
+    tcp.close()

@@ -86,6 +86,8 @@ SMALL_BYTES = 256 << 10
 """Transfers up to this size run on the caller's thread when the ring is free (one hand-off each way), and the
 owner answers them from the thread that read the frame, when no copy is queued before them."""
 _I64 = struct.Struct("<q")
+_SHORT_RANGE = 1 << 20
+"""Ranges shorter than this on average make a transfer of many short ranges (`ShmStaging._layout`)."""
 _POLL_S = 200e-6
 """How long a small transfer polls for its reply before it sleeps in the receive (a wake-up costs more)."""
 Connect = Callable[[common_pb2.BufferDescriptor, float], FrameStream]
@@ -185,6 +187,8 @@ class ShmStaging:
 
     _WORKER = "hmc-staged-shm"
     """The name of each peer's worker thread."""
+    _PAIRED = True
+    """Whether many short ranges travel in pairs of slots (`_layout`); the TCP ring's owner slots hold one."""
 
     def __init__(self, connect: Connect, *, slots: int = 8, slot_bytes: int = SLOT_BYTES) -> None:
         self._connect = connect
@@ -341,15 +345,24 @@ class ShmStaging:
                 raise UnsupportedError(f"cannot make a staging ring at {name}: {exc}") from exc
             raise
 
-    def _hand_off(self, link: _Link, stream: FrameStream, message: peer_pb2.DataWrite | peer_pb2.DataRead, slot: int, nbytes: int, deadline: float) -> None:
-        """Send a chunk's request naming its slot of the shared ring (a write's bytes are there already)."""
+    def _hand_off(self, link: _Link, stream: FrameStream, message: peer_pb2.DataWrite | peer_pb2.DataRead, at: int, nbytes: int, deadline: float) -> None:
+        """Send a chunk's request naming its slot (from byte `at`) of the shared ring (a write's bytes are there already)."""
         assert link.ring is not None
-        message.shm.segment, message.shm.segment_bytes, message.shm.offset = link.name, link.ring.size, slot * self._slot_bytes
+        message.shm.segment, message.shm.segment_bytes, message.shm.offset = link.name, link.ring.size, at
         stream.send(frame_of(message), deadline=deadline)
 
-    def _answer(self, link: _Link, stream: FrameStream, slot: int, nbytes: int, deadline: float) -> None:
+    def _answer(self, link: _Link, stream: FrameStream, at: int, nbytes: int, deadline: float) -> None:
         """Take the owner's reply to the oldest chunk handed off (a read's `nbytes` are in its slot then)."""
         reply_of(stream, deadline, nbytes)
+
+    def _layout(self, request: TransferRequest) -> tuple[int, int]:
+        """(chunk size, chunks in flight) for a transfer: slots of `_slot_bytes`, or, for many short ranges, pairs
+        of slots: a chunk's batch costs the same few launches and hand-offs whatever its bytes, and a 16 MiB slot of
+        64 KiB ranges moved 28-32 GB/s where 32 MiB moved 29-34 (one H100, both ends on it)."""
+        ranges = request.ranges
+        if self._PAIRED and self._slots >= 4 and ranges.total < len(ranges) * _SHORT_RANGE:
+            return 2 * self._slot_bytes, self._slots // 2
+        return self._slot_bytes, self._slots
 
     def _write(self, link: _Link, request: TransferRequest) -> None:
         """Every free slot gets its chunk's copy queued at once; the oldest finished copy is handed off first,
@@ -357,7 +370,8 @@ class ShmStaging:
         stream, ring = link.stream, link.ring
         assert stream is not None and ring is not None
         remote, region, deadline, completion = request.remote, request.local.region, request.deadline, request.completion
-        chunks = request.ranges.packed(self._slot_bytes)
+        size, slots = self._layout(request)
+        chunks = request.ranges.packed(size)
         queued: collections.deque[tuple[Callable[[float], None], peer_pb2.DataWrite, int, int]] = collections.deque()  # copying into slots
         inflight: collections.deque[int] = collections.deque()  # bytes of chunks handed off, reply pending
         started = 0
@@ -368,10 +382,10 @@ class ShmStaging:
                     completion.add_bytes(inflight.popleft())
                 if completion.cancelled:
                     raise BrokenResourceError("transfer cancelled")
-                while started < len(chunks) and len(queued) + len(inflight) < self._slots:
+                while started < len(chunks) and len(queued) + len(inflight) < slots:
                     chunk = chunks[started]
-                    slot = started % self._slots
-                    wait = self._copier.start(region, chunk.src, chunk.lengths, ring, slot * self._slot_bytes, to_slot=True, deadline=deadline)
+                    slot = (started % slots) * size
+                    wait = self._copier.start(region, chunk.src, chunk.lengths, ring, slot, to_slot=True, deadline=deadline)
                     write = peer_pb2.DataWrite(buffer_id=remote.id, key_proof=stream.proof(remote.access_key), ranges=_range_list(chunk.dst, chunk.lengths, "dst_offsets"), transfer_id=request.transfer_id)
                     queued.append((wait, write, slot, chunk.total))
                     started += 1
@@ -394,14 +408,15 @@ class ShmStaging:
         stream, ring = link.stream, link.ring
         assert stream is not None and ring is not None
         remote, region, deadline, completion = request.remote, request.local.region, request.deadline, request.completion
-        chunks = request.ranges.swapped().packed(self._slot_bytes)  # src: local destinations, dst: remote sources
+        size, slots = self._layout(request)
+        chunks = request.ranges.swapped().packed(size)  # src: local destinations, dst: remote sources
 
         def ask(index: int) -> None:
             chunk = chunks[index]
             read = peer_pb2.DataRead(buffer_id=remote.id, key_proof=stream.proof(remote.access_key), ranges=_range_list(chunk.dst, chunk.lengths, "src_offsets"), transfer_id=request.transfer_id)
-            self._hand_off(link, stream, read, index % self._slots, chunk.total, deadline)
+            self._hand_off(link, stream, read, (index % slots) * size, chunk.total, deadline)
 
-        asked = min(self._slots, len(chunks))
+        asked = min(slots, len(chunks))
         for index in range(asked):
             ask(index)
         copying: collections.deque[tuple[int, Callable[[float], None]]] = collections.deque()  # slot -> memory copies queued
@@ -410,10 +425,10 @@ class ShmStaging:
             for _ in range(len(chunks)):
                 while answered < asked and (not copying or stream.readable()):
                     chunk = chunks[answered]
-                    self._answer(link, stream, answered % self._slots, chunk.total, deadline)
+                    at = (answered % slots) * size
+                    self._answer(link, stream, at, chunk.total, deadline)
                     if completion.cancelled:
                         raise BrokenResourceError("transfer cancelled")
-                    at = (answered % self._slots) * self._slot_bytes
                     copying.append((answered, self._copier.start(region, chunk.src, chunk.lengths, ring, at, to_slot=False, deadline=deadline)))
                     answered += 1
                 index, wait = copying.popleft()

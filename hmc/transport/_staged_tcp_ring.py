@@ -50,11 +50,12 @@ class TcpRingStaging(ShmStaging):
     """Initiator side between hosts: device memory through a private pinned ring, the bytes over TCP."""
 
     _WORKER = "hmc-staged-tcp-ring"
+    _PAIRED = False
 
     def _new_ring(self, size: int) -> tuple[PinnedMapping, str]:
         return PinnedMapping(None, size, create=True), ""
 
-    def _hand_off(self, link: _Link, stream: FrameStream, message: peer_pb2.DataWrite | peer_pb2.DataRead, slot: int, nbytes: int, deadline: float) -> None:
+    def _hand_off(self, link: _Link, stream: FrameStream, message: peer_pb2.DataWrite | peer_pb2.DataRead, at: int, nbytes: int, deadline: float) -> None:
         """Send a chunk's request; a write's bytes follow it from the slot, its pages lent to the socket (the slot
         is filled again only once the owner replied, after it received them)."""
         assert link.ring is not None
@@ -62,18 +63,18 @@ class TcpRingStaging(ShmStaging):
             stream.send(frame_of(message), deadline=deadline)
             return
         if nbytes <= SMALL_BYTES:  # lending pages costs more than copying a few
-            stream.send(frame_of(message), [link.ring.view(slot * self._slot_bytes, nbytes)], deadline)
+            stream.send(frame_of(message), [link.ring.view(at, nbytes)], deadline)
             return
-        pages = np.array([[link.ring.address + slot * self._slot_bytes, nbytes]], np.uint64)
+        pages = np.array([[link.ring.address + at, nbytes]], np.uint64)
         stream.send(frame_of(message), deadline=deadline, lend=pages)
 
-    def _answer(self, link: _Link, stream: FrameStream, slot: int, nbytes: int, deadline: float) -> None:
+    def _answer(self, link: _Link, stream: FrameStream, at: int, nbytes: int, deadline: float) -> None:
         """Take the owner's reply to the oldest read asked for and receive its `nbytes` into the slot."""
         assert link.ring is not None
         reply = reply_of(stream, deadline, nbytes)
         if reply.payload_bytes != nbytes:
             raise ProtocolError(f"peer announced {reply.payload_bytes} bytes for a {nbytes}-byte read")
-        stream.recv_into([link.ring.view(slot * self._slot_bytes, nbytes)], deadline)
+        stream.recv_into([link.ring.view(at, nbytes)], deadline)
 
 
 class BounceSlots:
