@@ -353,6 +353,29 @@ def test_an_inline_payload_is_taken_whole_before_the_next_frame(tcp_streams: tup
     assert (out == 0x77).all() and right.broken
 
 
+def test_empty_ranges_around_an_inline_payload_are_skipped(tcp_streams: tuple[FrameStream, FrameStream], rng: np.random.Generator) -> None:
+    """Zero-length views (a peer's zero-length ranges) before, between and after an inline payload's parts: every
+    byte lands where it belongs and the call returns (an empty view once stalled the read-ahead forever)."""
+    left, right = tcp_streams
+    data = rng.integers(0, 256, 100, dtype=np.uint8)
+    left.send(peer_pb2.PeerFrame(request_id=1), [memoryview(data)], time.monotonic() + 5)
+    assert right.recv(time.monotonic() + 5).request_id == 1 and right.inline_bytes == 100
+    out = np.full(120, 0x77, np.uint8)
+    view = memoryview(out)
+    done = threading.Event()
+
+    def receive() -> None:
+        right.recv_into([view[0:0], view[10:40], view[40:40], view[50:120], view[120:120]], time.monotonic() + 5)
+        done.set()
+
+    worker = threading.Thread(target=receive, daemon=True)
+    worker.start()
+    assert done.wait(5.0), "recv_into did not return"
+    expected = np.full(120, 0x77, np.uint8)
+    expected[10:40], expected[50:120] = data[:30], data[30:]
+    assert np.array_equal(out, expected)
+
+
 def test_a_frame_read_over_an_unread_inline_payload_is_a_protocol_error(tcp_streams: tuple[FrameStream, FrameStream]) -> None:
     left, right = tcp_streams
     left.send(peer_pb2.PeerFrame(request_id=1), [memoryview(b"x" * 64)], time.monotonic() + 5)

@@ -23,7 +23,7 @@ import numpy as np
 from hmc.errors import HMCError, ProtocolError, TimeoutError, UnsupportedError
 from hmc.memory import DeviceKind, MemoryKind
 
-__all__ = ["PinnedMapping", "SlotCopier", "cuda_backend", "no_wait"]
+__all__ = ["PinnedMapping", "SlotCopier", "StuckCopy", "cuda_backend", "no_wait"]
 
 _log = logging.getLogger(__name__)
 _CLOSE_S = 5.0
@@ -109,17 +109,24 @@ class PinnedMapping:
         return memoryview(self._mmap)[offset : offset + nbytes]
 
 
+class StuckCopy(TimeoutError):
+    """A GPU copy did not finish by its deadline: it may still run, so the memory it touches must not be freed
+    or reused (its pinned ring is abandoned, not unmapped)."""
+
+
 def no_wait(deadline: float) -> None:
     """The wait of a copy that already finished (host memory, copied on the spot)."""
 
 
 class _GpuSide:
-    """One GPU's copy lane, kernel lane and two device scratch slots: a gathered batch's bytes on their way to
-    the pinned slot (or a slot's bytes on their way to be scattered).
+    """One GPU's copy lane, kernel lane, small-copy lane and device scratch slots: a gathered batch's bytes on
+    their way to the pinned slot (or a slot's bytes on their way to be scattered).
 
     A batch of many ranges is a kernel launch on `kernels` and one copy-engine copy on `lane`, joined by
-    events; the two scratch slots are used in turn, so batch k+1's kernel runs while batch k's copy does.
-    `batch` keeps each pair's queueing together; `freed[i]` marks the end of the last work using scratch i.
+    events; the scratch slots are used in turn, so batch k+1's kernel runs while batch k's copy does.
+    `batch` keeps each pair's queueing together; `freed[i]` marks the end of the last work queued on scratch i
+    (also when its queueing failed halfway: the next user waits for both lanes then). Small single copies go
+    on `small`, whose stream `copy_now` polls: they never wait behind another transfer's slot copies.
     """
 
     def __init__(self, backend: Any, device: Any) -> None:
@@ -131,20 +138,25 @@ class _GpuSide:
         self.device = device
         self.lane = Lane(backend, device)
         self.kernels = Lane(backend, device)
+        self.small = Lane(backend, device)
         self.scratch: list[Any] = [None] * _SCRATCH_SLOTS
         self.freed: list[Any] = [None] * _SCRATCH_SLOTS
         self.turn = 0
         self.batch = threading.Lock()
-        """Held while a batch and its copy are queued (guards scratch, freed, turn)."""
+        """Held while a batch and its copy are queued, and while closing (guards scratch, freed, turn)."""
 
     def gather(self, offsets: np.ndarray, base: int, positions: np.ndarray, lengths: np.ndarray, pointer: int, deadline: float) -> tuple[Any, Any]:
         """Queue the ranges' gather into scratch and its copy to `pointer` (pinned); returns (lane, event of the end)."""
         whole = int(positions[-1] + lengths[-1])
         with self.batch:
             index, scratch = self._next(whole, self.kernels, deadline)
-            self.kernels.enqueue(offsets, base, positions, scratch, lengths, deadline, table_in_place=True)
-            self._join(self.kernels, self.lane)
-            event = self.lane.enqueue(_ZERO, scratch, _ZERO, pointer, np.array([whole], np.int64), deadline, record=True)
+            try:
+                self.kernels.enqueue(offsets, base, positions, scratch, lengths, deadline, table_in_place=True)
+                self._join(self.kernels, self.lane)
+                event = self.lane.enqueue(_ZERO, scratch, _ZERO, pointer, np.array([whole], np.int64), deadline, record=True)
+            except BaseException:
+                self._fence(index)
+                raise
             self.freed[index] = self.lane.record()
         return self.lane, event
 
@@ -153,9 +165,13 @@ class _GpuSide:
         whole = int(positions[-1] + lengths[-1])
         with self.batch:
             index, scratch = self._next(whole, self.lane, deadline)
-            self.lane.enqueue(_ZERO, pointer, _ZERO, scratch, np.array([whole], np.int64), deadline)
-            self._join(self.lane, self.kernels)
-            event = self.kernels.enqueue(positions, scratch, offsets, base, lengths, deadline, record=True, table_in_place=True)
+            try:
+                self.lane.enqueue(_ZERO, pointer, _ZERO, scratch, np.array([whole], np.int64), deadline)
+                self._join(self.lane, self.kernels)
+                event = self.kernels.enqueue(positions, scratch, offsets, base, lengths, deadline, record=True, table_in_place=True)
+            except BaseException:
+                self._fence(index)
+                raise
             self.freed[index] = self.kernels.record()
         return self.kernels, event
 
@@ -177,6 +193,11 @@ class _GpuSide:
             self.freed[index] = None
         return index, scratch.address
 
+    def _fence(self, index: int) -> None:
+        """After a batch's queueing failed halfway: mark scratch `index` in use until both lanes' work so far ended."""
+        self._join(self.kernels, self.lane)
+        self.freed[index] = self.lane.record()
+
     @staticmethod
     def _join(before: Any, after: Any) -> None:
         """Make `after`'s stream wait for what is queued on `before` so far."""
@@ -185,17 +206,19 @@ class _GpuSide:
         before.release_event(event)
 
     def close(self) -> None:
-        """Free both lanes and the scratch slots, once the work queued on them ended (else they are left allocated)."""
-        for index, event in enumerate(self.freed):
-            if event is not None:
-                self.lane.release_event(event)
-                self.freed[index] = None
-        idle = self.kernels.close(time.monotonic() + _CLOSE_S)
-        if self.lane.close(time.monotonic() + _CLOSE_S) and idle:
-            for index, scratch in enumerate(self.scratch):
-                if scratch is not None:
-                    scratch.free()
-                    self.scratch[index] = None
+        """Free the lanes and the scratch slots, once the work queued on them ended (else they are left allocated)."""
+        with self.batch:
+            for index, event in enumerate(self.freed):
+                if event is not None:
+                    self.lane.release_event(event)
+                    self.freed[index] = None
+            idle = self.kernels.close(time.monotonic() + _CLOSE_S)
+            idle = self.small.close(time.monotonic() + _CLOSE_S) and idle
+            if self.lane.close(time.monotonic() + _CLOSE_S) and idle:
+                for index, scratch in enumerate(self.scratch):
+                    if scratch is not None:
+                        scratch.free()
+                        self.scratch[index] = None
 
 
 class SlotCopier:
@@ -250,8 +273,8 @@ class SlotCopier:
         lane = gpu.lane
         if len(lengths) == 1 and lengths[0] <= _NOW_BYTES:  # a small single range: copied and polled right here
             source, target = (base + int(offsets[0]), slot.device_address + at) if to_slot else (slot.device_address + at, base + int(offsets[0]))
-            if not lane.copy_now(target, source, int(lengths[0]), deadline):
-                raise TimeoutError("a staging copy did not finish before the deadline")
+            if not gpu.small.copy_now(target, source, int(lengths[0]), deadline):
+                raise StuckCopy("a staging copy did not finish before the deadline")
             return no_wait
         offsets, lengths = np.asarray(offsets, np.int64), np.asarray(lengths, np.int64)
         positions = np.cumsum(lengths) - lengths
@@ -269,7 +292,7 @@ class SlotCopier:
         def wait(deadline: float) -> None:
             try:
                 if not lane.event_wait(event, deadline, yield_s=0.0):  # napping: the owner's reader shares the GIL
-                    raise TimeoutError("a staging copy did not finish before the deadline")
+                    raise StuckCopy("a staging copy did not finish before the deadline")
             finally:
                 lane.release_event(event)
 

@@ -200,6 +200,8 @@ def _exchange(
     if answer.WhichOneof("kind") != "reply":
         raise ProtocolError(f"expected a reply on a data connection, got {answer.WhichOneof('kind')}")
     reply = answer.reply
+    if stream.inline_bytes and (into is None or stream.inline_bytes != reply.payload_bytes):  # bytes nobody asked for
+        raise ProtocolError(f"a reply carried {stream.inline_bytes} bytes inline but announced {reply.payload_bytes}")
     if into is not None and not (reply.HasField("error") and reply.error.code):
         if reply.payload_bytes != nbytes:
             raise ProtocolError(f"peer announced {reply.payload_bytes} bytes for a {nbytes}-byte read")

@@ -69,7 +69,7 @@ import numpy as np
 from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutError, UnsupportedError
 from hmc.memory._machine import host_id
 from hmc.transport._base import InlineCopy, TransferOp, TransferRequest
-from hmc.transport._pinned import PinnedMapping, SlotCopier
+from hmc.transport._pinned import PinnedMapping, SlotCopier, StuckCopy
 from hmc.transport._wire import FrameStream, expires_ms, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
@@ -140,6 +140,8 @@ class _Link:
         self.requests: queue.SimpleQueue[TransferRequest | None] = queue.SimpleQueue()
         """Transfers waiting for the worker; None stops it."""
         self.worker: threading.Thread | None = None
+        self.stuck = False
+        """A GPU copy into or out of the ring missed its deadline: the ring is abandoned, never unmapped or reused."""
 
     def drop_stream(self) -> None:
         if self.stream is not None:
@@ -147,11 +149,16 @@ class _Link:
             self.stream = None
 
     def drop(self) -> None:
-        """After a failed transfer: the connection, and the ring (the owner may still be copying into it)."""
+        """After a failed transfer: the connection, and the ring (the owner may still be copying into it); a ring a
+        stuck GPU copy may still touch stays mapped and pinned (leaked), only its file goes."""
         self.drop_stream()
         if self.ring is not None:
-            self.ring.close()
+            if self.stuck:
+                _log.warning("a staging copy is stuck on the GPU: its %d MiB ring is abandoned", self.ring.size >> 20)
+            else:
+                self.ring.close()
             self.ring = None
+            self.stuck = False
             if self.name:
                 with contextlib.suppress(OSError):
                     os.unlink(self.name)
@@ -159,6 +166,16 @@ class _Link:
     def close(self) -> None:
         self.closed = True
         self.drop()
+
+
+def _settle(link: _Link, wait: Callable[[float], None], deadline: float) -> None:
+    """Wait for a copy left queued by a failed transfer; one that is stuck marks the link's ring abandoned."""
+    try:
+        wait(deadline)
+    except StuckCopy:
+        link.stuck = True
+    except HMCError as exc:
+        _log.debug("a staging copy left by a failed transfer failed: %s", exc)
 
 
 def frame_of(message: peer_pb2.DataWrite | peer_pb2.DataRead) -> peer_pb2.PeerFrame:
@@ -171,6 +188,8 @@ def reply_of(stream: FrameStream, deadline: float, nbytes: int = 0) -> peer_pb2.
     answer = stream.recv(deadline, spin_s=_POLL_S if nbytes and nbytes <= SMALL_BYTES else 0.0)
     if answer.WhichOneof("kind") != "reply":
         raise ProtocolError(f"expected a reply on a data connection, got {answer.WhichOneof('kind')}")
+    if stream.inline_bytes and stream.inline_bytes != answer.reply.payload_bytes:
+        raise ProtocolError(f"a reply carried {stream.inline_bytes} bytes inline but announced {answer.reply.payload_bytes}")
     raise_for_reply(answer.reply)
     return answer.reply
 
@@ -211,7 +230,7 @@ class ShmStaging:
                 request.completion.finish(BrokenResourceError("the staged path is closed"))
                 return
             link = self._links.setdefault(request.remote.owner.id, _Link())
-            if request.ranges.total <= SMALL_BYTES and link.lock.acquire(blocking=False):
+            if request.ranges.total <= SMALL_BYTES and link.requests.empty() and link.lock.acquire(blocking=False):
                 small = True
             else:
                 small = False
@@ -260,6 +279,7 @@ class ShmStaging:
             else:
                 self._read(link, request)
         except HMCError as exc:
+            link.stuck = link.stuck or isinstance(exc, StuckCopy)
             link.drop()
             request.completion.finish(exc)
             return
@@ -267,6 +287,8 @@ class ShmStaging:
             link.drop()
             request.completion.finish(BrokenResourceError(f"staging failed: {exc}"))
             return
+        if link.closed:  # its peer was forgotten meanwhile: the ring and connection go with this transfer
+            link.drop()
         request.completion.finish()
 
     def inline(self, local: Any, remote: common_pb2.BufferDescriptor, stall_s: float) -> InlineCopy:
@@ -284,7 +306,8 @@ class ShmStaging:
                 raise TimeoutError(f"the staging ring to agent {owner.id} stayed busy until the deadline")
             try:
                 self._inline_locked(link, remote, write, region, local_offset, remote_offset, length, deadline)
-            except HMCError:
+            except HMCError as exc:
+                link.stuck = link.stuck or isinstance(exc, StuckCopy)
                 link.drop()
                 raise
             except Exception as exc:  # noqa: BLE001 - the driver's own failures are typed here
@@ -386,7 +409,10 @@ class ShmStaging:
                     chunk = chunks[started]
                     slot = (started % slots) * size
                     wait = self._copier.start(region, chunk.src, chunk.lengths, ring, slot, to_slot=True, deadline=deadline)
-                    write = peer_pb2.DataWrite(buffer_id=remote.id, key_proof=stream.proof(remote.access_key), ranges=_range_list(chunk.dst, chunk.lengths, "dst_offsets"), transfer_id=request.transfer_id)
+                    write = peer_pb2.DataWrite(
+                        buffer_id=remote.id, key_proof=stream.proof(remote.access_key), ranges=_range_list(chunk.dst, chunk.lengths, "dst_offsets"),
+                        transfer_id=request.transfer_id, expires_ms=expires_ms(deadline),
+                    )
                     queued.append((wait, write, slot, chunk.total))
                     started += 1
                 if queued:
@@ -399,8 +425,7 @@ class ShmStaging:
                     completion.add_bytes(inflight.popleft())
         finally:
             while queued:  # never leave a queued copy running into a ring the next transfer reuses
-                with contextlib.suppress(HMCError):
-                    queued.popleft()[0](deadline)
+                _settle(link, queued.popleft()[0], deadline)
 
     def _read(self, link: _Link, request: TransferRequest) -> None:
         """The owner fills up to `slots` slots ahead; each reply that arrived gets its copy out of the slot queued,
@@ -413,7 +438,10 @@ class ShmStaging:
 
         def ask(index: int) -> None:
             chunk = chunks[index]
-            read = peer_pb2.DataRead(buffer_id=remote.id, key_proof=stream.proof(remote.access_key), ranges=_range_list(chunk.dst, chunk.lengths, "src_offsets"), transfer_id=request.transfer_id)
+            read = peer_pb2.DataRead(
+                buffer_id=remote.id, key_proof=stream.proof(remote.access_key), ranges=_range_list(chunk.dst, chunk.lengths, "src_offsets"),
+                transfer_id=request.transfer_id, expires_ms=expires_ms(deadline),
+            )
             self._hand_off(link, stream, read, (index % slots) * size, chunk.total, deadline)
 
         asked = min(slots, len(chunks))
@@ -439,8 +467,7 @@ class ShmStaging:
                     asked += 1
         finally:
             while copying:
-                with contextlib.suppress(HMCError):
-                    copying.popleft()[1](deadline)
+                _settle(link, copying.popleft()[1], deadline)
 
     def forget_peer(self, agent: common_pb2.AgentInfo) -> None:
         with self._lock:
@@ -458,6 +485,7 @@ class ShmStaging:
 
     @staticmethod
     def _close_link(link: _Link) -> None:
+        link.closed = True  # first: a transfer that takes the lock from now on refuses to run (or reconnect)
         link.requests.put(None)
         if link.stream is not None:
             link.stream.shutdown()  # a transfer blocked on it fails now
@@ -466,3 +494,5 @@ class ShmStaging:
                 link.close()
             finally:
                 link.lock.release()
+        else:
+            _log.warning("a staging ring stayed busy while its peer was forgotten; its transfer drops it when it ends")

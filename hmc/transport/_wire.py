@@ -384,8 +384,8 @@ class FrameStream:
             self._tail += self._receive([self._ahead_view[self._tail :]], deadline, spin_until=spin_until, keep=keep and self._tail == self._head)
 
     def _take_ahead(self, pending: list[memoryview]) -> int:
-        """Fill `pending` in order from the bytes read ahead (trimming a view left part-filled); the index of the first
-        view not filled."""
+        """Fill `pending` (no empty views) in order from the bytes read ahead (trimming a view left part-filled); the
+        index of the first view not filled."""
         index = 0
         head, tail, ahead = self._head, self._tail, self._ahead_view
         while head < tail and index < len(pending):
@@ -447,7 +447,7 @@ class FrameStream:
             if asked != self._inline_left:
                 raise self._protocol_error(f"{self.peer} sent {self._inline_left} bytes inline where {asked} were expected")
             self._inline_left = 0
-            self._take_ahead(list(views))
+            self._take_ahead([view for view in views if view.nbytes])  # an empty view would never be consumed
             return
         pending = [view for view in views if view.nbytes]
         index = self._take_ahead(pending) if self._tail > self._head else 0

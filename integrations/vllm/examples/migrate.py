@@ -20,6 +20,7 @@ import argparse
 import json
 import re
 import sys
+import time
 import urllib.request
 from typing import Any
 
@@ -40,6 +41,16 @@ def counters(client: hmc.Client) -> dict[str, float]:
     return {"transfers_done": float(done.group(1)) if done else 0.0, "bytes": float(moved.group(1)) if moved else 0.0}
 
 
+def settled(client: hmc.Client, before: dict[str, float], timeout_s: float = 10.0) -> dict[str, float]:
+    """hmcd's counters once they show the transfer (A's agent tells B before it reports to hmcd), or at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    after = counters(client)
+    while after["transfers_done"] <= before["transfers_done"] and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling a counter another process updates; bounded by the deadline
+        after = counters(client)
+    return after
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Migrate a request's KV cache from vLLM instance A to B through hmcd.")
     parser.add_argument("--a", required=True, help="URL of instance A (HMCConnector, kv_producer)")
@@ -57,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         prefilled = post(args.a, {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
         params = prefilled["kv_transfer_params"]
         decoded = post(args.b, {**body, "max_tokens": args.max_tokens, "kv_transfer_params": params})
-        after = counters(client)
+        after = settled(client, before)
 
     report = {
         "kv_caches": caches,
