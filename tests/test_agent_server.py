@@ -21,7 +21,8 @@ from hmc.errors import (
     error_from_code,
 )
 from hmc.transport._ranges import RangeList
-from hmc.transport._wire import FrameStream, connect, handshake
+from hmc.transport._handshake import connect, handshake
+from hmc.transport._wire import FrameStream
 from hmc.v1 import common_pb2, peer_pb2
 
 POISON = 0xA5

@@ -15,7 +15,8 @@ from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
 from hmc.errors import BrokenResourceError, ProtocolError
 from hmc.testing import PeerProcess, TransportPair, check_transport
-from hmc.transport._wire import FrameStream, connect, handshake, raise_for_reply
+from hmc.transport._handshake import connect, handshake
+from hmc.transport._wire import FrameStream, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
 POISON = 0xA5

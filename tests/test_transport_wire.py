@@ -15,16 +15,14 @@ from hmc.errors import AccessDeniedError, BrokenResourceError, ProtocolError, Ti
 from hmc.transport._channel import Channel
 from hmc.transport._ranges import iovec_rows
 from hmc.transport._splice import LEND_MIN_BYTES, Lender
+from hmc.transport._handshake import accept_handshake, connect, handshake
 from hmc.transport._wire import (
     HELLO_FRAME,
     INLINE_MAX,
     MAX_FRAME,
     FrameStream,
     _row_views,
-    accept_handshake,
-    connect,
     error_reply,
-    handshake,
     key_proof,
 )
 from hmc.v1 import common_pb2, peer_pb2

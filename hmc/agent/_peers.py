@@ -5,7 +5,7 @@ the owner sends Withdrawn frames back over it when a buffer we opened goes away.
 A Withdrawn is accepted only for a buffer opened over that very channel, i.e.
 from its owner: another peer cannot make this agent refuse a third agent's buffer.
 Every connection proves, at its handshake, the access key of the buffer it was
-opened for (`hmc.transport._wire.handshake`), and is tuned so that a silent peer
+opened for (`hmc.transport._handshake.handshake`), and is tuned so that a silent peer
 is detected (keepalive; unacknowledged data for `unacked_s` resets it).
 Channels are opened lazily, cached per peer agent id, and dropped when they
 break, which also tells the agent that the peer is lost. Reconnecting to a lost
@@ -24,7 +24,8 @@ from collections.abc import Callable
 
 from hmc.errors import AccessDeniedError, BrokenResourceError, ClosedResourceError, ProtocolError, UnavailableError
 from hmc.transport._channel import Channel, ReplyCallback
-from hmc.transport._wire import FrameStream, connect, handshake, tune_socket
+from hmc.transport._handshake import connect, handshake
+from hmc.transport._wire import FrameStream, tune_socket
 from hmc.v1 import common_pb2, peer_pb2
 
 __all__ = ["Peers"]

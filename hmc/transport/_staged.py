@@ -60,33 +60,28 @@ Concurrency: `post()` runs on the caller's thread (it may open connections
 within the request's deadline) and only enqueues, except for small transfers,
 which run right there. A round-trip connection is used by one caller at a
 time (taken from and given back to its pipe under the transport's `_lock`).
-Each stream's queue and in-flight deque are shared by its threads and callers,
-guarded by the stream's lock; its `_order` lock keeps "record as sent" and
-"send" together.
+Each stream's own state and threads are `hmc.transport._staged_streams.DataStream`'s.
 """
 
 from __future__ import annotations
 
-import collections
-import queue
 import struct
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutError
+from hmc.errors import HMCError, ProtocolError, TimeoutError
 from hmc.memory import DeviceKind, MemoryKind
 from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport
-from hmc.transport._ranges import RangeList
 from hmc.transport._staged_shm import ShmStaging, same_host
+from hmc.transport._staged_streams import Chunk, DataStream, Transfer, request_frame, request_views, stream_error
 from hmc.transport._staged_tcp_ring import TcpRingStaging
 from hmc.transport._wire import FrameStream, expires_ms, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
 __all__ = ["StagedTransport"]
 
-_TICK_S = 0.25
 _ROUND_TRIP_BYTES = 1 << 20
 """A transfer up to this size is one round trip on the caller's thread (see the module's "Small transfers")."""
 _ROUND_TRIP_CONNECTIONS = 4
@@ -102,9 +97,6 @@ _REPLY_SPIN_S = 200e-6
 thread takes tens of microseconds to wake (4 KiB WRITE p50 on the 2-core VM: see docs/decisions.md)."""
 _FRAMES_KEPT = 256
 """Remote buffers a round-trip connection keeps request frames for (then it starts over)."""
-_JOIN_S = 2.0
-_LANDING_S = 2.0
-"""How long an abort waits for a read payload's receive to let go of user memory (it is woken at once)."""
 _I64 = struct.Struct("<q")
 _HOST_KINDS = (common_pb2.DEVICE_KIND_UNSPECIFIED, common_pb2.DEVICE_KIND_HOST)
 
@@ -112,82 +104,13 @@ Connect = Callable[[common_pb2.BufferDescriptor, float], FrameStream]
 """Opens an authenticated data connection to the owner of a buffer (proving that buffer's key)."""
 
 
-class _Transfer:
-    """Counts one request's chunks down to completion; aborts the streams carrying them when it ends early."""
-
-    __slots__ = ("aborted", "left", "lock", "request", "streams")
-
-    def __init__(self, request: TransferRequest, chunks: int) -> None:
-        self.request = request
-        self.left = chunks
-        self.lock = threading.Lock()  # guards `left`
-        self.aborted = False
-        """Set once the transfer ended early: its chunks are not sent any more (read under each stream's lock)."""
-        self.streams: list[_Stream] = []
-        """The streams its chunks were dealt to."""
-
-    def abort(self) -> None:
-        """The handle's cancel hook: no chunk of this transfer is sent or lands after this returns."""
-        self.aborted = True
-        for stream in list(self.streams):
-            stream.abort_if_carrying(self)
-
-    def chunk_done(self, nbytes: int) -> None:
-        completion = self.request.completion
-        completion.add_bytes(nbytes)
-        with self.lock:
-            self.left -= 1
-            last = self.left == 0
-        if last:
-            completion.finish()
-
-
-class _Chunk:
-    __slots__ = ("ranges", "sent_at", "transfer")
-
-    def __init__(self, transfer: _Transfer, ranges: RangeList) -> None:
-        self.transfer = transfer
-        self.ranges = ranges
-        self.sent_at = 0.0
-
-    def local_views(self, local_offsets: Any) -> list[memoryview]:
-        return _views(self.transfer.request, local_offsets, self.ranges.lengths)
-
-    def frame(self, stream: FrameStream) -> peer_pb2.PeerFrame:
-        return _frame(self.transfer.request, self.ranges, stream)
-
-    def payload(self) -> list[memoryview]:
-        """A WRITE's payload: views of its source ranges (copied into the socket), none for a READ."""
-        request = self.transfer.request
-        if request.op is not TransferOp.WRITE:
-            return []
-        return _views(request, self.ranges.src, self.ranges.lengths)
-
-
-def _views(request: TransferRequest, local_offsets: Any, lengths: Any) -> list[memoryview]:
-    view = request.local.view
-    return [view[o : o + n] for o, n in zip(local_offsets.tolist(), lengths.tolist())]
-
-
-def _frame(request: TransferRequest, ranges: RangeList, stream: FrameStream) -> peer_pb2.PeerFrame:
-    """The DataWrite or DataRead asking for `ranges` of the request on `stream` (a write's payload goes after it)."""
-    lengths = ranges.lengths.tobytes()
-    remote = request.remote
-    proof, tid, expires = stream.proof(remote.access_key), request.transfer_id, expires_ms(request.deadline)
-    if request.op is TransferOp.WRITE:
-        wire = common_pb2.RangeList(dst_offsets=ranges.dst.tobytes(), lengths=lengths)
-        return peer_pb2.PeerFrame(write=peer_pb2.DataWrite(buffer_id=remote.id, key_proof=proof, ranges=wire, transfer_id=tid, expires_ms=expires))
-    wire = common_pb2.RangeList(src_offsets=ranges.src.tobytes(), lengths=lengths)
-    return peer_pb2.PeerFrame(read=peer_pb2.DataRead(buffer_id=remote.id, key_proof=proof, ranges=wire, transfer_id=tid, expires_ms=expires))
-
-
 def _round_trip(stream: FrameStream, request: TransferRequest) -> peer_pb2.PeerReply:
     """Send the whole request, read the owner's reply (and a read's payload); stream failures raise."""
     ranges = request.ranges
     write = request.op is TransferOp.WRITE
-    payload = _views(request, ranges.src, ranges.lengths) if write else []
-    into = None if write else _views(request, ranges.dst, ranges.lengths)
-    return _exchange(stream, _frame(request, ranges, stream).SerializeToString(), payload, into, ranges.total, request.deadline)
+    payload = request_views(request, ranges.src, ranges.lengths) if write else []
+    into = None if write else request_views(request, ranges.dst, ranges.lengths)
+    return _exchange(stream, request_frame(request, ranges, stream).SerializeToString(), payload, into, ranges.total, request.deadline)
 
 
 def _exchange(
@@ -207,179 +130,6 @@ def _exchange(
             raise ProtocolError(f"peer announced {reply.payload_bytes} bytes for a {nbytes}-byte read")
         stream.recv_into(into, deadline, spin_s=_REPLY_SPIN_S)
     return reply
-
-
-def _stream_error(exc: HMCError) -> HMCError:
-    """What a caller sees of a failed data connection (the connection is dropped)."""
-    return exc if isinstance(exc, (TimeoutError, BrokenResourceError)) else BrokenResourceError(f"data connection failed: {exc}")
-
-
-class _Stream:
-    """One data connection with its sender and receiver threads."""
-
-    def __init__(self, stream: FrameStream, name: str, on_broken: Callable[[_Stream], None], stall_s: float) -> None:
-        self._stream = stream
-        self._stall_s = stall_s
-        self._on_broken = on_broken
-        self._lock = threading.Lock()  # guards _alive, _running, and _queue/_sent against failure draining
-        self._order = threading.Lock()  # held across "record as sent" + send, so replies match _sent's order
-        self._alive = True
-        self._landing = threading.Lock()  # held while a read payload is received into user memory (an abort waits for it)
-        self._receiving: _Chunk | None = None  # the chunk whose read payload is being received (under _lock)
-        self._running = 2  # threads still using the socket; the last one out closes it
-        self._queue: queue.SimpleQueue[_Chunk | None] = queue.SimpleQueue()
-        self._sent: collections.deque[_Chunk] = collections.deque()
-        self._threads = [
-            threading.Thread(target=self._send_loop, name=f"hmc-staged-tx-{name}", daemon=True),
-            threading.Thread(target=self._receive_loop, name=f"hmc-staged-rx-{name}", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._alive
-
-    def put(self, chunk: _Chunk) -> bool:
-        """Queue a chunk (its transfer learns the stream, to abort it); False when the stream died meanwhile (the
-        caller picks another)."""
-        with self._lock:
-            if self._alive:
-                self._queue.put(chunk)
-                if self not in chunk.transfer.streams:
-                    chunk.transfer.streams.append(self)
-            return self._alive
-
-    def _exit(self) -> None:
-        with self._lock:
-            self._running -= 1
-            last = self._running == 0
-        if last:
-            self._stream.close()
-
-    def _send_loop(self) -> None:
-        try:
-            self._send_chunks()
-        finally:
-            self._exit()
-
-    def _send_chunks(self) -> None:
-        while True:
-            chunk = self._queue.get()
-            if chunk is None:
-                return
-            request = chunk.transfer.request
-            if request.completion.cancelled:
-                continue
-            error = self._send(chunk)
-            if error is not None:
-                self._fail(error)
-                return
-
-    def _send(self, chunk: _Chunk) -> HMCError | None:
-        frame = chunk.frame(self._stream)
-        with self._order:
-            chunk.sent_at = time.monotonic()
-            with self._lock:
-                if chunk.transfer.aborted:  # ended meanwhile: never sent (an abort checks _sent under this lock)
-                    return None
-                self._sent.append(chunk)
-            try:
-                self._stream.send(frame, chunk.payload(), deadline=chunk.sent_at + self._stall_s)
-            except HMCError as exc:
-                return exc
-        return None
-
-    def _receive_loop(self) -> None:
-        try:
-            while True:
-                try:
-                    frame = self._stream.recv(time.monotonic() + _TICK_S, idle_ok=True)
-                except TimeoutError:
-                    self._check_overdue()
-                    continue
-                self._on_reply(frame)
-        except HMCError as exc:
-            self._fail(exc)
-        finally:
-            self._exit()
-
-    def _check_overdue(self) -> None:
-        with self._lock:
-            oldest = self._sent[0] if self._sent else None
-        if oldest is not None and time.monotonic() > oldest.sent_at + self._stall_s:
-            raise TimeoutError(f"the peer acknowledged nothing for {self._stall_s:g}s")
-
-    def _on_reply(self, frame: peer_pb2.PeerFrame) -> None:
-        if frame.WhichOneof("kind") != "reply":
-            raise ProtocolError(f"expected a reply on a data stream, got {frame.WhichOneof('kind')}")
-        with self._lock:
-            if not self._sent:
-                raise ProtocolError("reply without a request on a data stream")
-            chunk = self._sent.popleft()
-        request = chunk.transfer.request
-        try:
-            raise_for_reply(frame.reply)
-        except HMCError as exc:
-            request.completion.finish(exc)
-            return
-        if request.op is TransferOp.READ:
-            if frame.reply.payload_bytes != chunk.ranges.total:
-                raise ProtocolError(f"peer announced {frame.reply.payload_bytes} bytes for a {chunk.ranges.total}-byte read")
-            deadline = min(request.deadline, time.monotonic() + self._stall_s)
-            with self._landing:
-                with self._lock:
-                    landing = not chunk.transfer.aborted and not request.completion.cancelled
-                    self._receiving = chunk if landing else None
-                try:
-                    if landing:
-                        self._stream.recv_into(chunk.local_views(chunk.ranges.dst), deadline)
-                    else:
-                        self._stream.discard(chunk.ranges.total, deadline)
-                        return
-                finally:
-                    self._receiving = None
-        chunk.transfer.chunk_done(chunk.ranges.total)
-
-    def abort_if_carrying(self, transfer: _Transfer) -> None:
-        """Abort this stream if a chunk of `transfer` is in flight on it (sent and not answered, or its read payload
-        being received); returns once no byte of it can land."""
-        with self._lock:
-            carrying = any(chunk.transfer is transfer for chunk in self._sent) or (
-                self._receiving is not None and self._receiving.transfer is transfer
-            )
-        if carrying:
-            self._fail(BrokenResourceError(f"data stream aborted: transfer {transfer.request.transfer_id} ended with chunks in flight"))
-
-    def _fail(self, exc: HMCError) -> None:
-        self._stream.abort()  # first: nothing the kernel still holds is sent, no payload lands, before anyone hears of it
-        if self._landing.acquire(timeout=_LANDING_S):  # a read payload's receive was woken: wait until it let go
-            self._landing.release()
-        with self._lock:
-            first = self._alive
-            self._alive = False
-            doomed = list(self._sent)
-            self._sent.clear()
-            while True:
-                try:
-                    chunk = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if chunk is not None:
-                    doomed.append(chunk)
-            self._queue.put(None)  # wake the sender so it exits
-        error = exc if isinstance(exc, (TimeoutError, BrokenResourceError)) else BrokenResourceError(f"data stream failed: {exc}")
-        for chunk in doomed:
-            if not chunk.transfer.aborted:  # an aborted transfer's handle reports its own end (timeout, cancel)
-                chunk.transfer.request.completion.finish(error)
-        if first:
-            self._on_broken(self)
-
-    def close(self) -> None:
-        self._fail(BrokenResourceError("the staged path was closed"))
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join(_JOIN_S)
 
 
 class _RoundTrip:
@@ -417,7 +167,7 @@ class _Pipe:
     """The streams to one peer agent, dealt chunks round-robin, and its round-trip connections."""
 
     def __init__(self) -> None:
-        self.streams: list[_Stream] = []
+        self.streams: list[DataStream] = []
         self.next = 0
         self.opening = threading.Lock()  # one thread at a time opens this pipe's missing streams
         self.idle: list[_RoundTrip] = []
@@ -475,10 +225,10 @@ class StagedTransport(Transport):
             return
         chunks = request.ranges.chunks(max(self._chunk_bytes, min(-(-total // len(streams)), _STREAM_CHUNK_MAX)), _FRAME_RANGES)
         request.completion.set_running()
-        transfer = _Transfer(request, len(chunks))
+        transfer = Transfer(request, len(chunks))
         request.completion.on_cancel = transfer.abort
         for index, ranges in enumerate(chunks):
-            chunk = _Chunk(transfer, ranges)
+            chunk = Chunk(transfer, ranges)
             stream = streams[(first + index) % len(streams)]
             while not stream.put(chunk):
                 try:  # a stream died since we listed them: list again, opening replacements
@@ -504,7 +254,7 @@ class StagedTransport(Transport):
             reply = _round_trip(connection.stream, request)
         except HMCError as exc:  # the connection is in an unknown state: drop it
             self._give_back(owner, pipe, connection, broken=True)
-            request.completion.finish(_stream_error(exc))
+            request.completion.finish(stream_error(exc))
             return True
         self._give_back(owner, pipe, connection, broken=False)
         try:
@@ -578,7 +328,7 @@ class StagedTransport(Transport):
                 reply = _exchange(connection.stream, body, mine if write else [], None if write else mine, length, deadline)
             except HMCError as exc:
                 self._give_back(owner, pipe, connection, broken=True)
-                raise _stream_error(exc) from exc
+                raise stream_error(exc) from exc
             self._give_back(owner, pipe, connection, broken=False)
             raise_for_reply(reply)
 
@@ -590,7 +340,7 @@ class StagedTransport(Transport):
 
         return InlineCopy(write=write, read=read, local_size=local.size, remote_size=remote.size, max_bytes=self._round_trip_bytes, waits=True)
 
-    def _streams_for(self, remote: common_pb2.BufferDescriptor, deadline: float) -> tuple[list[_Stream], int]:
+    def _streams_for(self, remote: common_pb2.BufferDescriptor, deadline: float) -> tuple[list[DataStream], int]:
         owner = remote.owner
         with self._lock:
             pipe = self._pipes.setdefault(owner.id, _Pipe())
@@ -607,16 +357,16 @@ class StagedTransport(Transport):
             pipe.next += 1
         return streams, first
 
-    def _open(self, remote: common_pb2.BufferDescriptor, deadline: float, pipe: _Pipe) -> _Stream:
+    def _open(self, remote: common_pb2.BufferDescriptor, deadline: float, pipe: _Pipe) -> DataStream:
         stream = self._connect(remote, deadline)
         name = f"{remote.owner.id[:8]}-{len(pipe.streams)}"
 
-        def broken(dead: _Stream) -> None:
+        def broken(dead: DataStream) -> None:
             with self._lock:
                 if dead in pipe.streams:
                     pipe.streams.remove(dead)
 
-        return _Stream(stream, name, broken, self._stall_s)
+        return DataStream(stream, name, broken, self._stall_s)
 
     def forget_peer(self, agent: common_pb2.AgentInfo) -> None:
         """Close the streams to an agent that went away."""

@@ -1,4 +1,4 @@
-"""Framing of `hmc.v1.PeerFrame` on stream sockets, and the versioned handshake.
+"""Framing of `hmc.v1.PeerFrame` on stream sockets, key proofs, and typed replies.
 
 A frame is a 4-byte little-endian length followed by one serialized PeerFrame.
 After a DataWrite (and after a reply announcing `payload_bytes`) the payload
@@ -17,10 +17,10 @@ sleeping thread takes tens of microseconds to wake.
 
 This module is the transport layer's one boundary for socket errors: a socket
 timeout becomes `TimeoutError`, EOF and every other `OSError` become
-`BrokenResourceError`, an undecodable frame becomes `ProtocolError`, and a
-failed connect becomes `UnavailableError`.
+`BrokenResourceError`, an undecodable frame becomes `ProtocolError` (a failed
+connect becomes `UnavailableError` in `hmc.transport._handshake`).
 
-Handshake (protocol 2): the initiator sends its hello; the listener answers with
+Handshake (protocol 3, run by `hmc.transport._handshake`): the initiator sends its hello; the listener answers with
 its own, carrying a fresh nonce; the initiator then proves it holds the access
 key of one of the listener's buffers (`Auth`, HMAC-SHA256 of the nonce keyed by
 the access key) and the listener acknowledges. Access keys never travel: every
@@ -50,13 +50,12 @@ import hashlib
 import hmac
 import math
 import os
-import secrets
 import select
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -66,9 +65,7 @@ from hmc.errors import (
     HMCError,
     ProtocolError,
     TimeoutError,
-    UnavailableError,
     UnsupportedError,
-    VersionMismatchError,
     error_from_code,
 )
 from hmc.transport._splice import LEND_MIN_BYTES, Lender
@@ -81,11 +78,8 @@ __all__ = [
     "MAX_FRAME",
     "PROTOCOL_VERSION",
     "FrameStream",
-    "accept_handshake",
-    "connect",
     "error_reply",
     "expires_ms",
-    "handshake",
     "key_proof",
     "raise_for_reply",
     "tune_socket",
@@ -550,91 +544,6 @@ class FrameStream:
                 self._lender.close()
             finally:
                 self._send_lock.release()
-
-
-def connect(endpoint: common_pb2.TcpEndpoint, deadline: float, *, buffer_bytes: int = 0) -> socket.socket:
-    """A TCP connection to a peer agent's listener (UnavailableError when it cannot be reached)."""
-    address = (endpoint.host, endpoint.port)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        if buffer_bytes:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(_remaining(deadline))
-        sock.connect(address)
-    except HMCError:
-        sock.close()
-        raise
-    except OSError as exc:
-        sock.close()
-        raise UnavailableError(f"cannot reach agent at {address[0]}:{address[1]}: {exc}") from exc
-    return sock
-
-
-def _hello(local: common_pb2.AgentInfo, channel: int, nonce: bytes = b"") -> peer_pb2.PeerFrame:
-    hello = peer_pb2.PeerHello(protocol_version=PROTOCOL_VERSION, agent=local, channel=channel, nonce=nonce, max_frame=MAX_FRAME)
-    return peer_pb2.PeerFrame(hello=hello)
-
-
-def _check_version(hello: peer_pb2.PeerHello, peer: str) -> None:
-    if hello.protocol_version != PROTOCOL_VERSION:
-        raise VersionMismatchError(
-            f"{peer} speaks peer protocol version {hello.protocol_version}, this agent speaks {PROTOCOL_VERSION}"
-        )
-
-
-def _expect(stream: FrameStream, deadline: float, kind: str, what: str) -> peer_pb2.PeerFrame:
-    """The next frame, which must be of `kind` (a reply carrying an error raises that error)."""
-    frame = stream.recv(deadline)
-    got = frame.WhichOneof("kind")
-    if got == "reply":
-        raise_for_reply(frame.reply)
-    if got != kind:
-        raise ProtocolError(f"{stream.peer} answered {what} with {got or 'an empty frame'}")
-    return frame
-
-
-def handshake(
-    stream: FrameStream, local: common_pb2.AgentInfo, channel: int, deadline: float, proves: common_pb2.BufferDescriptor
-) -> peer_pb2.PeerHello:
-    """Initiator side: hellos, then prove `proves`' access key (a buffer of the listener's); typed error if refused."""
-    stream.send(_hello(local, channel), deadline=deadline)
-    hello = _expect(stream, deadline, "hello", "the hello").hello
-    _check_version(hello, stream.peer)
-    if len(hello.nonce) != _NONCE_BYTES:
-        raise ProtocolError(f"{stream.peer} sent a hello without a nonce")
-    stream.nonce = hello.nonce
-    stream.peer_max_frame = hello.max_frame or MAX_FRAME
-    auth = peer_pb2.Auth(buffer_id=proves.id, key_proof=stream.proof(proves.access_key))
-    stream.send(peer_pb2.PeerFrame(auth=auth), deadline=deadline)
-    _expect(stream, deadline, "reply", "the proof")
-    return hello
-
-
-def accept_handshake(
-    stream: FrameStream, local: common_pb2.AgentInfo, deadline: float, authenticate: Callable[[FrameStream, peer_pb2.Auth], None]
-) -> peer_pb2.PeerHello:
-    """Listener side: read the initiator's hello, check its version, answer with ours and a nonce, then check the
-    initiator's proof (`authenticate` raises AccessDeniedError & co); only then may larger frames come.
-
-    Raises ProtocolError (VersionMismatchError for other versions) and the
-    authentication's error; the caller sends it back as an error reply before
-    hanging up.
-    """
-    frame = stream.recv(deadline)
-    if frame.WhichOneof("kind") != "hello":
-        raise ProtocolError(f"{stream.peer} did not start with a hello")
-    _check_version(frame.hello, stream.peer)
-    stream.nonce = secrets.token_bytes(_NONCE_BYTES)
-    stream.send(_hello(local, frame.hello.channel, stream.nonce), deadline=deadline)
-    auth = stream.recv(deadline)
-    if auth.WhichOneof("kind") != "auth":
-        raise ProtocolError(f"{stream.peer} did not prove a key after the hello")
-    authenticate(stream, auth.auth)
-    stream.max_frame = MAX_FRAME
-    stream.send(peer_pb2.PeerFrame(reply=peer_pb2.PeerReply()), deadline=deadline)
-    return frame.hello
 
 
 def error_reply(exc: BaseException) -> peer_pb2.PeerReply:

@@ -22,7 +22,8 @@ import pytest
 from hmc.agent import Agent, ConnBuffer
 from hmc.errors import AccessDeniedError
 from hmc.testing import PeerProcess
-from hmc.transport._wire import FrameStream, accept_handshake, error_reply
+from hmc.transport._handshake import accept_handshake
+from hmc.transport._wire import FrameStream, error_reply
 from hmc.v1 import common_pb2, peer_pb2
 
 SIZE = 1 << 20
