@@ -78,7 +78,7 @@ def _import_hmc() -> str | None:
 HMC_IMPORT_ERROR = _import_hmc()
 
 from _gpu.checks import format_table  # noqa: E402
-from _gpu.common import GiB, gpu_quick_workloads, gpu_workloads  # noqa: E402
+from _gpu.harness import GiB, gpu_quick_workloads, gpu_workloads  # noqa: E402
 from _gpu.hmc_rows import HMC_PATHS  # noqa: E402
 from _gpu.run import DEADLINE_S, SYSTEMS, GpuSpec, run_gpu  # noqa: E402
 from hmc.bench._timing import Timing  # noqa: E402

@@ -1,6 +1,6 @@
 """The GPU benchmark behind `bench/gpu.py` (benchmark code: the `hmc` package never imports it).
 
-    common      devices, environment, workloads, data pattern, byte checks, timers
+    harness     devices, environment, workloads, data pattern, byte checks, timers
     kernel      a CuPy copy kernel, one thread block per range: the ceiling
     baselines   torch copies (device, peer, pinned), the copy kernel, CUDA IPC, NCCL; the probe
     nixl        NIXL 1.5.x (UCX defaults, and UCX_TLS=tcp,cuda_copy) in two processes

@@ -39,12 +39,13 @@ Concurrency: each child runs its measurements on its main thread.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from _gpu.common import (
+from _gpu.harness import (
     CupyEventTimer,
     Devices,
     TorchEventTimer,
@@ -270,6 +271,7 @@ def _pinned(t: _Local, w: Workload, timing: Timing, to_host: bool) -> Any:
         host[:n].fill_(0xA5)
         dst, src = host[:n], t.src0[:n]
     else:
+        host[:n].copy_(t.src0[:n])  # what the copy brings back, outside the timing
         poison(t.dst0, w.total_size)
         dst, src = t.dst0[:n], host[:n]
     t.sync()
@@ -360,28 +362,26 @@ def _pinned_both(t: _Local, w: Workload, timing: Timing) -> Any:
     return gpu_row("pinned-both", "torch", w, times, ok, f"{t.d0} -> pinned host and pinned host -> {t.d0} at once (two streams); GB/s per direction")
 
 
+_BULK_SYSTEMS: dict[str, Callable[[_Local, Workload, Timing], Any]] = {
+    "device-copy": _device_copy,
+    "peer-copy": _peer_copy,
+    "pinned-d2h": functools.partial(_pinned, to_host=True),
+    "pinned-h2d": functools.partial(_pinned, to_host=False),
+    "pinned-both": _pinned_both,
+}
+"""The one-process systems that run every bulk workload, in the order they run."""
+
+
 def local_child(out: Connection, workloads: Sequence[Workload], timing: Timing, systems: Sequence[str], devices: Devices) -> None:
     """Child: every one-process system in `systems` (LOCAL_SYSTEMS), rows as they finish."""
     try:
         apply_env()
         t = _Local(sizes_of(workloads), devices)
         bulk, kv = _bulk(workloads), _kv(workloads)
-        if "device-copy" in systems:
-            for w in bulk:
-                out.send(("row", _device_copy(t, w, timing)))
-        if "peer-copy" in systems:
-            for w in bulk:
-                out.send(("row", _peer_copy(t, w, timing)))
-        if "pinned-d2h" in systems:
-            for w in bulk:
-                out.send(("row", _pinned(t, w, timing, to_host=True)))
-        if "pinned-h2d" in systems:
-            t.pinned().copy_(t.src0)
-            for w in bulk:
-                out.send(("row", _pinned(t, w, timing, to_host=False)))
-        if "pinned-both" in systems:
-            for w in bulk:
-                out.send(("row", _pinned_both(t, w, timing)))
+        for name, system in _BULK_SYSTEMS.items():
+            if name in systems:
+                for w in bulk:
+                    out.send(("row", system(t, w, timing)))
         if "torch-gather" in systems:
             for w in kv:
                 out.send(("row", _torch_gather(t, w, timing)))

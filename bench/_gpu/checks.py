@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from _gpu.common import OPS
+from _gpu.harness import OPS
 from hmc.bench._report import Check, evaluate
 from hmc.bench._timing import Row
 from hmc.bench._workloads import KIND_BULK, KIND_KV, Workload

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from _gpu.common import OPS, Devices, apply_env, gpu_row, measure_row, poison, serve_destination, sizes_of, source_and_destination, synchronize, verify
+from _gpu.harness import OPS, Devices, apply_env, gpu_row, measure_row, poison, serve_destination, sizes_of, source_and_destination, synchronize, verify
 from hmc.bench._child import receive, reap, send_error
 from hmc.bench._timing import Row, Timing
 from hmc.bench._workloads import Workload, make_ranges

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from _gpu.common import chunk_ranges
+from _gpu.harness import chunk_ranges
 
 __all__ = ["CHUNK", "THREADS", "RangeCopy", "enable_peer_access"]
 

@@ -10,7 +10,7 @@ progress with `get_new_notifs`). WRITE checks the target's destination there;
 READ pulls the target's pattern into the initiator's poisoned destination and
 checks it here.
 
-Systems (`_gpu.common.NIXL_GPU_SYSTEMS`, each in its own pair of processes, its environment
+Systems (`_gpu.harness.NIXL_GPU_SYSTEMS`, each in its own pair of processes, its environment
 set before NIXL and UCX load):
 
     nixl                 UCX defaults (on NVIDIA: cuda_ipc between the processes)
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from _gpu.common import OPS, apply_env, gpu_row, measure_row, poison, serve_destination, sizes_of, source_and_destination, synchronize, verify
+from _gpu.harness import OPS, apply_env, gpu_row, measure_row, poison, serve_destination, sizes_of, source_and_destination, synchronize, verify
 from hmc.bench._child import RUN_TIMEOUT_S, receive, send_error
 from hmc.bench._nixl import finish_initiator, new_agent, reposter
 from hmc.bench._nixl import nixl_available as host_nixl_available

@@ -31,7 +31,7 @@ from typing import Any
 
 from _gpu.baselines import LOCAL_SYSTEMS, TWO_GPU_SYSTEMS
 from _gpu.checks import evaluate_checks, floor_checks, gpu_checks, reference_ratios
-from _gpu.common import EXTRA_COLUMNS, GPU_ENV, NIXL_GPU_SYSTEMS, Devices, apply_env, sizes_of
+from _gpu.harness import EXTRA_COLUMNS, GPU_ENV, NIXL_GPU_SYSTEMS, Devices, apply_env, sizes_of
 from _gpu.hmc_rows import HMC_PATHS, HMC_SYSTEMS
 from hmc.bench._child import receive, reap, send_error
 from hmc.bench._report import machine_info, provenance

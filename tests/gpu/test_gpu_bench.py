@@ -33,7 +33,7 @@ if str(BENCH) not in sys.path:  # bench/ is not a package: its scripts import be
     sys.path.insert(0, str(BENCH))
 
 from _gpu.checks import MinCheck, evaluate_checks, floor_checks, format_table, gpu_checks  # noqa: E402
-from _gpu.common import GPU_ENV, NIXL_GPU_SYSTEMS, Devices, chunk_ranges, gpu_quick_workloads, gpu_workloads  # noqa: E402
+from _gpu.harness import GPU_ENV, NIXL_GPU_SYSTEMS, Devices, chunk_ranges, gpu_quick_workloads, gpu_workloads  # noqa: E402
 from _gpu.hmc_rows import HMC_PATHS  # noqa: E402
 from _gpu.run import SYSTEMS, _Group  # noqa: E402
 
@@ -179,7 +179,7 @@ def test_a_run_without_a_gpu_skips_every_system_with_the_reason_and_exits_0(tmp_
 def test_pattern_is_deterministic_and_verify_sees_one_wrong_byte() -> None:
     import torch
 
-    from _gpu.common import pattern, poison, verify
+    from _gpu.harness import pattern, poison, verify
 
     a, b = pattern(1 << 20, 1, "cpu"), pattern(1 << 20, 1, "cpu")
     assert a.equal(b) and not a.equal(pattern(1 << 20, 2, "cpu"))
