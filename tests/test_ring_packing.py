@@ -17,7 +17,7 @@ import hmc.transport._staged as staged
 from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
 from hmc.testing import PeerProcess
-from hmc.transport._ranges import RangeList
+from hmc.transport._ranges import RangeList, end_to_end
 from hmc.transport._staged_shm import ShmStaging
 
 POISON = 0xA5
@@ -56,7 +56,7 @@ def test_packing_fills_every_slot_but_the_last_and_keeps_every_byte(case: tuple[
     assert all(total == slot for total in totals[:-1]) and 0 < totals[-1] <= slot
     assert all(int(chunk.lengths.min()) > 0 for chunk in chunks)
     for chunk in chunks:  # a slot's layout: its ranges end to end
-        assert np.array_equal(chunk.positions(), np.concatenate(([0], np.cumsum(chunk.lengths)[:-1])))
+        assert np.array_equal(end_to_end(chunk.lengths), np.concatenate(([0], np.cumsum(chunk.lengths)[:-1])))
     rng = np.random.default_rng(src_size * 31 + dst_size)
     src, dst = rng.integers(0, 256, src_size, np.uint8), rng.integers(0, 256, dst_size, np.uint8)
     joined = RangeList(*(np.concatenate([getattr(c, f) for c in chunks]) for f in ("src", "dst", "lengths")))
@@ -108,7 +108,7 @@ def test_every_byte_through_the_ring_both_ways(ring: tuple[Agent, PeerProcess], 
         assert peer.contents(remote.id) == expected.tobytes()
 
         # read the same remote ranges back into a poisoned buffer, laid end to end from byte 1 (shifted, unaligned)
-        local = 1 + ranges.positions()
+        local = 1 + end_to_end(ranges.lengths)
         out = agent.register(np.full(ranges.total + 2, POISON ^ 0xFF, np.uint8))
         try:
             agent.read(out, remote, ranges.dst, local, ranges.lengths).wait()

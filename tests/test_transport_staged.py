@@ -201,3 +201,36 @@ def test_an_inline_frame_cut_short_ends_its_connection_and_nothing_lands(peer: P
     finally:
         stream.close()
     assert peer.contents(remote.id) == bytes([POISON]) * (1 << 16)
+
+
+@pytest.mark.parametrize("expect_payload", [False, True])
+def test_a_reply_with_bytes_nobody_asked_for_breaks_the_round_trip(expect_payload: bool) -> None:
+    """A hostile owner answers with an inline payload that was not asked for (a write's reply) or that its reply
+    does not announce (a read's): the round trip raises ProtocolError, so its connection is dropped, not pooled,
+    and nothing lands in the read's destination."""
+    import socket
+
+    from hmc.transport._staged import _exchange
+    from hmc.transport._staged_shm import reply_of
+
+    a, b = socket.socketpair()
+    initiator, owner = FrameStream(a, "owner"), FrameStream(b, "initiator")
+    try:
+        extra = np.full(64, 0x5A, np.uint8)
+        owner.send(peer_pb2.PeerFrame(reply=peer_pb2.PeerReply(payload_bytes=32 if expect_payload else 0)), [memoryview(extra)], time.monotonic() + 5)
+        into = np.full(32, 0x11, np.uint8)
+        with pytest.raises(ProtocolError):
+            _exchange(initiator, b"", [], [memoryview(into)] if expect_payload else None, 32, time.monotonic() + 5)
+        assert (into == 0x11).all()
+    finally:
+        initiator.close()
+        owner.close()
+    c, d = socket.socketpair()
+    ring, ring_owner = FrameStream(c, "owner"), FrameStream(d, "initiator")
+    try:  # the ring's reply: a write's reply must carry no bytes
+        ring_owner.send(peer_pb2.PeerFrame(reply=peer_pb2.PeerReply()), [memoryview(np.ones(16, np.uint8))], time.monotonic() + 5)
+        with pytest.raises(ProtocolError):
+            reply_of(ring, time.monotonic() + 5, 4096)
+    finally:
+        ring.close()
+        ring_owner.close()

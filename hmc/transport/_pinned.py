@@ -1,9 +1,10 @@
 """Pinned host memory for the staged path: mappings of ring files (or private memory), and slot copies.
 
 Both ends of a staged transfer copy between a region's ranges and a contiguous slot of pinned host
-memory: host regions with memmove on the spot, CUDA regions as one batch per slot on the GPU's lane
-(copy-engine copies for a few ranges, one kernel launch for many), waited for with an event within a deadline. The shared-memory ring (`_staged_shm`), its owner side
-(`_staged_owner`) and the TCP ring (`_staged_tcp_ring`) all use these.
+memory: host regions with memmove on the spot, CUDA regions as one batch per slot (copy-engine copies
+for a few ranges, one kernel launch for many), waited for with an event within a deadline. The
+shared-memory ring (`_staged_shm`), its owner side (`_staged_owner`) and the TCP ring
+(`_staged_tcp_ring`) all use these.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 
 from hmc.errors import HMCError, ProtocolError, TimeoutError, UnsupportedError
 from hmc.memory import DeviceKind, MemoryKind
+from hmc.transport._ranges import end_to_end
 
 __all__ = ["PinnedMapping", "SlotCopier", "StuckCopy", "cuda_backend", "no_wait"]
 
@@ -232,9 +234,9 @@ class SlotCopier:
     (the other end of a staged pair on the same GPU), a kernel reached 28 GB/s over PCIe, copy engines 44.
     The kernel reads its range table in place (no upload, which would queue behind the other direction's
     copies on the copy engines).
-    GPU sides (`_GpuSide`: a copy lane and a kernel lane, with their range tables and pooled events, and two
-    scratch slots used in turn, so one batch is gathered while the previous one is copied) are made
-    once per GPU and kept until `close()`.
+    GPU sides (`_GpuSide`: a copy lane, a kernel lane and a small-copy lane, with their range tables and
+    pooled events, and scratch slots used in turn, so one batch is gathered while the previous one is
+    copied) are made once per GPU and kept until `close()`.
     """
 
     def __init__(self) -> None:
@@ -277,7 +279,7 @@ class SlotCopier:
                 raise StuckCopy("a staging copy did not finish before the deadline")
             return no_wait
         offsets, lengths = np.asarray(offsets, np.int64), np.asarray(lengths, np.int64)
-        positions = np.cumsum(lengths) - lengths
+        positions = end_to_end(lengths)
         pointer = slot.device_address + at
         if lengths.size <= gpu.few:  # copy engines, straight between the ranges and the slot
             if to_slot:

@@ -26,7 +26,7 @@ import numpy as np
 from hmc.errors import ArgumentError, OutOfRangeError, ProtocolError
 from hmc.v1 import common_pb2
 
-__all__ = ["MAX_TIMEOUT_S", "RangeList", "check_timeout", "iovec_rows"]
+__all__ = ["MAX_TIMEOUT_S", "RangeList", "check_timeout", "end_to_end", "iovec_rows"]
 
 _I64 = np.dtype("<i8")
 _I64_MAX = int(np.iinfo(np.int64).max)
@@ -262,7 +262,7 @@ class RangeList:
     def packed(self, slot_bytes: int) -> list[RangeList]:
         """The ranges laid end to end and cut at every multiple of `slot_bytes`: every slot but the last is full.
 
-        A staging ring's chunks: range i of a slot sits at the slot's offset `positions()[i]`. Ranges
+        A staging ring's chunks: range i of a slot sits at the slot's offset `end_to_end(lengths)[i]`. Ranges
         that straddle a slot boundary are split there (vectorized: no Python loop per range); empty ones go.
         """
         if slot_bytes <= 0:
@@ -290,10 +290,6 @@ class RangeList:
             first_slot = slot
         cuts = np.flatnonzero(np.diff(first_slot)) + 1
         return [RangeList(s, d, n) for s, d, n in zip(np.split(src, cuts), np.split(dst, cuts), np.split(lens, cuts))]
-
-    def positions(self) -> np.ndarray:
-        """Where each range starts when the ranges are laid end to end (a slot's layout)."""
-        return np.cumsum(self.lengths) - self.lengths
 
     def to_proto(self) -> common_pb2.RangeList:
         return common_pb2.RangeList(src_offsets=self.src.tobytes(), dst_offsets=self.dst.tobytes(), lengths=self.lengths.tobytes())
@@ -336,6 +332,11 @@ def _disjoint_blocks(starts: np.ndarray, lengths: np.ndarray) -> bool:
     taken = np.zeros(span, np.bool_)
     taken[slots] = True
     return int(np.count_nonzero(taken)) == starts.size
+
+
+def end_to_end(lengths: np.ndarray) -> np.ndarray:
+    """Where each range starts when ranges of these lengths are laid end to end (a staging slot's layout)."""
+    return np.cumsum(lengths) - lengths
 
 
 def iovec_rows(addresses: np.ndarray, lengths: np.ndarray) -> np.ndarray:
