@@ -21,6 +21,7 @@ from typing import Any
 
 from hmc.errors import HMCError, ProtocolError, TimeoutError
 from hmc.transport._pinned import PinnedMapping, SlotCopier, no_wait
+from hmc.transport._staged_mailbox import MAILBOX_BYTES, SUPPORTED, Mailbox
 from hmc.transport._staged_shm import RING_NAME, SMALL_BYTES, ring_dirs
 from hmc.transport._wire import FrameStream, error_reply
 from hmc.v1 import peer_pb2
@@ -37,14 +38,17 @@ _MAX_SEGMENTS = 4
 _JOIN_S = 2.0
 _OK = peer_pb2.PeerReply()
 _OK_FRAME = peer_pb2.PeerFrame(reply=_OK).SerializeToString()
+ReplyTo = Callable[[peer_pb2.PeerReply], None]
+"""Where a request's reply goes when not on the connection: its mailbox (`_staged_mailbox.Mailbox.replier`)."""
 
 
 class _Queued:
     """One slot hand-off the owner answers in frame order: a copy to wait for, or a reply ready to send.
 
-    `payload`: what follows a successful copy's reply (a read's bytes, sent from a bounce slot)."""
+    `payload`: what follows a successful copy's reply (a read's bytes, sent from a bounce slot); `reply_to`: where
+    the reply goes instead of the connection (a request taken from the mailbox)."""
 
-    __slots__ = ("deadline", "payload", "release", "reply", "request_id", "wait")
+    __slots__ = ("deadline", "payload", "release", "reply", "reply_to", "request_id", "wait")
 
     def __init__(
         self,
@@ -53,12 +57,14 @@ class _Queued:
         reply: peer_pb2.PeerReply | None,
         release: Callable[[], None] | None,
         payload: memoryview | None = None,
+        reply_to: ReplyTo | None = None,
     ) -> None:
         self.request_id = request_id
         self.wait = wait
         self.reply = reply
         self.release = release
         self.payload = payload
+        self.reply_to = reply_to
         self.deadline = time.monotonic() + _OWNER_COPY_S
 
 
@@ -81,31 +87,58 @@ class OwnerSegments:
         self._queue: collections.deque[_Queued] = collections.deque()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self.mailbox: Mailbox | None = None
+        """The mailbox of the ring last named with one (`_staged_mailbox`): polled by the connection's thread."""
+        self._mailbox_at: tuple[str, int] = ("", 0)
 
     def slot(self, shm: peer_pb2.ShmSlot, nbytes: int) -> PinnedMapping:
-        """The ring holding `nbytes` at `shm.offset`; ProtocolError when the slot is malformed."""
+        """The ring holding `nbytes` at `shm.offset` (its mailbox attached, when it names one this machine can use);
+        ProtocolError when the slot is malformed."""
         if shm.offset + nbytes > shm.segment_bytes:
             raise ProtocolError("a staging slot reaches past its ring")
         mapping = self._mappings.get(shm.segment)
-        if mapping is not None and mapping.size == shm.segment_bytes:  # mapped before: its name was checked then
-            return mapping
+        if mapping is None or mapping.size != shm.segment_bytes:
+            mapping = self._map(shm)
+        if shm.mailbox and SUPPORTED and self._mailbox_at != (shm.segment, shm.mailbox):
+            if shm.mailbox % 64 or shm.mailbox + MAILBOX_BYTES > shm.segment_bytes:
+                raise ProtocolError("a staging ring's mailbox lies outside it")
+            self.mailbox, self._mailbox_at = Mailbox(mapping.view(shm.mailbox, MAILBOX_BYTES)), (shm.segment, shm.mailbox)
+        return mapping
+
+    def _map(self, shm: peer_pb2.ShmSlot) -> PinnedMapping:
+        """Map the ring a slot names (replacing an older mapping of that name), after checking its name."""
         directory, name = os.path.split(shm.segment)
         if not RING_NAME.fullmatch(name) or directory not in ring_dirs():
             raise ProtocolError(f"{shm.segment!r} is not a staging ring")
-        if mapping is None or mapping.size != shm.segment_bytes:
-            try:
-                mapping = PinnedMapping(shm.segment, shm.segment_bytes, create=False)
-            except OSError as exc:
-                raise ProtocolError(f"cannot map staging ring {shm.segment}: {exc}") from exc
-            old = self._mappings.pop(shm.segment, None)
-            if old is not None:
-                self.drain()  # a copy still queued may touch the old mapping
-                old.close()
-            self._mappings[shm.segment] = mapping
-            while len(self._mappings) > _MAX_SEGMENTS:
-                self.drain()
-                self._mappings.popitem(last=False)[1].close()
+        try:
+            mapping = PinnedMapping(shm.segment, shm.segment_bytes, create=False)
+        except OSError as exc:
+            raise ProtocolError(f"cannot map staging ring {shm.segment}: {exc}") from exc
+        self._unmap(shm.segment)
+        self._mappings[shm.segment] = mapping
+        while len(self._mappings) > _MAX_SEGMENTS:
+            self._unmap(next(iter(self._mappings)))
         return mapping
+
+    def _unmap(self, segment: str) -> None:
+        """Unmap a ring (once no copy queued may touch it), its mailbox first."""
+        old = self._mappings.pop(segment, None)
+        if self._mailbox_at[0] == segment:
+            self._forget_mailbox()
+        if old is not None:
+            self.drain()
+            old.close()
+
+    @property
+    def mailbox_segment(self) -> str:
+        """The ring whose mailbox is attached ("" when none)."""
+        return self._mailbox_at[0]
+
+    def _forget_mailbox(self) -> None:
+        """Stop using the mailbox (its ring is about to be unmapped), saying so to an initiator still looking."""
+        if self.mailbox is not None:
+            self.mailbox.awake(False)
+        self.mailbox, self._mailbox_at = None, ("", 0)
 
     def start(
         self,
@@ -120,21 +153,23 @@ class OwnerSegments:
         to_slot: bool,
         release: Callable[[], None],
         payload: memoryview | None = None,
+        reply_to: ReplyTo | None = None,
     ) -> None:
         """Queue the copy between `slot` (from byte `at`) and the region's ranges (`total` bytes); its reply (followed by `payload`,
-        the slot's bytes, when given) goes out once it finished, then `release()` runs. A small copy with nothing
-        queued before it is waited for and answered right here (no hand-off to the completion thread)."""
+        the slot's bytes, when given) goes out once it finished (to `reply_to` when given), then `release()` runs.
+        A small copy with nothing queued before it is waited for and answered right here (no hand-off to the
+        completion thread)."""
         if self._copier is None:
             self._copier = SlotCopier()
         try:
             wait = self._copier.start(region, offsets, lengths, slot, at, to_slot=to_slot, deadline=time.monotonic() + _OWNER_COPY_S)
         except HMCError as exc:
             release()
-            self.reply(request_id, error_reply(exc))
+            self.reply(request_id, error_reply(exc), reply_to)
             return
         if wait is no_wait and payload is None:
             release()
-            self.reply(request_id, _OK)
+            self.reply(request_id, _OK, reply_to)
             return
         if total <= SMALL_BYTES:
             with self._cond:
@@ -146,25 +181,25 @@ class OwnerSegments:
                 except Exception as exc:  # noqa: BLE001 - a driver failure still answers its chunk
                     reply, out = error_reply(exc), None
                 try:
-                    self._send(request_id, reply, out)
+                    self._send(request_id, reply, out, reply_to)
                 finally:
                     release()
                 return
         try:
-            self._push(_Queued(request_id, wait, None, release, payload))
+            self._push(_Queued(request_id, wait, None, release, payload, reply_to))
         except HMCError:
             with contextlib.suppress(HMCError):  # the copy was queued: let it end before the slot and buffer go
                 wait(time.monotonic() + _OWNER_COPY_S)
             release()
             raise
 
-    def reply(self, request_id: int, reply: peer_pb2.PeerReply) -> None:
-        """Send `reply` after the replies of the copies queued before it."""
+    def reply(self, request_id: int, reply: peer_pb2.PeerReply, reply_to: ReplyTo | None = None) -> None:
+        """Send `reply` (to `reply_to` when given) after the replies of the copies queued before it."""
         with self._cond:
             if self._queue:
-                self._push_locked(_Queued(request_id, no_wait, reply, None))
+                self._push_locked(_Queued(request_id, no_wait, reply, None, reply_to=reply_to))
                 return
-        self._send(request_id, reply)
+        self._send(request_id, reply, reply_to=reply_to)
 
     def _push(self, item: _Queued) -> None:
         with self._cond:
@@ -195,7 +230,7 @@ class OwnerSegments:
                 except Exception as exc:  # noqa: BLE001 - a driver failure still answers its chunk
                     reply = error_reply(exc)
             try:
-                self._send(item.request_id, reply, payload)
+                self._send(item.request_id, reply, payload, item.reply_to)
             finally:
                 if item.release is not None:
                     item.release()
@@ -203,9 +238,11 @@ class OwnerSegments:
                 self._queue.popleft()
                 self._cond.notify_all()
 
-    def _send(self, request_id: int, reply: peer_pb2.PeerReply, payload: memoryview | None = None) -> None:
+    def _send(self, request_id: int, reply: peer_pb2.PeerReply, payload: memoryview | None = None, reply_to: ReplyTo | None = None) -> None:
         try:
-            if reply is _OK and not request_id:
+            if reply_to is not None:
+                reply_to(reply)
+            elif reply is _OK and not request_id:
                 self._stream.send_serialized(_OK_FRAME)
             elif payload is None:
                 self._stream.send(peer_pb2.PeerFrame(request_id=request_id, reply=reply))
@@ -229,6 +266,7 @@ class OwnerSegments:
             thread = self._thread
         if thread is not None:
             thread.join(_OWNER_COPY_S + _JOIN_S)
+        self._forget_mailbox()
         for mapping in self._mappings.values():
             mapping.close()
         self._mappings.clear()

@@ -34,11 +34,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from google.protobuf.message import DecodeError
+
 from hmc.errors import AccessDeniedError, HMCError, OutOfRangeError, ProtocolError, TimeoutError, UnsupportedError
 from hmc.memory import MemoryKind
 from hmc.transport._pinned import PinnedMapping
 from hmc.transport._ranges import RangeList
-from hmc.transport._staged_owner import OwnerSegments
+from hmc.transport._staged_mailbox import RECHECK_S, token_of
+from hmc.transport._staged_owner import OwnerSegments, ReplyTo
 from hmc.transport._staged_tcp_ring import BOUNCE_WAIT_S, BounceSlots
 from hmc.transport._wire import FrameStream, error_reply
 from hmc.v1 import common_pb2, peer_pb2
@@ -51,6 +54,11 @@ __all__ = ["DataConnections"]
 _NEXT_FRAME_SPIN_S = 50e-6
 """A data connection polls this long for its next frame before sleeping: a caller moving small messages back to
 back sends it within microseconds of the reply, and a sleeping thread takes tens of microseconds to wake."""
+_MAILBOX_SPIN_S = 100e-6
+"""How long a data connection polls its ring's mailbox (and socket) for the next request: a caller moving small
+messages back to back posts the next within tens of microseconds (a GPU copy and the agent's bookkeeping)."""
+_LOOKS = 16
+"""Looks at the mailbox between two at the socket (a select, a system call) while polling."""
 _EXPECTED_MAX = 4096
 """Transfers a data connection remembers the deadline of; older entries past their deadline are forgotten."""
 
@@ -77,8 +85,9 @@ class DataConnections:
 
     def _serve_frames(self, stream: FrameStream, segments: OwnerSegments, bounce: BounceSlots, expiry: _Expiry) -> None:
         queued = False  # copies (or replies) handed to `segments` since it last drained: a reply sent here waits for them
+        token = token_of(stream)
         while True:
-            frame = stream.recv(spin_s=_NEXT_FRAME_SPIN_S)
+            frame, reply_to = _next_request(stream, segments, token)
             kind = frame.WhichOneof("kind")
             if kind == "write":
                 request: peer_pb2.DataWrite | peer_pb2.DataRead = frame.write
@@ -86,7 +95,7 @@ class DataConnections:
                 request = frame.read
             else:
                 raise ProtocolError(f"{kind or 'empty frame'} is not a data request")
-            if stream.inline_bytes and (kind != "write" or request.HasField("shm")):
+            if reply_to is None and stream.inline_bytes and (kind != "write" or request.HasField("shm")):
                 raise ProtocolError(f"a {kind} request with {stream.inline_bytes} bytes of payload inline")
             deadline = expiry.deadline(request.transfer_id, request.expires_ms)
             if deadline < time.monotonic():  # its transfer has ended: nothing of it is written or read any more
@@ -95,10 +104,14 @@ class DataConnections:
                     stream.discard(_Side(request.ranges, "dst_offsets").total, time.monotonic() + self._timeout_s)
                 segments.drain()
                 queued = False
-                stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=error_reply(late)))
+                if reply_to is not None:
+                    reply_to(error_reply(late))
+                else:
+                    stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=error_reply(late)))
                 continue
             if request.HasField("shm"):
-                self._shm_copy(stream, frame.request_id, request, "dst_offsets" if kind == "write" else "src_offsets", segments, write=kind == "write")
+                field = "dst_offsets" if kind == "write" else "src_offsets"
+                self._shm_copy(stream, frame.request_id, request, field, segments, write=kind == "write", reply_to=reply_to)
                 queued = True
                 continue
             if kind == "write":
@@ -116,15 +129,19 @@ class DataConnections:
                 queued = False
             stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=reply))
 
-    def _shm_copy(self, stream: FrameStream, request_id: int, request: peer_pb2.DataWrite | peer_pb2.DataRead, field: str, segments: OwnerSegments, *, write: bool) -> None:
+    def _shm_copy(
+        self, stream: FrameStream, request_id: int, request: peer_pb2.DataWrite | peer_pb2.DataRead, field: str, segments: OwnerSegments,
+        *, write: bool, reply_to: ReplyTo | None,
+    ) -> None:
         """A staged chunk through a shared ring slot: queue the copy of the slot into the buffer (write) or the
-        buffer into it; `segments` replies once it finished, in frame order, and releases the buffer then."""
+        buffer into it; `segments` replies once it finished (in frame order, or to `reply_to`: a request taken from
+        the ring's mailbox), and releases the buffer then."""
         side = _Side(request.ranges, field)
         slot = segments.slot(request.shm, side.total)  # a malformed slot is a ProtocolError: the connection ends
         try:
             buffer = self._buffers.acquire(request.buffer_id, prove=stream.proof, proof=request.key_proof, holder=stream)
         except HMCError as exc:
-            segments.reply(request_id, error_reply(exc))
+            segments.reply(request_id, error_reply(exc), reply_to)
             return
         try:
             if write and buffer.region.readonly:
@@ -132,11 +149,13 @@ class DataConnections:
             side.check(buffer.size)
         except HMCError as exc:
             self._buffers.release(buffer.id, stream)
-            segments.reply(request_id, error_reply(exc))
+            segments.reply(request_id, error_reply(exc), reply_to)
             return
         offsets, lengths = side.arrays()
         release = functools.partial(self._buffers.release, buffer.id, stream)
-        segments.start(request_id, buffer.region, offsets, lengths, slot, request.shm.offset, total=side.total, to_slot=not write, release=release)
+        segments.start(
+            request_id, buffer.region, offsets, lengths, slot, request.shm.offset, total=side.total, to_slot=not write, release=release, reply_to=reply_to
+        )
 
     def _receive_write(
         self, stream: FrameStream, request_id: int, request: peer_pb2.DataWrite, segments: OwnerSegments, bounce: BounceSlots,
@@ -218,6 +237,50 @@ class DataConnections:
         finally:
             self._buffers.release(buffer.id, stream)
         return _SENT
+
+
+def _next_request(stream: FrameStream, segments: OwnerSegments, token: int) -> tuple[peer_pb2.PeerFrame, ReplyTo | None]:
+    """The next request and where its reply goes (None: the connection). Where the initiator's ring has a mailbox,
+    it is polled along with the socket for `_MAILBOX_SPIN_S`; the owner's flag says so until then (also while
+    a frame from the socket is served: the mailbox is looked at before anything else). Then the thread lowers
+    the flag, looks at the mailbox again, once more after `RECHECK_S` (`_staged_mailbox`'s "Ordering"), and
+    sleeps on the socket, where a Posted frame (the doorbell) sends it back to the mailbox."""
+    while True:
+        mailbox = segments.mailbox
+        if mailbox is None:
+            frame = stream.recv(spin_s=_NEXT_FRAME_SPIN_S)
+            if frame.WhichOneof("kind") == "posted":
+                raise ProtocolError(f"{stream.peer} rang the doorbell of a mailbox it never named")
+            return frame, None
+        mailbox.awake(True)
+        until = time.monotonic() + _MAILBOX_SPIN_S
+        while (posted := mailbox.take(token, _LOOKS)) is None and not stream.readable():
+            if time.monotonic() > until:
+                mailbox.awake(False)
+                if (posted := mailbox.take(token)) is None and not stream.readable(RECHECK_S):
+                    posted = mailbox.take(token)
+                break
+        if posted is None:
+            frame = stream.recv()
+            if frame.WhichOneof("kind") != "posted":
+                return frame, None
+            if (posted := mailbox.take(token)) is None:  # taken while polling
+                continue
+        return _mailbox_request(stream, segments, posted), mailbox.replier(posted[0])
+
+
+def _mailbox_request(stream: FrameStream, segments: OwnerSegments, posted: tuple[int, bytes]) -> peer_pb2.PeerFrame:
+    """A request frame taken from the mailbox: a slot of the mailbox's own ring, else ProtocolError."""
+    frame = peer_pb2.PeerFrame()
+    try:
+        frame.ParseFromString(posted[1])
+    except DecodeError as exc:
+        raise ProtocolError(f"undecodable mailbox request from {stream.peer}") from exc
+    kind = frame.WhichOneof("kind")
+    request = frame.write if kind == "write" else frame.read
+    if kind not in ("write", "read") or not request.HasField("shm") or request.shm.segment != segments.mailbox_segment:
+        raise ProtocolError(f"a mailbox request from {stream.peer} that is not a slot of its ring")
+    return frame
 
 
 def _bounce_slot(bounce: BounceSlots, nbytes: int) -> PinnedMapping:

@@ -36,7 +36,9 @@ may still be copying into it; the next transfer makes a new one).
 
 Small transfers (up to `SMALL_BYTES`) run on the caller's thread when the peer's ring
 is free: one hand-off each way, the copy's event and the reply polled briefly before
-sleeping; the owner answers them from the thread that read the frame.
+sleeping; the owner answers them from the thread that read the frame. A single small
+range (the agent's inline route) is handed off through the ring's mailbox page
+(`_staged_mailbox`: shared memory, no system call while the owner polls it).
 
 Concurrency: each peer's transfers run one after another under the peer's
 `_Link.lock`, which owns the peer's connection and ring (and keeps close from
@@ -70,6 +72,7 @@ from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutErro
 from hmc.memory._machine import host_id
 from hmc.transport._base import InlineCopy, TransferOp, TransferRequest
 from hmc.transport._pinned import PinnedMapping, SlotCopier, StuckCopy
+from hmc.transport._staged_mailbox import MAILBOX_BYTES, SUPPORTED, Mailbox
 from hmc.transport._wire import FrameStream, expires_ms, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
@@ -142,8 +145,13 @@ class _Link:
         self.worker: threading.Thread | None = None
         self.stuck = False
         """A GPU copy into or out of the ring missed its deadline: the ring is abandoned, never unmapped or reused."""
+        self.mailbox: Mailbox | None = None
+        """The ring's mailbox (`_staged_mailbox`), where small requests go while the owner polls it."""
+        self.mailbox_stream: FrameStream | None = None
+        """The connection whose owner has mapped the mailbox (a request it answered came over the socket)."""
 
     def drop_stream(self) -> None:
+        self.mailbox_stream = None
         if self.stream is not None:
             self.stream.close()
             self.stream = None
@@ -152,6 +160,7 @@ class _Link:
         """After a failed transfer: the connection, and the ring (the owner may still be copying into it); a ring a
         stuck GPU copy may still touch stays mapped and pinned (leaked), only its file goes."""
         self.drop_stream()
+        self.mailbox = None  # its views go before the ring is unmapped
         if self.ring is not None:
             if self.stuck:
                 _log.warning("a staging copy is stuck on the GPU: its %d MiB ring is abandoned", self.ring.size >> 20)
@@ -208,6 +217,8 @@ class ShmStaging:
     """The name of each peer's worker thread."""
     _PAIRED = True
     """Whether many short ranges travel in pairs of slots (`_layout`); the TCP ring's owner slots hold one."""
+    _MAILBOX = SUPPORTED
+    """Whether rings carry a mailbox page (`_staged_mailbox`): the owner maps the ring only on one host."""
 
     def __init__(self, connect: Connect, *, slots: int = 8, slot_bytes: int = SLOT_BYTES) -> None:
         self._connect = connect
@@ -289,6 +300,8 @@ class ShmStaging:
             return
         if link.closed:  # its peer was forgotten meanwhile: the ring and connection go with this transfer
             link.drop()
+        elif link.mailbox is not None:  # the owner has seen a slot naming the mailbox on this connection
+            link.mailbox_stream = link.stream
         request.completion.finish()
 
     def inline(self, local: Any, remote: common_pb2.BufferDescriptor, stall_s: float) -> InlineCopy:
@@ -342,16 +355,29 @@ class ShmStaging:
             message = peer_pb2.DataRead(buffer_id=remote.id, ranges=wire)
         message.key_proof = stream.proof(remote.access_key)
         message.expires_ms = expires_ms(deadline)
-        self._hand_off(link, stream, message, 0, length, deadline)
-        if write:
-            reply_of(stream, deadline, length)
-            return
-        self._answer(link, stream, 0, length, deadline)
-        self._copier.copy(region, (local_offset,), (length,), ring, 0, to_slot=False, deadline=deadline)
+        mailbox = link.mailbox
+        if mailbox is not None and link.mailbox_stream is stream:
+            self._slot_of(link, message, 0)
+            mailbox.answer(mailbox.post(frame_of(message).SerializeToString(), stream, deadline), stream, deadline)
+        else:
+            self._hand_off(link, stream, message, 0, length, deadline)
+            if write:
+                reply_of(stream, deadline, length)
+            else:
+                self._answer(link, stream, 0, length, deadline)
+            link.mailbox_stream = stream if mailbox is not None else None
+        if not write:
+            self._copier.copy(region, (local_offset,), (length,), ring, 0, to_slot=False, deadline=deadline)
 
     def _prepare(self, link: _Link, remote: common_pb2.BufferDescriptor, deadline: float) -> None:
         if link.ring is None:
-            link.ring, link.name = self._new_ring(self._slots * self._slot_bytes)
+            data = self._slots * self._slot_bytes
+            if not self._MAILBOX:
+                link.ring, link.name = self._new_ring(data)
+            else:  # the mailbox page ends the ring, page-aligned
+                at = -(-data // MAILBOX_BYTES) * MAILBOX_BYTES
+                link.ring, link.name = self._new_ring(at + MAILBOX_BYTES)
+                link.mailbox = Mailbox(link.ring.view(at, MAILBOX_BYTES))
         if link.stream is None or link.stream.broken:
             link.drop_stream()
             link.stream = self._connect(remote, deadline)
@@ -370,9 +396,16 @@ class ShmStaging:
 
     def _hand_off(self, link: _Link, stream: FrameStream, message: peer_pb2.DataWrite | peer_pb2.DataRead, at: int, nbytes: int, deadline: float) -> None:
         """Send a chunk's request naming its slot (from byte `at`) of the shared ring (a write's bytes are there already)."""
+        self._slot_of(link, message, at)
+        stream.send(frame_of(message), deadline=deadline)
+
+    @staticmethod
+    def _slot_of(link: _Link, message: peer_pb2.DataWrite | peer_pb2.DataRead, at: int) -> None:
+        """Name the ring's slot from byte `at` (and the ring's mailbox) in a request."""
         assert link.ring is not None
         message.shm.segment, message.shm.segment_bytes, message.shm.offset = link.name, link.ring.size, at
-        stream.send(frame_of(message), deadline=deadline)
+        if link.mailbox is not None:
+            message.shm.mailbox = link.ring.size - MAILBOX_BYTES
 
     def _answer(self, link: _Link, stream: FrameStream, at: int, nbytes: int, deadline: float) -> None:
         """Take the owner's reply to the oldest chunk handed off (a read's `nbytes` are in its slot then)."""

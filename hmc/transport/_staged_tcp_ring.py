@@ -51,6 +51,7 @@ class TcpRingStaging(ShmStaging):
 
     _WORKER = "hmc-staged-tcp-ring"
     _PAIRED = False
+    _MAILBOX = False
 
     def _new_ring(self, size: int) -> tuple[PinnedMapping, str]:
         return PinnedMapping(None, size, create=True), ""

@@ -417,12 +417,12 @@ class FrameStream:
                 raise self._eof()
             return got
 
-    def readable(self) -> bool:
-        """True when a receive would not block: bytes (a frame's start) wait, or the stream is broken."""
+    def readable(self, timeout: float = 0.0) -> bool:
+        """True when a receive would not block (bytes wait, or the stream is broken), waiting up to `timeout` for it."""
         if self._broken is not None or self._tail > self._head:
             return True
         try:
-            return bool(select.select([self._rx], [], [], 0)[0])
+            return bool(select.select([self._rx], [], [], timeout)[0])
         except (OSError, ValueError):  # closed meanwhile: a receive fails at once
             return True
 

@@ -1,0 +1,162 @@
+"""The shared ring's mailbox: a small staged transfer's request and reply through shared memory, not the socket.
+
+A page at the end of the ring file (`MAILBOX_BYTES`; every ShmSlot names where it starts). A small
+single-range transfer (the agent's inline fast path) posts its request frame here instead of sending
+it, and the owner answers here. While the owner's connection thread waits for its next request it
+polls the mailbox along with the socket, and says so (`awake`): then a request costs no system call
+and no wake-up on either side (on one H100 host a socket round trip between two Python processes cost
+8-10 us, a mailbox one 2). When the owner is not polling, the initiator rings its doorbell: a Posted
+frame on the socket, which wakes it to look.
+
+A request names its connection (`token`, from the connection's nonce): a connection being replaced
+never serves its successor's requests. The first request of every connection goes over the socket,
+so the owner has mapped the ring and the mailbox before anything is posted there.
+
+Ordering. x86-64 keeps stores in order and loads in order (TSO), so a record written before its
+sequence number is whole when the number is seen. Only a store followed by a load may pass each
+other: the initiator may read `awake` as set (and ring no doorbell) while the owner, which just cleared
+it, reads no request. So the owner looks once more after `RECHECK_S` before it sleeps on the socket:
+such a request waits at most that long. Architectures with weaker orderings keep to the socket
+(`SUPPORTED`).
+
+Concurrency: the initiator posts under its link's lock (one request at a time, none on the socket
+meanwhile); the owner takes and answers on its connection's thread, or its completion thread.
+"""
+
+from __future__ import annotations
+
+import platform
+import struct
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from hmc.errors import ProtocolError, TimeoutError
+from hmc.transport._wire import FrameStream, raise_for_reply
+from hmc.v1 import common_pb2, peer_pb2
+
+__all__ = ["MAILBOX_BYTES", "RECHECK_S", "SUPPORTED", "Mailbox", "token_of"]
+
+SUPPORTED = platform.machine() in ("x86_64", "AMD64")
+"""Whether this machine's memory ordering lets two processes hand records over through plain loads and stores."""
+MAILBOX_BYTES = 8192
+"""The mailbox page: the owner's flag, the request, the reply, each on lines of their own."""
+RECHECK_S = 1e-3
+"""How long the owner waits on its socket before it looks at the mailbox a last time and sleeps."""
+_SPIN_S = 200e-6
+"""How long the initiator polls for its reply before napping between looks (a small copy answers well within it)."""
+_NAP_S = 50e-6
+_AWAKE = 0  # word: the owner polls the mailbox (owner writes)
+_REQUEST = 64  # bytes: seq, token, length (u32 each), then the request frame
+_REPLY = 4096  # bytes: seq, length (u32 each), then a refusal's PeerReply (length 0: done)
+_BODY = 64  # where a record's bytes start after its words
+_MAX_RECORD = _REPLY - _REQUEST - _BODY
+_WORDS = struct.Struct("<3I")
+
+
+def token_of(stream: FrameStream) -> int:
+    """The 32-bit name of a connection in its mailbox records (from the listener's nonce, which both ends hold)."""
+    return int.from_bytes(stream.nonce[:4], "little") or 1
+
+
+class Mailbox:
+    """One ring's mailbox page (`view`, `MAILBOX_BYTES` of the mapped ring), seen from either end."""
+
+    def __init__(self, view: memoryview) -> None:
+        if view.nbytes != MAILBOX_BYTES:
+            raise ProtocolError(f"a mailbox is {MAILBOX_BYTES} bytes, not {view.nbytes}")
+        self._view = view
+        self._words = np.frombuffer(view, np.uint32)
+        self._request_seq = _REQUEST // 4
+        self._reply_seq = _REPLY // 4
+        self.seen = int(self._words[self._request_seq])
+        """Owner: the last request sequence number taken (or there when attached)."""
+        self._next = int(self._words[self._request_seq])
+
+    # -- initiator -------------------------------------------------------------
+
+    def owner_awake(self) -> bool:
+        return bool(self._words[_AWAKE])
+
+    def post(self, frame: bytes, stream: FrameStream, deadline: float) -> int:
+        """Write a request frame for the connection `stream`, ringing the owner's doorbell there (a Posted frame)
+        when it is not polling; returns the request's sequence number (its reply's)."""
+        if len(frame) > _MAX_RECORD:
+            raise ProtocolError(f"a {len(frame)}-byte request does not fit the mailbox")
+        seq = self._next = (self._next + 1) & 0xFFFFFFFF or 1
+        start = _REQUEST + _BODY
+        self._view[start : start + len(frame)] = frame
+        self._words[self._request_seq + 1] = token_of(stream)
+        self._words[self._request_seq + 2] = len(frame)
+        self._words[self._request_seq] = seq  # last: the owner reads the record only once it sees this
+        if not self._words[_AWAKE]:
+            stream.send(peer_pb2.PeerFrame(posted=peer_pb2.Posted(seq=seq)), deadline=deadline)
+        return seq
+
+    def answer(self, seq: int, stream: FrameStream, deadline: float) -> None:
+        """Wait for the reply to request `seq` (polled, then napping while the connection stays quiet); a refusal
+        raises its typed error, as does the connection ending first (BrokenResourceError, or the error the owner
+        ended it with), TimeoutError at `deadline`."""
+        words, at = self._words, self._reply_seq
+        spin_until = time.monotonic() + _SPIN_S
+        while words[at] != seq:
+            now = time.monotonic()
+            if now < spin_until:
+                continue
+            if now > deadline:
+                raise TimeoutError("the owner did not answer a staged request in its mailbox before the deadline")
+            if stream.readable():  # the owner answers here only: anything on the socket is its end (and why)
+                frame = stream.recv(deadline)
+                if frame.WhichOneof("kind") == "reply":
+                    raise_for_reply(frame.reply)
+                raise ProtocolError(f"{stream.peer} answered a mailbox request on the socket")
+            time.sleep(_NAP_S)
+        length = int(words[at + 1])
+        if length:
+            if length > _MAX_RECORD:
+                raise ProtocolError("a mailbox reply longer than the mailbox")
+            reply = peer_pb2.PeerReply()
+            reply.ParseFromString(bytes(self._view[_REPLY + _BODY : _REPLY + _BODY + length]))
+            raise_for_reply(reply)
+            raise ProtocolError("a mailbox reply that is neither done nor a refusal")
+
+    # -- owner -----------------------------------------------------------------
+
+    def awake(self, polling: bool) -> None:
+        self._words[_AWAKE] = 1 if polling else 0
+
+    def take(self, token: int, looks: int = 1) -> tuple[int, bytes] | None:
+        """The request posted for connection `token` since the last one taken (looking up to `looks` times):
+        (sequence number, frame), or None."""
+        words, at, seen = self._words, self._request_seq, self.seen
+        for _ in range(looks):
+            if words[at] != seen:
+                break
+        else:
+            return None
+        seq = int(words[at])
+        if int(words[at + 1]) != token:
+            return None
+        length = int(words[at + 2])
+        if length > _MAX_RECORD:
+            raise ProtocolError("a mailbox request longer than the mailbox")
+        self.seen = seq
+        start = _REQUEST + _BODY
+        return seq, bytes(self._view[start : start + length])
+
+    def replier(self, seq: int) -> Callable[[peer_pb2.PeerReply], None]:
+        """What answers request `seq`: its reply written here (a refusal's bytes first, then the sequence number)."""
+
+        def reply(message: peer_pb2.PeerReply) -> None:
+            body = b"" if message.ByteSize() == 0 else message.SerializeToString()
+            if len(body) > _MAX_RECORD:  # a refusal's message cut short
+                error = common_pb2.Error(code=message.error.code, message=message.error.message[:1024])
+                body = peer_pb2.PeerReply(error=error).SerializeToString()
+            start = _REPLY + _BODY
+            self._view[start : start + len(body)] = body
+            self._words[self._reply_seq + 1] = len(body)
+            self._words[self._reply_seq] = seq
+
+        return reply
+

@@ -1,0 +1,223 @@
+"""The shared ring's mailbox (`hmc.transport._staged_mailbox`): small staged requests and replies through shared
+memory while the owner polls, against a real owner process, with host memory standing in for device memory
+(as in test_transport_staged_shm.py); tests/gpu/test_cuda_staged.py runs it with CUDA memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hmc.transport._staged as staged
+from hmc.agent import Agent
+from hmc.config import Config, PathPolicy
+from hmc.errors import AccessDeniedError, BrokenResourceError, BufferWithdrawnError, ProtocolError, TimeoutError
+from hmc.testing import PeerProcess
+from hmc.transport._staged_mailbox import MAILBOX_BYTES, SUPPORTED, Mailbox, token_of
+from hmc.transport._staged_shm import ShmStaging, reply_of
+from hmc.transport._wire import error_reply
+from hmc.v1 import peer_pb2
+from staged_support import POISON
+
+pytestmark = pytest.mark.skipif(not SUPPORTED, reason="the mailbox needs x86-64's store ordering")
+STAGED = PathPolicy(allow=("staged",))
+SIZE = 1 << 20
+
+
+@pytest.fixture
+def ring_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(staged, "_HOST_KINDS", ())
+
+
+@pytest.fixture
+def posts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sequence numbers of the requests this process posted to a mailbox (not sent on the socket)."""
+    seen: list[int] = []
+    post = Mailbox.post
+
+    def counted(self: Mailbox, frame: bytes, stream: Any, deadline: float) -> int:
+        seq = post(self, frame, stream, deadline)
+        seen.append(seq)
+        return seq
+
+    monkeypatch.setattr(Mailbox, "post", counted)
+    return seen
+
+
+def _link(agent: Agent) -> Any:
+    """The agent's one shared-ring link (to the one peer it has written to)."""
+    shm: ShmStaging = agent._transports["staged"]._shm  # type: ignore[attr-defined]
+    (link,) = shm._links.values()
+    return link
+
+
+def _owner_asleep(link: Any) -> None:
+    """Wait (bounded) until the owner stopped polling the link's mailbox: the next request rings its doorbell."""
+    until = time.monotonic() + 10.0
+    while link.mailbox.owner_awake():
+        assert time.monotonic() < until, "the owner never stopped polling its mailbox"
+
+
+@pytest.fixture
+def pair(config: Config, peer: PeerProcess, ring_only: None) -> Iterator[tuple[Agent, PeerProcess, Any]]:
+    remote = peer.register(SIZE, fill=POISON)
+    with Agent(config.replace(policy=STAGED), daemon=False) as agent:
+        yield agent, peer, remote
+
+
+def test_small_writes_and_reads_through_the_mailbox_move_every_byte(pair: tuple[Agent, PeerProcess, Any], posts: list[int], rng: np.random.Generator) -> None:
+    agent, peer, remote = pair
+    src = rng.integers(1, 256, SIZE, dtype=np.uint8)
+    local = agent.register(src)
+    expected = np.full(SIZE, POISON, np.uint8)
+    for index in range(300):  # back to back: the owner still polls when the next one comes
+        length = int(rng.integers(1, 8192))
+        at = int(rng.integers(0, SIZE - length))
+        agent.write(local, remote, at, at, length).wait()
+        expected[at : at + length] = src[at : at + length]
+    assert posts, "no request went through the mailbox"
+    assert peer.contents(remote.id) == expected.tobytes()
+    out = np.full(SIZE, 0x3C, np.uint8)
+    mine = agent.register(out)
+    before = len(posts)
+    for start in range(0, SIZE, 4096):
+        agent.read(mine, remote, start, start, 4096).wait()
+    assert len(posts) > before, "no read went through the mailbox"
+    assert np.array_equal(out, expected)
+
+
+def test_a_request_waits_for_the_doorbell_when_the_owner_sleeps(pair: tuple[Agent, PeerProcess, Any], posts: list[int], rng: np.random.Generator) -> None:
+    agent, peer, remote = pair
+    src = rng.integers(1, 256, SIZE, dtype=np.uint8)
+    local = agent.register(src)
+    agent.write(local, remote, 0, 0, 16).wait()  # over the socket: the owner maps the ring and its mailbox
+    link = _link(agent)
+    for at in range(4096, 4096 * 5, 4096):
+        _owner_asleep(link)
+        before = len(posts)
+        agent.write(local, remote, at, at, 4096).wait()
+        assert len(posts) == before + 1
+    assert peer.contents(remote.id)[4096 : 4096 * 5] == src[4096 : 4096 * 5].tobytes()
+
+
+def test_a_refusal_comes_back_typed_through_the_mailbox_and_writes_nothing(pair: tuple[Agent, PeerProcess, Any], posts: list[int]) -> None:
+    agent, peer, remote = pair
+    readonly = peer.register(SIZE, fill=POISON)
+    shm: ShmStaging = agent._transports["staged"]._shm  # type: ignore[attr-defined]
+    local = agent.register(np.full(SIZE, 0x77, np.uint8))
+    good, refused = shm.inline(local, remote, 10.0), shm.inline(local, readonly, 10.0)
+    peer.unregister(readonly.id)  # withdrawn: the owner refuses what comes for it
+    for _ in range(3):  # a refusal drops the connection: each try starts over the socket
+        good.write(0, 0, 16)
+        before = len(posts)
+        with pytest.raises(BufferWithdrawnError):
+            refused.write(8192, 8192, 4096)
+        assert len(posts) == before + 1
+    assert peer.contents(remote.id)[16:] == bytes([POISON]) * (SIZE - 16)
+
+
+def test_the_owner_dying_fails_a_mailbox_request_with_a_typed_error(pair: tuple[Agent, PeerProcess, Any], posts: list[int]) -> None:
+    agent, peer, remote = pair
+    local = agent.register(np.full(SIZE, 0x5A, np.uint8))
+    agent.write(local, remote, 0, 0, 16).wait()
+    peer.kill()  # its flag may still say it polls: the request fails when the connection ends, not at the deadline
+    before = len(posts)
+    with pytest.raises(BrokenResourceError):
+        agent.write(local, remote, 0, 0, 16).wait()
+    assert len(posts) == before + 1
+
+
+def test_a_malformed_mailbox_request_ends_that_connection_only(pair: tuple[Agent, PeerProcess, Any], rng: np.random.Generator) -> None:
+    agent, peer, remote = pair
+    src = rng.integers(1, 256, SIZE, dtype=np.uint8)
+    local = agent.register(src)
+    agent.write(local, remote, 0, 0, 16).wait()
+    link = _link(agent)
+    with link.lock:  # as a hostile initiator would: garbage where a request frame belongs
+        deadline = time.monotonic() + 10.0
+        seq = link.mailbox.post(b"\xff" * 64, link.stream, deadline)
+        with pytest.raises((ProtocolError, BrokenResourceError)):  # the owner ends the connection, saying why
+            link.mailbox.answer(seq, link.stream, deadline)
+        link.drop()
+    agent.write(local, remote, 4096, 4096, 4096).wait()  # a new connection and ring serve the next one
+    assert peer.contents(remote.id)[4096:8192] == src[4096:8192].tobytes()
+
+
+def test_a_doorbell_for_a_mailbox_never_named_ends_the_connection(pair: tuple[Agent, PeerProcess, Any]) -> None:
+    agent, _, remote = pair
+    agent.write(agent.register(np.full(SIZE, 0x11, np.uint8)), remote, 0, 0, 16).wait()
+    shm: ShmStaging = agent._transports["staged"]._shm  # type: ignore[attr-defined]
+    link = _link(agent)
+    with link.lock:
+        link.drop_stream()
+        deadline = time.monotonic() + 10.0
+        shm._prepare(link, remote, deadline)  # a new connection: the owner has no mailbox for it yet
+        link.stream.send(peer_pb2.PeerFrame(posted=peer_pb2.Posted(seq=1)), deadline=deadline)
+        with pytest.raises((ProtocolError, BrokenResourceError)):
+            reply_of(link.stream, deadline)
+        link.drop()
+
+
+# -- the mailbox page itself, both ends in this process ---------------------------------
+
+
+def _page() -> tuple[Mailbox, Mailbox]:
+    page = memoryview(bytearray(MAILBOX_BYTES))
+    return Mailbox(page), Mailbox(page)
+
+
+class _Quiet:
+    """A connection on which nothing arrives (the mailbox's reply is all there is); records doorbells."""
+
+    peer = "quiet"
+    nonce = b"\x07\x00\x00\x00" + bytes(12)
+
+    def __init__(self) -> None:
+        self.rung: list[int] = []
+
+    def readable(self) -> bool:
+        return False
+
+    def send(self, frame: peer_pb2.PeerFrame, deadline: float | None = None) -> None:
+        self.rung.append(frame.posted.seq)
+
+
+def test_a_posted_request_is_taken_once_by_its_connection_only() -> None:
+    initiator, owner = _page()
+    quiet = _Quiet()
+    seq = initiator.post(b"request", quiet, time.monotonic() + 10.0)  # type: ignore[arg-type]
+    assert quiet.rung == [seq]  # nobody polls: the doorbell rang
+    assert owner.take(8) is None  # another connection's request
+    assert owner.take(token_of(quiet)) == (seq, b"request")  # type: ignore[arg-type]
+    assert owner.take(token_of(quiet)) is None  # taken once
+    owner.awake(True)
+    initiator.post(b"next", quiet, time.monotonic() + 10.0)  # type: ignore[arg-type]
+    assert quiet.rung == [seq]  # the owner polls: no doorbell
+    with pytest.raises(ProtocolError):
+        initiator.post(b"x" * MAILBOX_BYTES, quiet, time.monotonic() + 10.0)  # type: ignore[arg-type]
+
+
+def test_replies_reach_the_waiting_initiator_done_or_typed() -> None:
+    initiator, owner = _page()
+    quiet = _Quiet()
+    token = token_of(quiet)  # type: ignore[arg-type]
+    seq = initiator.post(b"a", quiet, time.monotonic() + 10.0)  # type: ignore[arg-type]
+    threading.Thread(target=lambda: owner.replier(owner.take(token)[0])(peer_pb2.PeerReply())).start()  # type: ignore[index]
+    initiator.answer(seq, quiet, time.monotonic() + 10.0)  # type: ignore[arg-type]
+    seq = initiator.post(b"b", quiet, time.monotonic() + 10.0)  # type: ignore[arg-type]
+    owner.replier(owner.take(token)[0])(error_reply(AccessDeniedError("read-only " * 1000)))  # type: ignore[index]
+    with pytest.raises(AccessDeniedError):
+        initiator.answer(seq, quiet, time.monotonic() + 10.0)  # type: ignore[arg-type]
+
+
+def test_an_unanswered_request_times_out_at_its_deadline() -> None:
+    initiator, _ = _page()
+    quiet = _Quiet()
+    seq = initiator.post(b"a", quiet, time.monotonic() + 10.0)  # type: ignore[arg-type]
+    with pytest.raises(TimeoutError):
+        initiator.answer(seq, quiet, time.monotonic() + 0.01)  # type: ignore[arg-type]
