@@ -10,7 +10,7 @@ from google.protobuf.json_format import MessageToDict
 from hmc.cli._output import print_json, print_table
 from hmc.config import Config
 from hmc.errors import UnavailableError
-from hmc.v1 import common_pb2
+from hmc.v1 import common_pb2, daemon_pb2
 
 __all__ = ["register"]
 
@@ -56,26 +56,30 @@ def _status(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-def _local_devices(config: Config) -> list[common_pb2.DeviceInfo]:
+def _local_devices(config: Config) -> tuple[list[common_pb2.DeviceInfo], list[daemon_pb2.AbsentBackend]]:
     from hmc.control._inventory import Inventory
 
-    return list(Inventory.collect(config).devices)
+    inventory = Inventory.collect(config)
+    return list(inventory.devices), list(inventory.absent_backends)
 
 
 def _devices(args: argparse.Namespace, config: Config) -> int:
     source = "hmcd"
     if args.local:
-        devices, source = _local_devices(config), "local discovery"
+        devices, absent, source = *_local_devices(config), "local discovery"
     else:
         try:
             with _client(args, config) as client:
-                devices = list(client.node_info().devices)
+                info = client.node_info()
+            devices, absent = list(info.devices), list(info.absent_backends)
         except UnavailableError:
-            devices, source = _local_devices(config), "local discovery (hmcd not running)"
+            devices, absent, source = *_local_devices(config), "local discovery (hmcd not running)"
     if args.json:
-        print_json({"source": source, "devices": [_as_dict(d) for d in devices]})
+        print_json({"source": source, "devices": [_as_dict(d) for d in devices], "absent": [_as_dict(a) for a in absent]})
         return 0
     print_table([_device_row(d) for d in devices])
+    for backend in absent:
+        print(f"no {backend.kind} devices: {backend.reason}")
     print(f"({source})")
     return 0
 

@@ -234,6 +234,7 @@ class Daemon:
             devices=inv.devices,
             rdma_devices=inv.rdma_devices,
             transports=inv.transports,
+            absent_backends=inv.absent_backends,
             unix_address=self.unix_address,
             tcp_address=self.tcp_address,
             peers=self.directory.statuses(),

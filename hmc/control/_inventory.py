@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from hmc.config import Config
-from hmc.memory import Device, DeviceKind, Vendor, devices
+from hmc.memory import Device, DeviceKind, Vendor, absent_backends, devices
 from hmc.memory._machine import host_id
 from hmc.transport._base import Capabilities, PathName
 from hmc.v1 import common_pb2, daemon_pb2
@@ -91,6 +91,8 @@ class Inventory:
     devices: tuple[common_pb2.DeviceInfo, ...]
     rdma_devices: tuple[daemon_pb2.RdmaDevice, ...]
     transports: tuple[common_pb2.TransportCapability, ...]
+    absent_backends: tuple[daemon_pb2.AbsentBackend, ...] = ()
+    """Device families with no backend here, and why."""
 
     @classmethod
     def collect(cls, config: Config) -> Inventory:
@@ -103,4 +105,5 @@ class Inventory:
             devices=tuple(device_to_proto(device) for device in found),
             rdma_devices=tuple(rdma_devices()),
             transports=tuple(cap.to_proto() for cap in transports(kinds)),
+            absent_backends=tuple(daemon_pb2.AbsentBackend(kind=kind, reason=why) for kind, why in absent_backends().items()),
         )

@@ -31,6 +31,7 @@ __all__ = [
     "MemoryRegion",
     "Stream",
     "Vendor",
+    "absent_backends",
     "allocate",
     "backend_for",
     "copy",
@@ -44,30 +45,44 @@ __all__ = [
 
 
 @functools.cache
-def _backends() -> dict[DeviceKind, MemoryBackend]:
-    """Discover device families once; a family whose runtime is missing is left out."""
+def _discovery() -> tuple[dict[DeviceKind, MemoryBackend], dict[DeviceKind, str]]:
+    """Discover device families once: those present, and why each absent one is."""
     found: dict[DeviceKind, MemoryBackend] = {DeviceKind.HOST: HostBackend()}
+    absent: dict[DeviceKind, str] = {}
     for kind, loader in ((DeviceKind.CUDA, _load_cuda), (DeviceKind.HIP, _load_hip)):
-        backend = loader()
+        backend, reason = loader()
         if backend is not None and backend.devices():
             found[kind] = backend
-    return found
+        else:
+            absent[kind] = reason or f"no {kind.value} devices"
+    return found, absent
 
 
-def _load_cuda() -> MemoryBackend | None:
+def _backends() -> dict[DeviceKind, MemoryBackend]:
+    return _discovery()[0]
+
+
+def _load_cuda() -> tuple[MemoryBackend | None, str]:
+    from hmc.memory._hip_on_cuda import SWITCH, enabled
+
+    if enabled():
+        return None, f"this process runs its NVIDIA GPUs as HIP devices ({SWITCH}=1, the HIP-on-CUDA runtime)"
     try:
         from hmc.memory._cuda import CudaBackend
-    except ImportError:
-        return None
+    except ImportError as exc:
+        return None, f"cuda-python is not installed ({exc})"
     return CudaBackend.probe()
 
 
-def _load_hip() -> MemoryBackend | None:
-    try:
-        from hmc.memory._hip import HipBackend
-    except ImportError:
-        return None
+def _load_hip() -> tuple[MemoryBackend | None, str]:
+    from hmc.memory._hip import HipBackend
+
     return HipBackend.probe()
+
+
+def absent_backends() -> dict[str, str]:
+    """The device families with no backend here ("cuda", "hip"), each with why (no runtime, no device)."""
+    return {kind.value: reason for kind, reason in _discovery()[1].items()}
 
 
 def backend_for(device: Device | DeviceKind) -> MemoryBackend:

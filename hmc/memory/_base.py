@@ -15,13 +15,13 @@ import ctypes
 import dataclasses
 import enum
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
 from hmc.errors import ArgumentError, ClosedResourceError, OutOfRangeError, UnsupportedError
 
-__all__ = ["Device", "DeviceKind", "MemoryBackend", "MemoryKind", "MemoryRegion", "Stream", "Vendor"]
+__all__ = ["Device", "DeviceKind", "MemoryBackend", "MemoryKind", "MemoryRegion", "Owned", "Stream", "Vendor"]
 
 
 class DeviceKind(enum.Enum):
@@ -73,6 +73,28 @@ class Device:
     def with_vendor(self, vendor: Vendor) -> Device:
         """The same device declared as another vendor (cross-vendor testing)."""
         return dataclasses.replace(self, vendor=vendor)
+
+
+class Owned(abc.ABC):
+    """A runtime object (a stream, an event) destroyed once, by close() or at the end of a with block."""
+
+    _closed = False
+
+    @abc.abstractmethod
+    def _destroy(self) -> None:
+        """Give the object back to its runtime."""
+
+    def close(self) -> None:
+        """Destroy the object (a stream once its queued work finishes); idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._destroy()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Stream(abc.ABC):

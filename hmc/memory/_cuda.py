@@ -12,7 +12,7 @@ stream and return when done; that stream waits for work already queued on the
 legacy default stream (PyTorch's default). With a `CudaStream` they are queued and
 return at once: synchronize the stream, or record a `CudaEvent`, before reading.
 
-No cuda-python, no driver, or no GPU: probe() returns None and the backend is absent.
+No cuda-python, no driver, or no GPU: probe() says why and the backend is absent.
 
 Concurrency: thread-safe for distinct regions. Shared state is the primary contexts
 and peer links (`Contexts`, locked) and the IPC mappings (`IpcMappings`, locked).
@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import logging
 import uuid as uuidlib
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-from hmc.errors import ArgumentError, DeviceError
-from hmc.memory._base import Device, DeviceKind, MemoryBackend, MemoryKind, MemoryRegion, Stream, Vendor
+from hmc.errors import DeviceError
+from hmc.memory._base import Device, DeviceKind, MemoryKind, MemoryRegion, Stream, Vendor
+from hmc.memory._gpu import GpuBackend
 from hmc.memory._cuda_driver import Contexts, CudaEvent, CudaStream, check, driver, pointer_ordinal
-from hmc.memory._cuda_ipc import IpcMappings, export_handles
+from hmc.memory._cuda_ipc import export_handles, ipc_mappings
 from hmc.memory._host import HOST_DEVICE
-from hmc.v1 import common_pb2
+from hmc.memory._machine import pci_numa_node
 
 __all__ = ["CudaBackend", "CudaEvent", "CudaStream"]
 
@@ -41,49 +42,37 @@ _NAME_BYTES = 256
 _BUS_ID_BYTES = 32
 
 
-class CudaBackend(MemoryBackend):
+class CudaBackend(GpuBackend):
     """NVIDIA GPUs through the CUDA driver API."""
 
     kind = DeviceKind.CUDA
+    _stream_type = CudaStream
 
     def __init__(self, devices: list[Device]) -> None:
-        self._devices = devices
         self._contexts = Contexts()
-        self._ipc = IpcMappings(self._contexts)
+        super().__init__(devices, self._contexts, ipc_mappings(self._contexts))
 
     @classmethod
-    def probe(cls) -> CudaBackend | None:
-        """The backend, or None when cuda-python, the driver or every GPU is missing; never raises."""
+    def probe(cls) -> tuple[CudaBackend | None, str]:
+        """The backend, or None and why (no cuda-python, no driver, no GPU); never raises."""
         if driver is None:
-            return None
+            return None, "cuda-python is not installed"
         try:
             check(driver.cuInit(0))
             count = check(driver.cuDeviceGetCount())
-            return cls(_discover(count)) if count > 0 else None
+            if count <= 0:
+                return None, "no NVIDIA GPU: the CUDA driver reports none"
+            return cls(_discover(count)), ""
         except (DeviceError, RuntimeError, OSError) as exc:  # RuntimeError: libcuda.so.1 could not be loaded
             log.debug("CUDA backend absent: %s", exc)
-            return None
-
-    def devices(self) -> list[Device]:
-        return list(self._devices)
+            return None, f"no usable CUDA driver or GPU: {exc}"
 
     @property
     def contexts(self) -> Contexts:
         """The primary contexts and peer links, for transports that issue driver calls of their own."""
         return self._contexts
 
-    def allocate(self, device: Device, size: int, *, pinned: bool = False) -> MemoryRegion:
-        """Device memory on a `cuda:N` device (always DMA-able; `pinned` is moot there).
-
-        On the host device, `pinned=True` gives cuMemHostAlloc memory (see allocate_pinned_host).
-        """
-        if size <= 0:
-            raise ArgumentError(f"allocation size must be positive, got {size}")
-        if device.kind is DeviceKind.HOST:
-            if not pinned:
-                raise ArgumentError("pageable host memory comes from the host backend")
-            return self.allocate_pinned_host(size)
-        ordinal = self._ordinal(device)
+    def _malloc(self, ordinal: int, size: int) -> tuple[int, Callable[[], None]]:
         with self._contexts.use(ordinal):
             address = int(check(driver.cuMemAlloc(size)))
 
@@ -91,12 +80,9 @@ class CudaBackend(MemoryBackend):
             with self._contexts.use(ordinal):
                 check(driver.cuMemFree(address))
 
-        return MemoryRegion(device=device, address=address, size=size, kind=MemoryKind.DEVICE, release=release)
+        return address, release
 
-    def allocate_pinned_host(self, size: int) -> MemoryRegion:
-        """Page-locked host memory that every GPU can DMA from at full speed (staging rings)."""
-        if size <= 0:
-            raise ArgumentError(f"allocation size must be positive, got {size}")
+    def _malloc_host(self, size: int) -> tuple[int, Callable[[], None]]:
         with self._contexts.use_any():
             address = int(check(driver.cuMemHostAlloc(size, driver.CU_MEMHOSTALLOC_PORTABLE)))
 
@@ -104,12 +90,12 @@ class CudaBackend(MemoryBackend):
             with self._contexts.use_any():
                 check(driver.cuMemFreeHost(address))
 
-        return MemoryRegion(device=HOST_DEVICE, address=address, size=size, kind=MemoryKind.HOST_PINNED, release=release)
+        return address, release
 
     def copy(self, dst: MemoryRegion, src: MemoryRegion, size: int, *, stream: Stream | None = None) -> None:
         if size == 0:
             return
-        cuda_stream = self._cuda_stream(stream)
+        cuda_stream = self._own_stream(stream)
         self._link_peers(dst.device, src.device)
         if cuda_stream is not None:
             with self._contexts.use(cuda_stream.device.index):
@@ -122,7 +108,7 @@ class CudaBackend(MemoryBackend):
     def fill(self, region: MemoryRegion, value: int, *, stream: Stream | None = None) -> None:
         if region.size == 0:
             return
-        cuda_stream = self._cuda_stream(stream)
+        cuda_stream = self._own_stream(stream)
         if cuda_stream is not None:
             with self._contexts.use(cuda_stream.device.index):
                 check(driver.cuMemsetD8Async(region.address, value, region.size, cuda_stream.handle))
@@ -152,48 +138,6 @@ class CudaBackend(MemoryBackend):
         self._ordinal(region.device)
         return export_handles(self._contexts, region)
 
-    def open_ipc(self, handle: common_pb2.CudaIpcHandle, device: Device, size: int) -> MemoryRegion:
-        """Map `size` bytes another process exported, for use by the GPU `device`.
-
-        Open it on the GPU whose kernels will touch it: the memory may live on another
-        GPU (the driver then enables peer access for the mapping), but a mapping made
-        on one GPU is not reachable from kernels on the others. Each exported allocation
-        is mapped once per process and device however often it is opened; free the
-        region (or close_ipc) to drop this user, and the last one unmaps it.
-        """
-        return self._ipc.open(handle, self._devices[self._ordinal(device)], size)
-
-    def close_ipc(self, region: MemoryRegion) -> None:
-        """Drop a region returned by open_ipc (the same as region.free()); idempotent."""
-        region.free()
-
-    def ipc_mappings(self) -> int:
-        """How many exported allocations this process has mapped through open_ipc now."""
-        return self._ipc.open_count()
-
-    def _ordinal(self, device: Device) -> int:
-        if device.kind is not DeviceKind.CUDA or not 0 <= device.index < len(self._devices):
-            raise ArgumentError(f"{device.name} is not a CUDA device of this host")
-        return device.index
-
-    def _ordinal_for(self, dst: MemoryRegion, src: MemoryRegion) -> int:
-        """The device whose context runs a stream-less copy: dst's GPU, else src's, else the first."""
-        for region in (dst, src):
-            if region.device.kind is DeviceKind.CUDA:
-                return self._ordinal(region.device)
-        return 0
-
-    def _link_peers(self, a: Device, b: Device) -> None:
-        if a.kind is DeviceKind.CUDA and b.kind is DeviceKind.CUDA and a.index != b.index and b.name in a.peer_devices:
-            self._contexts.enable_peer_access(a.index, b.index)
-            self._contexts.enable_peer_access(b.index, a.index)
-
-    @staticmethod
-    def _cuda_stream(stream: Stream | None) -> CudaStream | None:
-        if stream is None or isinstance(stream, CudaStream):
-            return stream
-        raise ArgumentError(f"CUDA copies need a CudaStream, got {type(stream).__name__}")
-
 
 def _discover(count: int) -> list[Device]:
     handles = [check(driver.cuDeviceGet(ordinal)) for ordinal in range(count)]
@@ -210,7 +154,7 @@ def _discover(count: int) -> list[Device]:
                 physical_vendor=Vendor.NVIDIA,
                 uuid=f"GPU-{uuidlib.UUID(bytes=check(driver.cuDeviceGetUuid(handle)).bytes)}",
                 pci_bus_id=bus_id,
-                numa_node=_numa_node(bus_id),
+                numa_node=pci_numa_node(bus_id),
                 total_memory=int(check(driver.cuDeviceTotalMem(handle))),
                 model=_c_string(check(driver.cuDeviceGetName(_NAME_BYTES, handle))),
                 peer_devices=peers,
@@ -227,12 +171,3 @@ def _pci_bus_id(handle: Any) -> str:
     """The bus id as sysfs spells it ("0000:18:00.0"); CUDA pads the domain to 8 digits."""
     domain, rest = _c_string(check(driver.cuDeviceGetPCIBusId(_BUS_ID_BYTES, handle))).split(":", 1)
     return f"{int(domain, 16):04x}:{rest.lower()}"
-
-
-def _numa_node(bus_id: str) -> int:
-    """The NUMA node sysfs reports for the device, -1 when unknown."""
-    try:
-        node = int(Path(f"/sys/bus/pci/devices/{bus_id}/numa_node").read_text())
-    except (OSError, ValueError):
-        return -1
-    return max(node, -1)

@@ -21,10 +21,10 @@ import ctypes
 import functools
 import threading
 from collections.abc import Iterator
-from typing import Any, Self
+from typing import Any
 
 from hmc.errors import DeviceError
-from hmc.memory._base import Device, Stream
+from hmc.memory._base import Device, Owned, Stream
 
 try:
     from cuda.bindings import driver
@@ -134,7 +134,7 @@ class Contexts:
             self._peers.add((ordinal, peer))
 
 
-class CudaEvent:
+class CudaEvent(Owned):
     """A marker in a stream: poll it with query() or wait with synchronize()."""
 
     def __init__(self, contexts: Contexts, device: Device) -> None:
@@ -142,7 +142,6 @@ class CudaEvent:
         self._contexts = contexts
         with contexts.use(device.index):
             self._event = check(driver.cuEventCreate(int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
-        self._closed = False
 
     @property
     def handle(self) -> int:
@@ -168,22 +167,12 @@ class CudaEvent:
         with self._contexts.use(self.device.index):
             check(driver.cuEventSynchronize(self._event))
 
-    def close(self) -> None:
-        """Destroy the event; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def _destroy(self) -> None:
         with self._contexts.use(self.device.index):
             check(driver.cuEventDestroy(self._event))
 
-    def __enter__(self) -> Self:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class CudaStream(Stream):
+class CudaStream(Stream, Owned):
     """A non-blocking stream in one device's primary context."""
 
     def __init__(self, contexts: Contexts, device: Device) -> None:
@@ -191,7 +180,6 @@ class CudaStream(Stream):
         self._contexts = contexts
         with contexts.use(device.index):
             self._stream = check(driver.cuStreamCreate(int(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)))
-        self._closed = False
 
     @property
     def handle(self) -> int:
@@ -227,16 +215,6 @@ class CudaStream(Stream):
         with self._contexts.use(self.device.index):
             check(driver.cuStreamWaitEvent(self._stream, event.handle, 0))
 
-    def close(self) -> None:
-        """Destroy the stream once its queued work finishes; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def _destroy(self) -> None:
         with self._contexts.use(self.device.index):
             check(driver.cuStreamDestroy(self._stream))
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -1,5 +1,5 @@
-"""Which physical host this process runs on: below both the transports (a shared ring needs the same host)
-and the control plane (hmcd announces it)."""
+"""Which physical host this process runs on (below both the transports, a shared ring needs the same host,
+and the control plane, hmcd announces it), and where its PCI devices sit."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import socket
 from pathlib import Path
 
-__all__ = ["HOST_ID_ENV", "host_id"]
+__all__ = ["HOST_ID_ENV", "host_id", "pci_numa_node"]
 
 HOST_ID_ENV = "HMC_HOST_ID"
 """Overrides the host id: agents that share a kernel but not /dev/shm or a PID namespace (containers) are told
@@ -22,3 +22,12 @@ def host_id(boot_id_path: str = "/proc/sys/kernel/random/boot_id") -> str:
         return Path(boot_id_path).read_text().strip()
     except OSError:
         return socket.gethostname()
+
+
+def pci_numa_node(bus_id: str) -> int:
+    """The NUMA node sysfs reports for a PCI device ("0000:18:00.0"), -1 when unknown."""
+    try:
+        node = int(Path(f"/sys/bus/pci/devices/{bus_id}/numa_node").read_text())
+    except (OSError, ValueError):
+        return -1
+    return max(node, -1)

@@ -1,0 +1,106 @@
+"""What the CUDA and HIP backends share: their devices, argument checks, peer links and IPC mappings.
+
+A `GpuBackend` knows its devices (`kind:N`), checks that a device is one of them and an allocation's size,
+picks the device that runs a stream-less copy, links two of its GPUs for peer copies on first use, counts
+the IPC handles it opened, and checks that a stream is one of its own. The runtime calls (allocation,
+copies, exports) are the subclass's.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from hmc.errors import ArgumentError
+from hmc.memory._base import Device, DeviceKind, MemoryBackend, MemoryKind, MemoryRegion, Stream
+from hmc.memory._host import HOST_DEVICE
+from hmc.memory._ipc_mappings import IpcMappings
+
+__all__ = ["GpuBackend"]
+
+
+class _PeerLinks(Protocol):
+    def enable_peer_access(self, ordinal: int, peer: int) -> None: ...
+
+
+class GpuBackend(MemoryBackend):
+    """A device family of GPUs; subclasses set `kind` and `_stream_type` and pass their peer links and IPC mappings."""
+
+    _stream_type: type[Stream]
+
+    def __init__(self, devices: list[Device], peers: _PeerLinks, ipc: IpcMappings) -> None:
+        self._devices = devices
+        self._peers = peers
+        self._ipc = ipc
+
+    def devices(self) -> list[Device]:
+        return list(self._devices)
+
+    def allocate(self, device: Device, size: int, *, pinned: bool = False) -> MemoryRegion:
+        """Device memory on one of this family's GPUs; on the host device, `pinned=True` gives page-locked host
+        memory (see allocate_pinned_host)."""
+        if size <= 0:
+            raise ArgumentError(f"allocation size must be positive, got {size}")
+        if device.kind is DeviceKind.HOST:
+            if not pinned:
+                raise ArgumentError("pageable host memory comes from the host backend")
+            return self.allocate_pinned_host(size)
+        address, release = self._malloc(self._ordinal(device), size)
+        return MemoryRegion(device=device, address=address, size=size, kind=MemoryKind.DEVICE, release=release)
+
+    def allocate_pinned_host(self, size: int) -> MemoryRegion:
+        """Page-locked host memory that every GPU can DMA from at full speed (staging rings)."""
+        if size <= 0:
+            raise ArgumentError(f"allocation size must be positive, got {size}")
+        address, release = self._malloc_host(size)
+        return MemoryRegion(device=HOST_DEVICE, address=address, size=size, kind=MemoryKind.HOST_PINNED, release=release)
+
+    @abc.abstractmethod
+    def _malloc(self, ordinal: int, size: int) -> tuple[int, Callable[[], None]]:
+        """`size` bytes on GPU `ordinal`: (address, the call that frees them)."""
+
+    @abc.abstractmethod
+    def _malloc_host(self, size: int) -> tuple[int, Callable[[], None]]:
+        """`size` bytes of portable page-locked host memory: (address, the call that frees them)."""
+
+    def open_ipc(self, handle: Any, device: Device, size: int) -> MemoryRegion:
+        """Map `size` bytes another process exported (a CudaIpcHandle or HipIpcHandle), for use by the GPU `device`.
+
+        Open it on the GPU whose kernels will touch it: the memory may live on another GPU (the runtime then
+        enables peer access for the mapping), but a mapping made on one GPU is not reachable from kernels on
+        the others. Each exported allocation is mapped once per process and device however often it is
+        opened; free the region (or close_ipc) to drop this user, and the last one unmaps it.
+        """
+        return self._ipc.open(handle, self._devices[self._ordinal(device)], size)
+
+    def close_ipc(self, region: MemoryRegion) -> None:
+        """Drop a region returned by open_ipc (the same as region.free()); idempotent."""
+        region.free()
+
+    def ipc_mappings(self) -> int:
+        """How many exported allocations this process has mapped through open_ipc now."""
+        return self._ipc.open_count()
+
+    def _ordinal(self, device: Device) -> int:
+        if device.kind is not self.kind or not 0 <= device.index < len(self._devices):
+            raise ArgumentError(f"{device.name} is not a {self.kind.value.upper()} device of this host")
+        return device.index
+
+    def _ordinal_for(self, dst: MemoryRegion, src: MemoryRegion) -> int:
+        """The device that runs a stream-less copy: dst's GPU, else src's, else the first."""
+        for region in (dst, src):
+            if region.device.kind is self.kind:
+                return self._ordinal(region.device)
+        return 0
+
+    def _link_peers(self, a: Device, b: Device) -> None:
+        if a.kind is self.kind and b.kind is self.kind and a.index != b.index and b.name in a.peer_devices:
+            self._peers.enable_peer_access(a.index, b.index)
+            self._peers.enable_peer_access(b.index, a.index)
+
+    def _own_stream(self, stream: Stream | None) -> Any:
+        """`stream` when it is None or one of this backend's streams; ArgumentError otherwise."""
+        if stream is None or isinstance(stream, self._stream_type):
+            return stream
+        raise ArgumentError(f"{self.kind.value.upper()} copies need a {self._stream_type.__name__}, got {type(stream).__name__}")
