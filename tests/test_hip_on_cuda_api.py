@@ -19,7 +19,7 @@ import pytest
 
 real_hip = pytest.importorskip("hip", reason="hip-python is not installed (the `hip` extra)").hip
 
-from hmc.memory._hip_on_cuda import hip as ours  # noqa: E402 - after the skip
+from hmc.testing.hip_on_cuda import hip as ours  # noqa: E402 - after the skip
 
 BACKEND = [Path(__file__).parents[1] / "hmc" / "memory" / name for name in ("_hip.py", "_hip_ipc.py", "_hip_runtime.py")]
 
