@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import hmc.memory as memory
-from hmc.errors import ArgumentError, ClosedResourceError, OutOfRangeError, UnsupportedError
+from hmc.errors import ArgumentError, ClosedResourceError, DeviceError, OutOfRangeError, UnsupportedError
 from hmc.memory import DeviceKind, MemoryKind
 
 
@@ -118,3 +118,32 @@ def test_views_and_bounds() -> None:
         memory.copy(b"immutable", data, 4)
     with pytest.raises(ArgumentError, match="byte"):
         memory.fill(poisoned, 256)
+
+
+class _Claims:
+    """A GPU backend that knows one pointer (or none: it refuses like a runtime that never allocated it)."""
+
+    def __init__(self, device: memory.Device | None) -> None:
+        self._device = device
+
+    def devices(self) -> list[memory.Device]:
+        return [self._device] if self._device is not None else []
+
+    def resolve_pointer(self, address: int) -> tuple[memory.Device, MemoryKind]:
+        if self._device is None:
+            raise DeviceError("CUDA driver call failed: CUDA_ERROR_INVALID_VALUE")
+        return self._device, MemoryKind.DEVICE
+
+
+class _DeviceMemory:
+    __cuda_array_interface__ = {"shape": (16,), "typestr": "|u1", "data": (0x7F0000001000, False), "version": 3}
+
+
+def test_a_pointer_cuda_does_not_know_is_asked_of_hip(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a node with NVIDIA and AMD GPUs a torch-on-ROCm tensor (device 'cuda') registers as HIP memory."""
+    hip0 = memory.Device("hip:0", DeviceKind.HIP, 0, memory.Vendor.AMD, memory.Vendor.AMD)
+    monkeypatch.setattr(memory, "_backends", lambda: {DeviceKind.CUDA: _Claims(None), DeviceKind.HIP: _Claims(hip0)})
+    assert memory.register(_DeviceMemory()).device is hip0
+    monkeypatch.setattr(memory, "_backends", lambda: {DeviceKind.CUDA: _Claims(None), DeviceKind.HIP: _Claims(None)})
+    with pytest.raises(ArgumentError, match="no GPU backend knows"):
+        memory.register(_DeviceMemory())

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from hmc.errors import ArgumentError, OutOfRangeError, UnsupportedError
+from hmc.errors import ArgumentError, DeviceError, OutOfRangeError, UnsupportedError
 from hmc.memory._base import Device, DeviceKind, MemoryBackend, MemoryKind, MemoryRegion, Stream, Vendor
 from hmc.memory._host import HOST_DEVICE, HostBackend
 from hmc.memory._interop import as_region
@@ -121,10 +121,18 @@ def free(region: MemoryRegion) -> None:
 
 
 def _resolve_pointer(address: int) -> tuple[Device, MemoryKind]:
+    """The device a GPU pointer belongs to: asked of each GPU backend in turn (on a node with NVIDIA and AMD GPUs,
+    a torch-on-ROCm tensor's pointer is unknown to CUDA)."""
+    refused: list[str] = []
     for kind in (DeviceKind.CUDA, DeviceKind.HIP):
         backend = _backends().get(kind)
         if backend is not None and hasattr(backend, "resolve_pointer"):
-            return backend.resolve_pointer(address)
+            try:
+                return backend.resolve_pointer(address)
+            except (DeviceError, ArgumentError) as exc:
+                refused.append(f"{kind.value}: {exc}")
+    if refused:
+        raise ArgumentError(f"no GPU backend knows the pointer {address:#x} ({'; '.join(refused)})")
     raise UnsupportedError("device pointer given but no CUDA or HIP backend is available")
 
 
