@@ -17,58 +17,59 @@ from typing import Any
 
 import pytest
 
-real_hip = pytest.importorskip("hip", reason="hip-python is not installed (the `hip` extra)").hip
+real = pytest.importorskip("hip", reason="hip-python is not installed (the `hip` extra)")
 
-from hmc.testing.hip_on_cuda import hip as ours  # noqa: E402 - after the skip
+from hmc.memory._hip_on_cuda import hiprtc as our_hiprtc  # noqa: E402 - after the skip
+from hmc.testing.hip_on_cuda import hip as our_hip  # noqa: E402
+
+MODULES = [(our_hip, real.hip), (our_hiprtc, real.hiprtc)]
 
 BACKEND = [Path(__file__).parents[1] / "hmc" / "memory" / name for name in ("_hip.py", "_hip_ipc.py", "_hip_runtime.py")]
 
 
-def _offered() -> dict[str, Any]:
-    """Our runtime's public names (defined there, not imported)."""
-    names = {}
-    for name, value in vars(ours).items():
-        if name.startswith("_") or not name.startswith("hip"):
-            continue
-        names[name] = value
-    return names
+def _offered(ours: Any) -> dict[str, Any]:
+    """A runtime module's public names (hip-python's spelling: hip*, HIPRTC*)."""
+    return {name: value for name, value in vars(ours).items() if name.startswith(("hip", "HIPRTC"))}
 
 
-def test_every_function_has_hip_pythons_name_and_arguments() -> None:
-    functions = {name: value for name, value in _offered().items() if inspect.isfunction(value)}
-    assert len(functions) >= 30
+@pytest.mark.parametrize(("ours", "theirs"), MODULES, ids=["hip", "hiprtc"])
+def test_every_function_has_hip_pythons_name_and_arguments(ours: Any, theirs: Any) -> None:
+    functions = {name: value for name, value in _offered(ours).items() if inspect.isfunction(value)}
+    assert len(functions) >= 7
     for name, function in functions.items():
-        theirs = getattr(real_hip, name, None)
-        assert theirs is not None, f"hip-python has no {name}"
-        assert list(inspect.signature(function).parameters) == list(inspect.signature(theirs).parameters), name
+        real_function = getattr(theirs, name, None)
+        assert real_function is not None, f"hip-python has no {name}"
+        assert list(inspect.signature(function).parameters) == list(inspect.signature(real_function).parameters), name
 
 
-def test_every_enum_member_and_constant_has_hip_pythons_value() -> None:
-    for name, value in _offered().items():
+@pytest.mark.parametrize(("ours", "theirs"), MODULES, ids=["hip", "hiprtc"])
+def test_every_enum_member_and_constant_has_hip_pythons_value(ours: Any, theirs: Any) -> None:
+    for name, value in _offered(ours).items():
         if isinstance(value, type) and issubclass(value, enum.Enum):
-            theirs = getattr(real_hip, name)
+            real_enum = getattr(theirs, name)
             for member in value:
-                assert int(getattr(theirs, member.name)) == int(member), f"{name}.{member.name}"
+                assert int(getattr(real_enum, member.name)) == int(member), f"{name}.{member.name}"
         elif isinstance(value, int):
-            assert int(getattr(real_hip, name)) == value, name
+            assert int(getattr(theirs, name)) == value, name
 
 
 def test_every_struct_attribute_exists_in_hip_python() -> None:
-    structs = {name: value for name, value in _offered().items() if isinstance(value, type) and not issubclass(value, enum.Enum)}
+    structs = {name: value for name, value in _offered(our_hip).items() if isinstance(value, type) and not issubclass(value, enum.Enum)}
     assert {"hipUUID", "hipIpcMemHandle_t", "hipPointerAttribute_t"} <= set(structs)
     for name, struct in structs.items():
-        theirs = getattr(real_hip, name)
+        theirs = getattr(real.hip, name)
         ours_attributes = {a for a in dir(struct()) if not a.startswith("_")}
         assert ours_attributes <= set(dir(theirs)), f"{name}: {ours_attributes - set(dir(theirs))}"
 
 
 def test_the_backend_calls_only_what_both_offer() -> None:
-    used = set()
-    for path in BACKEND:
-        used |= set(re.findall(r"\bhip\.(hip\w+)", path.read_text()))
-    assert {"hipMalloc", "hipIpcGetMemHandle", "hipMemcpyAsync"} <= used
-    assert used <= set(_offered()), used - set(_offered())
-    assert all(hasattr(real_hip, name) for name in used)
+    for module, (ours, theirs) in zip(("hip", "hiprtc"), MODULES):
+        used = set()
+        for path in BACKEND:
+            used |= set(re.findall(rf"\b{module}\.((?:hip|HIPRTC)\w+)", path.read_text()))
+        assert used, module
+        assert used <= set(_offered(ours)), used - set(_offered(ours))
+        assert all(hasattr(theirs, name) for name in used)
 
 
 def test_without_rocm_the_hip_backend_is_absent_and_hmc_devices_says_why(tmp_path: Path) -> None:

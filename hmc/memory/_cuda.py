@@ -29,7 +29,7 @@ from typing import Any
 from hmc.errors import DeviceError
 from hmc.memory._base import Device, DeviceKind, MemoryKind, MemoryRegion, Stream, Vendor
 from hmc.memory._gpu import GpuBackend
-from hmc.memory._cuda_driver import Contexts, CudaEvent, CudaStream, check, driver, pointer_ordinal
+from hmc.memory._cuda_driver import Contexts, CudaEvent, CudaRuntime, CudaStream, check, driver, pointer_ordinal
 from hmc.memory._cuda_ipc import export_handles, ipc_mappings
 from hmc.memory._host import HOST_DEVICE
 from hmc.memory._machine import pci_numa_node
@@ -50,7 +50,7 @@ class CudaBackend(GpuBackend):
 
     def __init__(self, devices: list[Device]) -> None:
         self._contexts = Contexts()
-        super().__init__(devices, self._contexts, ipc_mappings(self._contexts))
+        super().__init__(devices, self._contexts, ipc_mappings(self._contexts), CudaRuntime(self._contexts))
 
     @classmethod
     def probe(cls) -> tuple[CudaBackend | None, str]:

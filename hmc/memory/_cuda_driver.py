@@ -31,7 +31,7 @@ try:
 except ImportError:  # cuda-python is not installed: the CUDA backend is absent
     driver = None
 
-__all__ = ["Contexts", "CudaEvent", "CudaStream", "check", "driver", "pointer_ordinal"]
+__all__ = ["Contexts", "CudaEvent", "CudaRuntime", "CudaStream", "check", "driver", "pointer_ordinal"]
 
 
 def check(result: tuple[Any, ...]) -> Any:
@@ -218,3 +218,68 @@ class CudaStream(Stream, Owned):
     def _destroy(self) -> None:
         with self._contexts.use(self.device.index):
             check(driver.cuStreamDestroy(self._stream))
+
+
+class CudaRuntime:
+    """`hmc.memory._gpu.Runtime` on the CUDA driver: device scopes are primary contexts (`Contexts`)."""
+
+    name = "CUDA"
+
+    def __init__(self, contexts: Contexts) -> None:
+        self._contexts = contexts
+        self.ok = driver.CUresult.CUDA_SUCCESS
+        self.not_ready = driver.CUresult.CUDA_ERROR_NOT_READY
+        self.memcpy_async = driver.cuMemcpyAsync  # (dst, src, nbytes, stream): the driver's own, no wrapper on the hot path
+        self.stream_query = driver.cuStreamQuery
+        self.event_query = driver.cuEventQuery
+        self._flags = int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        self._ids: dict[int, int] = {}
+        """Primary context handles by ordinal (retained contexts never change)."""
+
+    @staticmethod
+    def check(result: tuple[Any, ...]) -> Any:
+        return check(result)
+
+    def use(self, ordinal: int) -> _Pushed:
+        return self._contexts.use(ordinal)
+
+    def is_current(self, ordinal: int) -> bool:
+        known = self._ids.get(ordinal)
+        if known is None:
+            known = self._ids[ordinal] = int(self._contexts.context(ordinal))
+        return int(driver.cuCtxGetCurrent()[1]) == known
+
+    def stream_wait_event(self, stream: Any, event: Any) -> None:
+        check(driver.cuStreamWaitEvent(stream, event, 0))
+
+    def event_create(self) -> Any:
+        return check(driver.cuEventCreate(self._flags))
+
+    def event_record(self, event: Any, stream: Any) -> None:
+        check(driver.cuEventRecord(event, stream))
+
+    def event_destroy(self, event: Any) -> None:
+        check(driver.cuEventDestroy(event))
+
+    @staticmethod
+    def mapped_pointer(address: int) -> int:
+        try:
+            return int(check(driver.cuMemHostGetDevicePointer(address, 0)))
+        except DeviceError:
+            return address
+
+    def register_host(self, address: int, size: int) -> int:
+        flags = driver.CU_MEMHOSTREGISTER_PORTABLE | driver.CU_MEMHOSTREGISTER_DEVICEMAP
+        with self._contexts.use_any():
+            check(driver.cuMemHostRegister(address, size, flags))
+            return int(check(driver.cuMemHostGetDevicePointer(address, 0)))
+
+    def unregister_host(self, address: int) -> None:
+        with self._contexts.use_any():
+            check(driver.cuMemHostUnregister(address))
+
+    @staticmethod
+    def load_kernel(device: Device, source: str, name: str) -> Any:
+        from hmc.memory._cuda_rtc import load_kernel
+
+        return load_kernel(device, source, name)

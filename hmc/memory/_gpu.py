@@ -1,4 +1,5 @@
-"""What the CUDA and HIP backends share: their devices, argument checks, peer links and IPC mappings.
+"""What the CUDA and HIP backends share: their devices, argument checks, peer links and IPC mappings, and the
+runtime calls transports make on either (`Runtime`).
 
 A `GpuBackend` knows its devices (`kind:N`), checks that a device is one of them and an allocation's size,
 picks the device that runs a stream-less copy, links two of its GPUs for peer copies on first use, counts
@@ -9,15 +10,81 @@ copies, exports) are the subclass's.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
+
+import numpy as np
 
 from hmc.errors import ArgumentError
 from hmc.memory._base import Device, DeviceKind, MemoryBackend, MemoryKind, MemoryRegion, Stream
 from hmc.memory._host import HOST_DEVICE
 from hmc.memory._ipc_mappings import IpcMappings
 
-__all__ = ["GpuBackend"]
+__all__ = ["GpuBackend", "Kernel", "Runtime", "argument_pointers"]
+
+
+class Kernel(Protocol):
+    """A kernel compiled and loaded for one GPU; `kind` names the compiler ("nvrtc", "cupy", "hiprtc")."""
+
+    kind: str
+
+    def launch(self, grid: int, block: int, arguments: Sequence[int], stream: Any) -> None:
+        """Queue `grid` blocks of `block` threads on `stream`, the kernel's arguments 64-bit values (pointers)."""
+
+    def close(self) -> None: ...
+
+
+class Runtime(Protocol):
+    """The calls transports make on a GPU runtime (the CUDA driver, the HIP runtime), so one copy lane serves both.
+
+    The polling calls (`memcpy_async`, `stream_query`, `event_query`) return the runtime's result tuple, status
+    first, unchecked: hot paths compare it with `ok` and `not_ready` themselves. The others raise DeviceError.
+    """
+
+    name: str
+    ok: Any
+    not_ready: Any
+
+    def check(self, result: tuple[Any, ...]) -> Any:
+        """The outputs of a call's result tuple; DeviceError unless its status is `ok`."""
+
+    def use(self, ordinal: int) -> AbstractContextManager[Any]:
+        """Make GPU `ordinal` current on this thread for a block, then restore the caller's."""
+
+    def is_current(self, ordinal: int) -> bool:
+        """Whether GPU `ordinal` is current on this thread already (a block of `use` can be skipped)."""
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: Any) -> tuple[Any, ...]: ...
+
+    def stream_query(self, stream: Any) -> tuple[Any, ...]: ...
+
+    def stream_wait_event(self, stream: Any, event: Any) -> None: ...
+
+    def event_create(self) -> Any: ...
+
+    def event_record(self, event: Any, stream: Any) -> None: ...
+
+    def event_query(self, event: Any) -> tuple[Any, ...]: ...
+
+    def event_destroy(self, event: Any) -> None: ...
+
+    def mapped_pointer(self, address: int) -> int:
+        """Where the current GPU reaches page-locked host memory at `address` (the address itself, where equal)."""
+
+    def register_host(self, address: int, size: int) -> int:
+        """Page-lock and map host memory for every GPU; returns the pointer GPUs use."""
+
+    def unregister_host(self, address: int) -> None: ...
+
+    def load_kernel(self, device: Device, source: str, name: str) -> Kernel | None:
+        """`name` from `source` compiled at run time for `device` (current) and loaded, or None where that fails."""
+
+
+def argument_pointers(arguments: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """A launch's 64-bit argument values and the array of pointers to them (keep both alive through the launch)."""
+    values = np.array(arguments, np.uint64)
+    return values, values.ctypes.data + 8 * np.arange(len(values), dtype=np.uint64)
 
 
 class _PeerLinks(Protocol):
@@ -29,10 +96,12 @@ class GpuBackend(MemoryBackend):
 
     _stream_type: type[Stream]
 
-    def __init__(self, devices: list[Device], peers: _PeerLinks, ipc: IpcMappings) -> None:
+    def __init__(self, devices: list[Device], peers: _PeerLinks, ipc: IpcMappings, runtime: Runtime) -> None:
         self._devices = devices
         self._peers = peers
         self._ipc = ipc
+        self.runtime = runtime
+        """The runtime's calls, for transports that drive these GPUs themselves."""
 
     def devices(self) -> list[Device]:
         return list(self._devices)

@@ -30,7 +30,7 @@ from hmc.errors import ArgumentError, DeviceError
 from hmc.memory._base import Device, DeviceKind, MemoryKind, MemoryRegion, Stream, Vendor
 from hmc.memory._gpu import GpuBackend
 from hmc.memory._hip_ipc import export_handles, ipc_mappings
-from hmc.memory._hip_runtime import ON_CUDA, Devices, HipEvent, HipStream, check, hip, missing
+from hmc.memory._hip_runtime import ON_CUDA, Devices, HipEvent, HipRuntime, HipStream, check, hip, missing
 from hmc.memory._host import HOST_DEVICE
 from hmc.memory._machine import pci_numa_node
 
@@ -51,7 +51,7 @@ class HipBackend(GpuBackend):
 
     def __init__(self, devices: list[Device]) -> None:
         self._scopes = Devices()
-        super().__init__(devices, self._scopes, ipc_mappings(self._scopes))
+        super().__init__(devices, self._scopes, ipc_mappings(self._scopes), HipRuntime(self._scopes))
 
     @classmethod
     def probe(cls) -> tuple[HipBackend | None, str]:

@@ -1,6 +1,6 @@
 """HIP as the HIP backend uses it: the runtime module, result checking, current-device scopes, streams, events.
 
-The runtime is hip-python's `hip` module (ROCm 6.x and 7.x; `pip install 'hmc[hip]'`), or, in a process
+The runtime is hip-python's `hip` and `hiprtc` modules (ROCm 6.x and 7.x; `pip install 'hmc[hip]'`), or, in a process
 switched to it (`HMC_HIP_ON_CUDA=1`, see `hmc.memory._hip_on_cuda`), the HIP-on-CUDA runtime, which has
 the same API over the CUDA driver. `check` is the backend's one translation boundary: every hipError_t
 other than hipSuccess becomes `hmc.errors.DeviceError`, named with hipGetErrorName.
@@ -15,14 +15,21 @@ Concurrency: `Devices` is thread-safe. A `HipStream` or `HipEvent` may be used f
 from __future__ import annotations
 
 import importlib
+import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from hmc.errors import DeviceError
 from hmc.memory._base import Device, Owned, Stream
+from hmc.memory._gpu import argument_pointers
 from hmc.memory._hip_on_cuda import SWITCH, enabled
 
-__all__ = ["ON_CUDA", "Devices", "HipEvent", "HipStream", "check", "hip", "missing"]
+__all__ = ["ON_CUDA", "Devices", "HipEvent", "HipRuntime", "HipStream", "check", "hip", "missing"]
+
+_log = logging.getLogger(__name__)
 
 ON_CUDA = enabled()
 """Whether this process runs its HIP backend on the HIP-on-CUDA runtime (NVIDIA hardware)."""
@@ -30,11 +37,11 @@ ON_CUDA = enabled()
 try:
     if ON_CUDA:
         importlib.import_module("cuda.bindings.driver")  # what the HIP-on-CUDA runtime runs on
-        from hmc.memory._hip_on_cuda import hip
+        from hmc.memory._hip_on_cuda import hip, hiprtc
     else:
-        from hip import hip
+        from hip import hip, hiprtc
 except ImportError as exc:  # hip-python (or, switched, cuda-python) is not installed: the HIP backend is absent
-    hip = None
+    hip = hiprtc = None
     missing = f"{SWITCH}=1 but cuda-python is not installed ({exc})" if ON_CUDA else "hip-python is not installed (pip install 'hmc[hip]')"
 else:
     missing = ""
@@ -178,3 +185,113 @@ class HipStream(Stream, Owned):
 
     def _destroy(self) -> None:
         check(hip.hipStreamDestroy(self._stream))
+
+
+class HipRuntime:
+    """`hmc.memory._gpu.Runtime` on the HIP runtime: device scopes are current devices (`Devices`), kernels come
+    from hiprtc (compiled for the current device) loaded as code objects."""
+
+    name = "HIP"
+
+    def __init__(self, devices: Devices) -> None:
+        self._devices = devices
+        self.ok = hip.hipError_t.hipSuccess
+        self.not_ready = hip.hipError_t.hipErrorNotReady
+        copy, kind = hip.hipMemcpyAsync, hip.hipMemcpyKind.hipMemcpyDefault
+
+        def memcpy_async(dst: int, src: int, nbytes: int, stream: Any) -> tuple[Any, ...]:
+            return copy(dst, src, nbytes, kind, stream)
+
+        self.memcpy_async = memcpy_async
+        self.stream_query = hip.hipStreamQuery
+        self.event_query = hip.hipEventQuery
+
+    @staticmethod
+    def check(result: tuple[Any, ...]) -> Any:
+        return check(result)
+
+    def use(self, ordinal: int) -> _Current:
+        return self._devices.use(ordinal)
+
+    @staticmethod
+    def is_current(ordinal: int) -> bool:
+        return int(check(hip.hipGetDevice())) == ordinal
+
+    @staticmethod
+    def stream_wait_event(stream: Any, event: Any) -> None:
+        check(hip.hipStreamWaitEvent(stream, event, 0))
+
+    @staticmethod
+    def event_create() -> Any:
+        return check(hip.hipEventCreateWithFlags(hip.hipEventDisableTiming))
+
+    @staticmethod
+    def event_record(event: Any, stream: Any) -> None:
+        check(hip.hipEventRecord(event, stream))
+
+    @staticmethod
+    def event_destroy(event: Any) -> None:
+        check(hip.hipEventDestroy(event))
+
+    @staticmethod
+    def mapped_pointer(address: int) -> int:
+        try:
+            return int(check(hip.hipHostGetDevicePointer(address, 0)))
+        except DeviceError:
+            return address
+
+    def register_host(self, address: int, size: int) -> int:
+        check(hip.hipHostRegister(address, size, hip.hipHostRegisterPortable | hip.hipHostRegisterMapped))
+        return self.mapped_pointer(address)
+
+    @staticmethod
+    def unregister_host(address: int) -> None:
+        check(hip.hipHostUnregister(address))
+
+    @staticmethod
+    def load_kernel(device: Device, source: str, name: str) -> _HipKernel | None:
+        try:
+            return _HipKernel(_code_object(source, name), name)
+        except (DeviceError, RuntimeError) as exc:  # RuntimeError: hip-python could not load libhiprtc
+            _log.warning("no %s kernel on %s (hiprtc: %s)", name, device.name, exc)
+            return None
+
+
+def _code_object(source: str, name: str) -> bytes:
+    """`source` compiled by hiprtc for the current device."""
+
+    def ok(result: tuple[Any, ...]) -> Any:
+        if result[0] != hiprtc.hiprtcResult.HIPRTC_SUCCESS:
+            raise DeviceError(f"hiprtc call failed: {hiprtc.hiprtcResult(int(result[0])).name}")
+        return result[1] if len(result) > 1 else None
+
+    program = ok(hiprtc.hiprtcCreateProgram(source.encode(), f"{name}.hip".encode(), 0, [], []))
+    try:
+        options = [b"-std=c++17"]
+        if hiprtc.hiprtcCompileProgram(program, len(options), options)[0] != hiprtc.hiprtcResult.HIPRTC_SUCCESS:
+            log = bytearray(int(ok(hiprtc.hiprtcGetProgramLogSize(program))))
+            ok(hiprtc.hiprtcGetProgramLog(program, log))
+            raise DeviceError(f"hiprtc could not compile {name}: {bytes(log).decode(errors='replace').strip()}")
+        code = bytearray(int(ok(hiprtc.hiprtcGetCodeSize(program))))
+        ok(hiprtc.hiprtcGetCode(program, code))
+        return bytes(code)
+    finally:
+        hiprtc.hiprtcDestroyProgram(program)
+
+
+class _HipKernel:
+    """A kernel loaded from a code object on the current device."""
+
+    kind = "hiprtc"
+
+    def __init__(self, image: bytes, name: str) -> None:
+        self._image = np.frombuffer(image, np.uint8)
+        self._module = check(hip.hipModuleLoadData(self._image.ctypes.data))
+        self._function = check(hip.hipModuleGetFunction(self._module, name.encode()))
+
+    def launch(self, grid: int, block: int, arguments: Sequence[int], stream: Any) -> None:
+        values, pointers = argument_pointers(arguments)
+        check(hip.hipModuleLaunchKernel(self._function, grid, 1, 1, block, 1, 1, 0, stream, int(pointers.ctypes.data), None))
+
+    def close(self) -> None:
+        check(hip.hipModuleUnload(self._module))

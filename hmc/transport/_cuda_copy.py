@@ -1,10 +1,11 @@
-"""Batched device copies for the CUDA ipc path: a batch of ranges costs one launch, not one call per range.
+"""Batched device copies on one GPU, CUDA or HIP: a batch of ranges costs one launch, not one call per range.
 
 A `Lane` is one GPU's stream plus what it needs to move batches of (source
-pointer, destination pointer, length) triples on it:
+pointer, destination pointer, length) triples on it, through its backend's
+runtime calls (`hmc.memory._gpu.Runtime`: the CUDA driver, or the HIP runtime):
 
-- up to `FEW` ranges: one cuMemcpyAsync each (the copy engines; a peer copy over
-  NVLink when the two pointers live on two GPUs);
+- up to `FEW` ranges: one memcpyAsync each (the copy engines; a peer copy over
+  NVLink or XGMI when the two pointers live on two GPUs);
 - more: ranges longer than `PIECE_BYTES` are cut into pieces, the pointer and
   length arrays are written (base added on the way) into a page-locked staging
   table and go to the device in one host-to-device copy, and one launch of
@@ -13,12 +14,12 @@ pointer, destination pointer, length) triples on it:
   (else 8, 4, 2 or 1 bytes), unrolled so each thread keeps four loads in
   flight, and a byte tail.
 
-Pointers may be memory of this GPU, of a peer GPU (peer access enabled, or a
-CUDA IPC mapping), or page-locked host memory mapped for the device.
+Pointers may be memory of this GPU, of a peer GPU (peer access enabled, or an
+IPC mapping), or page-locked host memory mapped for the device.
 
-The kernel is compiled once per process and GPU architecture with NVRTC
-(`cuda.bindings.nvrtc`), else through CuPy when it is importable; where neither
-works, every range is one cuMemcpyAsync (correct, slow; logged once per lane).
+The kernel is compiled from one source at run time: NVRTC (else CuPy) for CUDA
+GPUs, hiprtc for HIP ones (`Runtime.load_kernel`); where that fails, every range
+is one memcpyAsync (correct, slow; logged once per lane).
 
 Waiting never blocks without a deadline: `wait_idle()` and `event_done()` poll
 (`spin_until()`: tight at first, then yielding, then sleeping briefly).
@@ -33,7 +34,6 @@ hands the bounce buffer to one transfer at a time.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import threading
@@ -43,19 +43,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hmc.errors import DeviceError, HMCError, TimeoutError
+from hmc.errors import HMCError, TimeoutError
 from hmc.memory._base import Device, MemoryRegion
-from hmc.memory._cuda_driver import check, driver
 
 if TYPE_CHECKING:
-    from hmc.memory._cuda import CudaBackend
+    from hmc.memory._gpu import GpuBackend, Kernel, Runtime
 
-__all__ = ["FEW", "KERNEL_SOURCE", "PIECE_BYTES", "Bounce", "Lane", "compile_kernel", "mapped_pointer", "pieces", "spin_until"]
+__all__ = ["FEW", "KERNEL_SOURCE", "PIECE_BYTES", "Bounce", "Lane", "pieces", "spin_until"]
 
 _log = logging.getLogger(__name__)
 
 FEW = 4
-"""Up to this many ranges, each is one cuMemcpyAsync (cheaper than a table upload and a launch)."""
+"""Up to this many ranges, each is one memcpyAsync (cheaper than a table upload and a launch)."""
 PIECE_BYTES = 256 << 10
 """Ranges longer than this are cut, so one long range still spreads over many thread blocks."""
 _FIRST_ROWS = 4096
@@ -110,102 +109,6 @@ hmc_copy_ranges(const u64* __restrict__ sources, const u64* __restrict__ destina
 """
 
 
-# -- compiling and loading the kernel ---------------------------------------------
-
-
-@functools.cache
-def compile_kernel(arch: int) -> bytes | None:
-    """CUBIN of the copy kernel for sm_<arch> through NVRTC; None where NVRTC is missing or fails."""
-    try:
-        from cuda.bindings import nvrtc
-    except ImportError:
-        return None
-    try:
-        return _nvrtc_cubin(nvrtc, arch)
-    except Exception as exc:  # noqa: BLE001 - a missing libnvrtc raises the loader's own error types
-        _log.info("NVRTC cannot build the copy kernel for sm_%d: %s", arch, exc)
-        return None
-
-
-def _nvrtc_cubin(nvrtc: Any, arch: int) -> bytes:
-    def ok(result: tuple[Any, ...]) -> Any:
-        if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise DeviceError(f"NVRTC call failed: {nvrtc.nvrtcGetErrorString(result[0])[1].decode()}")
-        return result[1] if len(result) > 1 else None
-
-    program = ok(nvrtc.nvrtcCreateProgram(KERNEL_SOURCE.encode(), b"hmc_copy_ranges.cu", 0, [], []))
-    try:
-        options = [f"--gpu-architecture=sm_{arch}".encode(), b"--std=c++17"]
-        if nvrtc.nvrtcCompileProgram(program, len(options), options)[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            log = b" " * ok(nvrtc.nvrtcGetProgramLogSize(program))
-            ok(nvrtc.nvrtcGetProgramLog(program, log))
-            raise DeviceError(f"NVRTC could not compile the copy kernel: {log.decode(errors='replace').strip()}")
-        image = b" " * ok(nvrtc.nvrtcGetCUBINSize(program))
-        ok(nvrtc.nvrtcGetCUBIN(program, image))
-        return image
-    finally:
-        nvrtc.nvrtcDestroyProgram(program)
-
-
-class _ModuleKernel:
-    """The kernel loaded from a CUBIN into one device's primary context (current when called)."""
-
-    def __init__(self, image: bytes) -> None:
-        self._image = np.frombuffer(image, np.uint8)
-        self._module = check(driver.cuModuleLoadData(self._image.ctypes.data))
-        self._function = check(driver.cuModuleGetFunction(self._module, _KERNEL.encode()))
-
-    def launch(self, grid: int, block: int, table: int, stream: int) -> None:
-        """`table`: device address of the sources, then destinations, then lengths (`grid` entries each)."""
-        arguments = np.array([table, table + 8 * grid, table + 16 * grid], np.uint64)
-        pointers = np.array([arguments.ctypes.data, arguments.ctypes.data + 8, arguments.ctypes.data + 16], np.uint64)
-        check(driver.cuLaunchKernel(self._function, grid, 1, 1, block, 1, 1, 0, stream, pointers.ctypes.data, 0))
-
-    def close(self) -> None:
-        check(driver.cuModuleUnload(self._module))
-
-
-class _CupyKernel:
-    """The kernel compiled and launched through CuPy (when NVRTC through cuda.bindings is unavailable)."""
-
-    def __init__(self, ordinal: int) -> None:
-        import cupy
-
-        self._cupy = cupy
-        self._ordinal = ordinal
-        self._kernel = cupy.RawKernel(KERNEL_SOURCE, _KERNEL, options=("--std=c++17",))
-        with cupy.cuda.Device(ordinal):
-            self._kernel.compile()
-
-    def launch(self, grid: int, block: int, table: int, stream: int) -> None:
-        cupy = self._cupy
-        arguments = (np.uint64(table), np.uint64(table + 8 * grid), np.uint64(table + 16 * grid))
-        with cupy.cuda.Device(self._ordinal):
-            self._kernel((grid,), (block,), arguments, stream=cupy.cuda.ExternalStream(stream))
-
-    def close(self) -> None:
-        return None
-
-
-def _load_kernel(device: Device) -> _ModuleKernel | _CupyKernel | None:
-    """The copy kernel for `device` (its context current), or None: ranges then go one copy each."""
-    handle = check(driver.cuDeviceGet(device.index))
-    attribute = driver.CUdevice_attribute
-    major = int(check(driver.cuDeviceGetAttribute(attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, handle)))
-    minor = int(check(driver.cuDeviceGetAttribute(attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, handle)))
-    image = compile_kernel(major * 10 + minor)
-    if image is not None:
-        try:
-            return _ModuleKernel(image)
-        except DeviceError as exc:
-            _log.info("the copy kernel built by NVRTC does not load on %s: %s", device.name, exc)
-    try:
-        return _CupyKernel(device.index)
-    except Exception as exc:  # noqa: BLE001 - CuPy missing or its compiler failing: fall back to copies
-        _log.warning("no copy kernel on %s (NVRTC and CuPy both failed: %s); each range is one cuMemcpyAsync", device.name, exc)
-        return None
-
-
 # -- ranges and waiting --------------------------------------------------------------
 
 
@@ -220,8 +123,8 @@ def pieces(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, piece: int = P
     return src[index] + shift, dst[index] + shift, np.minimum(lengths[index] - shift, piece)
 
 
-def spin_until(query: Callable[[], Any], deadline: float, *, yield_s: float = 0.0) -> bool:
-    """Poll a CUresult-returning query until it is not CUDA_ERROR_NOT_READY (True) or `deadline` passed (False).
+def spin_until(query: Callable[[], Any], deadline: float, runtime: Runtime, *, yield_s: float = 0.0) -> bool:
+    """Poll a status-returning query until it is not `runtime.not_ready` (True) or `deadline` passed (False).
 
     Tight for the first polls (microsecond copies); then, for `yield_s` seconds,
     yielding the CPU and the GIL between polls (`os.sched_yield`); then
@@ -233,13 +136,13 @@ def spin_until(query: Callable[[], Any], deadline: float, *, yield_s: float = 0.
     GIL, and with yields it was no faster (1 GiB 0.82x pinned D2H, with naps 0.84x
     on the same kind of host).
     """
-    not_ready = driver.CUresult.CUDA_ERROR_NOT_READY
+    not_ready = runtime.not_ready
     polls = 0
     started = 0.0
     while True:
         status = query()
         if status != not_ready:
-            check((status,))
+            runtime.check((status,))
             return True
         now = time.monotonic()
         if now > deadline:
@@ -263,14 +166,14 @@ class _Table:
     """One range table: page-locked host rows written here, which the kernel reads uploaded to device rows, or
     in place through their device mapping."""
 
-    def __init__(self) -> None:
+    def __init__(self, runtime: Runtime) -> None:
         self.rows = 0
         self.host: MemoryRegion | None = None
         self.host_pointer = 0
         """Where the GPU reads the host rows in place."""
         self.array: np.ndarray = np.empty(0, np.int64)
         self.device: MemoryRegion | None = None
-        self.uploaded = check(driver.cuEventCreate(int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
+        self.uploaded = runtime.event_create()
         """Recorded once the host rows are read (after the upload, or after a launch that reads them in place):
         they may be rewritten once it completed."""
 
@@ -295,21 +198,19 @@ class Bounce:
 class Lane:
     """One GPU's copy stream, its copy kernel and its range tables."""
 
-    def __init__(self, backend: CudaBackend, device: Device) -> None:
+    def __init__(self, backend: GpuBackend, device: Device) -> None:
         self.device = device
         self.ordinal = device.index
         self._backend = backend
-        self._contexts = backend.contexts
-        self._context = self._contexts.context(device.index)
-        self._context_id = int(self._context)
+        self._rt = backend.runtime
         self.stream = backend.stream(device)
         self.handle = self.stream.handle
-        self._ok, self._not_ready = driver.CUresult.CUDA_SUCCESS, driver.CUresult.CUDA_ERROR_NOT_READY
+        self._native = self.stream.native
         self._lock = threading.Lock()  # guards _kernel, _tables and _turn
-        self._kernel: _ModuleKernel | _CupyKernel | None = None
+        self._kernel: Kernel | None = None
         self._kernel_loaded = False
-        with self._contexts.use(self.ordinal):
-            self._tables = [_Table() for _ in range(_TABLES)]
+        with self._rt.use(self.ordinal):
+            self._tables = [_Table(self._rt) for _ in range(_TABLES)]
         self._turn = 0
         self._event_lock = threading.Lock()
         self._events: list[Any] = []
@@ -321,10 +222,10 @@ class Lane:
 
     @property
     def kernel_kind(self) -> str:
-        """How batches are moved here: "nvrtc", "cupy", "memcpy" (no kernel) or "unloaded" (no batch yet)."""
+        """How batches are moved here: "nvrtc", "cupy", "hiprtc", "memcpy" (no kernel) or "unloaded" (no batch yet)."""
         if not self._kernel_loaded:
             return "unloaded"
-        return {_ModuleKernel: "nvrtc", _CupyKernel: "cupy"}.get(type(self._kernel), "memcpy")
+        return "memcpy" if self._kernel is None else self._kernel.kind
 
     def enqueue(
         self, src: np.ndarray, src_base: int, dst: np.ndarray, dst_base: int, lengths: np.ndarray, deadline: float,
@@ -337,7 +238,7 @@ class Lane:
         copy-engine work before the launch, which would queue behind the other direction's copies (the staged
         ring on one GPU, where both ends' slot copies share the copy engines).
         """
-        with self._contexts.use(self.ordinal):
+        with self._rt.use(self.ordinal):
             if per_range or lengths.size <= FEW:
                 self._copies(src + src_base, dst + dst_base, lengths)
             else:
@@ -354,70 +255,67 @@ class Lane:
     def _copier(self) -> Callable[[int, int, int, float], bool]:
         """`copy_now`: one closure with the driver functions and handles bound (the single-range fast path, a 4 KiB write).
 
-        The copy (cuMemcpyAsync; cuMemcpyDtoDAsync was slower through a CUDA IPC
+        The copy (memcpyAsync; cuMemcpyDtoDAsync was slower through a CUDA IPC
         mapping on 2x H200: 4 KiB write p50 11.9 us against 7.0 for a plain
-        cudaMemcpyAsync) and the stream polls run inside a push and pop of the
-        lane's context unless the caller's thread has it current already (PyTorch
-        on this GPU).
+        cudaMemcpyAsync) and the stream polls run with the lane's GPU made current
+        unless the caller's thread has it current already (PyTorch on this GPU).
         """
-        stream, ok, not_ready = self.stream.native, self._ok, self._not_ready
-        context, context_id = self._context, self._context_id
-        memcpy, query, current = driver.cuMemcpyAsync, driver.cuStreamQuery, driver.cuCtxGetCurrent
-        push, pop = driver.cuCtxPushCurrent, driver.cuCtxPopCurrent
+        rt = self._rt
+        stream, ok, not_ready, ordinal = self._native, rt.ok, rt.not_ready, self.ordinal
+        memcpy, query, current, use, check = rt.memcpy_async, rt.stream_query, rt.is_current, rt.use, rt.check
+
+        def copied(dst: int, src: int, length: int, deadline: float) -> bool:
+            status = memcpy(dst, src, length, stream)[0]
+            if status != ok:
+                check((status,))
+            for _ in range(256):  # a small copy lands within these polls
+                status = query(stream)[0]
+                if status == ok:
+                    return True
+                if status != not_ready:
+                    check((status,))
+            return spin_until(lambda: query(stream)[0], deadline, rt, yield_s=_YIELD_S)
 
         def copy(dst: int, src: int, length: int, deadline: float) -> bool:
-            pushed = int(current()[1]) != context_id
-            if pushed:
-                check(push(context))
-            try:
-                status = memcpy(dst, src, length, stream)[0]
-                if status != ok:
-                    check((status,))
-                for _ in range(256):  # a small copy lands within these polls
-                    status = query(stream)[0]
-                    if status == ok:
-                        return True
-                    if status != not_ready:
-                        check((status,))
-                return spin_until(lambda: query(stream)[0], deadline, yield_s=_YIELD_S)
-            finally:
-                if pushed:
-                    check(pop())
+            if current(ordinal):
+                return copied(dst, src, length, deadline)
+            with use(ordinal):
+                return copied(dst, src, length, deadline)
 
         return copy
 
     def record(self) -> Any:
         """An event marking everything queued so far (release it with release_event)."""
-        with self._contexts.use(self.ordinal):
+        with self._rt.use(self.ordinal):
             return self._recorded()
 
     def _recorded(self) -> Any:
-        """A pooled (else new) event recorded on the stream; the lane's context is current."""
+        """A pooled (else new) event recorded on the stream; the lane's GPU is current."""
         with self._event_lock:
             event = self._events.pop() if self._events else None
         if event is None:
-            event = check(driver.cuEventCreate(int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)))
-        check(driver.cuEventRecord(event, self.handle))
+            event = self._rt.event_create()
+        self._rt.event_record(event, self._native)
         return event
 
     def wait_for(self, event: Any) -> None:
         """Make work queued on this stream from now on wait for `event` (recorded on another of this GPU's lanes)."""
-        with self._contexts.use(self.ordinal):
-            check(driver.cuStreamWaitEvent(self.handle, event, 0))
+        with self._rt.use(self.ordinal):
+            self._rt.stream_wait_event(self._native, event)
 
     def wait_idle(self, deadline: float) -> bool:
         """Poll until everything queued on the stream finished (True) or `deadline` passed (False)."""
-        stream = self.handle
-        with self._contexts.use(self.ordinal):
-            return spin_until(lambda: driver.cuStreamQuery(stream)[0], deadline, yield_s=_YIELD_S)
+        rt, stream = self._rt, self._native
+        with rt.use(self.ordinal):
+            return spin_until(lambda: rt.stream_query(stream)[0], deadline, rt, yield_s=_YIELD_S)
 
     def event_done(self, event: Any) -> bool:
         """True once the work before `event` finished (DeviceError if it failed)."""
-        with self._contexts.use(self.ordinal):
-            status = driver.cuEventQuery(event)[0]
-        if status == driver.CUresult.CUDA_ERROR_NOT_READY:
+        with self._rt.use(self.ordinal):
+            status = self._rt.event_query(event)[0]
+        if status == self._rt.not_ready:
             return False
-        check((status,))
+        self._rt.check((status,))
         return True
 
     def event_wait(self, event: Any, deadline: float, *, yield_s: float = _YIELD_S) -> bool:
@@ -425,8 +323,9 @@ class Lane:
 
         `yield_s`: how long to poll with sched_yield before napping (`spin_until`); 0 for threads that share the
         GIL with busy ones (the staged ring's), which a yielding poller would starve for a switch interval."""
-        with self._contexts.use(self.ordinal):
-            return spin_until(lambda: driver.cuEventQuery(event)[0], deadline, yield_s=yield_s)
+        rt = self._rt
+        with rt.use(self.ordinal):
+            return spin_until(lambda: rt.event_query(event)[0], deadline, rt, yield_s=yield_s)
 
     def release_event(self, event: Any) -> None:
         """Give an event back for reuse (it must not be waited for any more)."""
@@ -441,25 +340,27 @@ class Lane:
         try:
             if self._bounce is None:
                 region = self._backend.allocate_pinned_host(size)
-                with self._contexts.use(self.ordinal):
-                    self._bounce = Bounce(region, mapped_pointer(region.address))
+                with self._rt.use(self.ordinal):
+                    self._bounce = Bounce(region, self._rt.mapped_pointer(region.address))
             yield self._bounce
         finally:
             self._bounce_lock.release()
 
-    def _kernel_here(self) -> _ModuleKernel | _CupyKernel | None:
+    def _kernel_here(self) -> Kernel | None:
         if not self._kernel_loaded:
-            self._kernel = _load_kernel(self.device)
+            self._kernel = self._rt.load_kernel(self.device, KERNEL_SOURCE, _KERNEL)
+            if self._kernel is None:
+                _log.warning("no copy kernel on %s: each range of a batch is one memcpyAsync", self.device.name)
             self._kernel_loaded = True
         return self._kernel
 
     def _copies(self, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> None:
-        stream = self.handle
+        rt, stream = self._rt, self._native
         for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist()):
-            check(driver.cuMemcpyAsync(d, s, n, stream))
+            rt.check(rt.memcpy_async(d, s, n, stream))
 
     def _launch(
-        self, kernel: _ModuleKernel | _CupyKernel, src: np.ndarray, src_base: int, dst: np.ndarray, dst_base: int, lengths: np.ndarray,
+        self, kernel: Kernel, src: np.ndarray, src_base: int, dst: np.ndarray, dst_base: int, lengths: np.ndarray,
         deadline: float, table_in_place: bool,
     ) -> None:
         longest = int(lengths.max())
@@ -470,7 +371,8 @@ class Lane:
         table = self._tables[self._turn]
         self._turn = (self._turn + 1) % len(self._tables)
         self._reserve(table, rows, deadline)
-        if not spin_until(lambda: driver.cuEventQuery(table.uploaded)[0], deadline):
+        rt = self._rt
+        if not spin_until(lambda: rt.event_query(table.uploaded)[0], deadline, rt):
             raise TimeoutError(f"the range table of {self.device.name} stayed in use past the deadline")
         rows_out = table.array  # sources, destinations, lengths: rows entries each, back to back
         np.add(src, src_base, out=rows_out[:rows])
@@ -479,12 +381,12 @@ class Lane:
         assert table.device is not None and table.host is not None
         block = _BLOCK_SMALL if longest <= _SMALL_PIECE else _BLOCK_LARGE
         if table_in_place:
-            kernel.launch(rows, block, table.host_pointer, self.handle)
-            check(driver.cuEventRecord(table.uploaded, self.handle))
+            kernel.launch(rows, block, _columns(table.host_pointer, rows), self._native)
+            rt.event_record(table.uploaded, self._native)
             return
-        check(driver.cuMemcpyHtoDAsync(table.device.address, table.host.address, rows * 24, self.handle))
-        check(driver.cuEventRecord(table.uploaded, self.handle))
-        kernel.launch(rows, block, table.device.address, self.handle)
+        rt.check(rt.memcpy_async(table.device.address, table.host.address, rows * 24, self._native))
+        rt.event_record(table.uploaded, self._native)
+        kernel.launch(rows, block, _columns(table.device.address, rows), self._native)
 
     def _reserve(self, table: _Table, rows: int, deadline: float) -> None:
         """Make `table` hold at least `rows` rows (its old memory freed once the stream no longer reads it)."""
@@ -496,7 +398,7 @@ class Lane:
             table.free()
         capacity = max(rows, 2 * table.rows, _FIRST_ROWS)
         table.host = self._backend.allocate_pinned_host(capacity * 24)
-        table.host_pointer = mapped_pointer(table.host.address)
+        table.host_pointer = self._rt.mapped_pointer(table.host.address)
         table.array = table.host.numpy().view(np.int64)
         table.device = self._backend.allocate(self.device, capacity * 24)
         table.rows = capacity
@@ -511,10 +413,10 @@ class Lane:
         if not idle:  # the GPU may still read them: leak rather than free memory in use
             _log.warning("copies on %s still running at close; their buffers are left allocated", self.device.name)
             return False
-        with self._lock, self._contexts.use(self.ordinal):
+        with self._lock, self._rt.use(self.ordinal):
             for table in self._tables:
                 table.free()
-                check(driver.cuEventDestroy(table.uploaded))
+                self._rt.event_destroy(table.uploaded)
             self._tables = []
             if self._kernel is not None:
                 self._kernel.close()
@@ -522,7 +424,7 @@ class Lane:
             with self._event_lock:
                 events, self._events = self._events, []
             for event in events:
-                check(driver.cuEventDestroy(event))
+                self._rt.event_destroy(event)
         if self._bounce is not None:
             self._bounce.region.free()
             self._bounce = None
@@ -530,9 +432,6 @@ class Lane:
         return True
 
 
-def mapped_pointer(address: int) -> int:
-    """The device-side address of page-locked host memory (the host address itself where the driver says so)."""
-    try:
-        return int(check(driver.cuMemHostGetDevicePointer(address, 0)))
-    except DeviceError:
-        return address
+def _columns(table: int, rows: int) -> tuple[int, int, int]:
+    """The kernel's arguments: where a table's sources, destinations and lengths start (`rows` entries each)."""
+    return table, table + 8 * rows, table + 16 * rows

@@ -41,7 +41,7 @@ from hmc.errors import ArgumentError, BufferWithdrawnError, ClosedResourceError,
 from hmc.memory import DeviceKind, MemoryKind, MemoryRegion
 from hmc.memory._base import Device
 from hmc.memory._cuda_driver import check, driver
-from hmc.transport._cuda_copy import Lane, mapped_pointer
+from hmc.transport._cuda_copy import Lane
 from hmc.v1 import common_pb2, peer_pb2
 
 if TYPE_CHECKING:
@@ -226,7 +226,7 @@ class _MappingCache:
         contexts = self._backend.contexts
         with contexts.use(lane.ordinal):
             if region.kind is MemoryKind.HOST_PINNED:
-                return _Pinned(mapped_pointer(region.address), _Use(lambda: None))
+                return _Pinned(self._backend.runtime.mapped_pointer(region.address), _Use(lambda: None))
             if region.size == 0:
                 return None
             flags = int(driver.CU_MEMHOSTREGISTER_PORTABLE) | int(driver.CU_MEMHOSTREGISTER_DEVICEMAP)
@@ -234,7 +234,7 @@ class _MappingCache:
             if status != driver.CUresult.CUDA_SUCCESS:  # e.g. already registered, perhaps only in part
                 _log.info("cannot page-lock the %d-byte host buffer at %#x (%s): one copy per range", region.size, region.address, status)
                 return None
-            pointer = mapped_pointer(region.address)
+            pointer = self._backend.runtime.mapped_pointer(region.address)
 
         def unregister() -> None:
             with contexts.use(lane.ordinal):

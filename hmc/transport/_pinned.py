@@ -1,7 +1,7 @@
 """Pinned host memory for the staged path: mappings of ring files (or private memory), and slot copies.
 
 Both ends of a staged transfer copy between a region's ranges and a contiguous slot of pinned host
-memory: host regions with memmove on the spot, CUDA regions as one batch per slot (copy-engine copies
+memory: host regions with memmove on the spot, GPU (CUDA or HIP) regions as one batch per slot (copy-engine copies
 for a few ranges, one kernel launch for many), waited for with an event within a deadline. The
 shared-memory ring (`_staged_shm`), its owner side (`_staged_owner`) and the TCP ring
 (`_staged_tcp_ring`) all use these.
@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from hmc.errors import HMCError, ProtocolError, TimeoutError, UnsupportedError
+from hmc.errors import HMCError, ProtocolError, TimeoutError
 from hmc.memory import DeviceKind, MemoryKind
 from hmc.transport._ranges import end_to_end
 
-__all__ = ["PinnedMapping", "SlotCopier", "StuckCopy", "cuda_backend", "no_wait"]
+__all__ = ["PinnedMapping", "SlotCopier", "StuckCopy", "gpu_backends", "no_wait"]
 
 _log = logging.getLogger(__name__)
 _CLOSE_S = 5.0
@@ -39,30 +39,21 @@ _NOW_BYTES = 256 << 10
 """A single range up to this size is copied and waited for on the spot (`Lane.copy_now`: no event, no hand-off)."""
 
 
-def cuda_backend() -> Any:
-    """The CUDA backend, or None."""
-    try:
-        from hmc.memory import backend_for
+def gpu_backends() -> list[Any]:
+    """The GPU backends present in this process (CUDA, HIP), each with its `runtime`."""
+    from hmc.memory import backend_for
 
-        return backend_for(DeviceKind.CUDA)
-    except HMCError:
-        return None
-
-
-def _driver() -> Any:
-    from hmc.memory._cuda_driver import driver
-
-    return driver
-
-
-def _check(result: Any) -> Any:
-    from hmc.memory._cuda_driver import check
-
-    return check(result)
+    found = []
+    for kind in (DeviceKind.CUDA, DeviceKind.HIP):
+        try:
+            found.append(backend_for(kind))
+        except HMCError:
+            continue
+    return found
 
 
 class PinnedMapping:
-    """A /dev/shm file (`path`), or private memory (`path` None), mapped here and pinned where CUDA is present."""
+    """A /dev/shm file (`path`), or private memory (`path` None), mapped here and pinned for the GPUs present."""
 
     def __init__(self, path: str | None, size: int, *, create: bool) -> None:
         if path is None:
@@ -81,25 +72,25 @@ class PinnedMapping:
         self.size = size
         self._array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.address = int(self._array.ctypes.data)
-        self._pinned = False
         self.device_address = self.address
         """Where GPUs reach the mapping (unified addressing: the host address on every GPU HMC supports)."""
-        self._backend = cuda_backend()
-        if self._backend is not None:
-            driver = _driver()
-            flags = driver.CU_MEMHOSTREGISTER_PORTABLE | driver.CU_MEMHOSTREGISTER_DEVICEMAP
-            with self._backend.contexts.use_any():
-                _check(driver.cuMemHostRegister(self.address, size, flags))
-                self._pinned = True
-                self.device_address = int(_check(driver.cuMemHostGetDevicePointer(self.address, 0)))
+        self._pinned_by: list[Any] = []
+        """The runtimes this mapping is page-locked and mapped with (every GPU backend present)."""
+        try:
+            for backend in gpu_backends():
+                pointer = backend.runtime.register_host(self.address, size)
+                if not self._pinned_by:
+                    self.device_address = pointer
+                self._pinned_by.append(backend.runtime)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
-        if self._pinned:
-            self._pinned = False
-            driver = _driver()
+        runtimes, self._pinned_by = self._pinned_by, []
+        for runtime in runtimes:
             try:
-                with self._backend.contexts.use_any():
-                    _check(driver.cuMemHostUnregister(self.address))
+                runtime.unregister_host(self.address)
             except HMCError as exc:
                 _log.debug("unpinning a shared ring failed: %s", exc)
         self._array = None  # type: ignore[assignment]
@@ -240,17 +231,19 @@ class SlotCopier:
     """
 
     def __init__(self) -> None:
-        self._gpus: dict[int, _GpuSide] = {}
+        self._gpus: dict[str, _GpuSide] = {}
         self._lock = threading.Lock()  # guards _gpus
 
     def _gpu(self, device: Any) -> _GpuSide:
+        side = self._gpus.get(device.name)  # a plain read first: sides are never replaced
+        if side is not None:
+            return side
+        from hmc.memory import backend_for
+
         with self._lock:
-            side = self._gpus.get(device.index)
+            side = self._gpus.get(device.name)
             if side is None:
-                backend = cuda_backend()
-                if backend is None:
-                    raise UnsupportedError(f"{device.name} memory without a CUDA backend in this process")
-                side = self._gpus[device.index] = _GpuSide(backend, device)
+                side = self._gpus[device.name] = _GpuSide(backend_for(device), device)
             return side
 
     def copy(self, region: Any, offsets: Any, lengths: Any, slot: PinnedMapping, at: int, *, to_slot: bool, deadline: float) -> None:

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -49,6 +50,7 @@ def backend() -> None:
         where = hip.resolve_pointer(region.address + 5)
         pinned_where = hip.resolve_pointer(pinned.address)
         handles = sorted(hip.export_handles(region))
+    kernel = _batch_through_the_lane(hip, device)
     registered = None
     try:
         import torch
@@ -61,8 +63,36 @@ def backend() -> None:
         devices=[d.name for d in memory.devices()], vendor=device.vendor.value, physical=device.physical_vendor.value,
         absent=memory.absent_backends(), copied=copied, filled=filled, streamed=streamed,
         device_pointer=[where[0].name, where[1].value], pinned_pointer=[pinned_where[0].name, pinned_where[1].value],
-        handles=handles, registered=registered, kind=MemoryKind.DEVICE.value,
+        handles=handles, registered=registered, kind=MemoryKind.DEVICE.value, kernel=kernel,
     )
+
+
+def _batch_through_the_lane(backend: object, device: object) -> list[object]:
+    """A batch of 64 scattered ranges on a copy lane of hip:0 (one kernel launch): [how, every byte right]."""
+    from hmc import memory
+    from hmc.transport._cuda_copy import Lane
+
+    rng = np.random.default_rng(3)
+    size = 8 << 20
+    data = rng.integers(1, 256, size, dtype=np.uint8)
+    lengths = rng.integers(1, 60000, 64).astype(np.int64)
+    src = np.arange(64, dtype=np.int64) * 100000
+    dst = rng.permutation(64).astype(np.int64) * 120000
+    lane = Lane(backend, device)
+    with memory.allocate(size, "hip:0") as a, memory.allocate(size, "hip:0") as b:
+        memory.copy(a, data)
+        memory.fill(b, 0x5A)
+        event = lane.enqueue(src, a.address, dst, b.address, lengths, time.monotonic() + 30, record=True)
+        assert lane.event_wait(event, time.monotonic() + 30)
+        lane.release_event(event)
+        out = np.empty(size, np.uint8)
+        memory.copy(out, b)
+    expected = np.full(size, 0x5A, np.uint8)
+    for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist()):
+        expected[d : d + n] = data[s : s + n]
+    kind = lane.kernel_kind
+    assert lane.close(time.monotonic() + 30)
+    return [kind, bool(np.array_equal(out, expected))]
 
 
 def exporter(size: str) -> None:

@@ -34,6 +34,7 @@ def test_hip_on_cuda_backend_allocates_copies_fills_and_resolves() -> None:
     assert seen["pinned_pointer"] == ["host", "host_pinned"]
     assert "hip_ipc" in seen["handles"]
     assert seen["registered"] in (None, "hip:0")
+    assert seen["kernel"] == ["hiprtc", True]  # the ranges' copy kernel compiled by hiprtc (NVRTC underneath)
 
 
 def test_hip_on_cuda_ipc_export_and_import_across_processes_every_byte() -> None:

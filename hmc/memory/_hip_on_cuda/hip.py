@@ -418,6 +418,27 @@ def hipMemGetHandleForAddressRange(handle: Any, dptr: int, size: int, handleType
     return (status,)
 
 
+def hipModuleLoadData(image: Any) -> tuple[hipError_t, Any]:
+    status = _ready()
+    return (status, None) if status is not hipError_t.hipSuccess else _call(_cu.cuModuleLoadData(image))
+
+
+def hipModuleGetFunction(module: Any, kname: bytes) -> tuple[hipError_t, Any]:
+    return _call(_cu.cuModuleGetFunction(module, kname))
+
+
+def hipModuleLaunchKernel(
+    f: Any, gridDimX: int, gridDimY: int, gridDimZ: int, blockDimX: int, blockDimY: int, blockDimZ: int, sharedMemBytes: int,
+    stream: Any, kernelParams: Any, extra: Any,
+) -> tuple[hipError_t]:
+    result = _cu.cuLaunchKernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, stream or 0, kernelParams, extra or 0)
+    return (_status(result[0]),)
+
+
+def hipModuleUnload(module: Any) -> tuple[hipError_t]:
+    return (_status(_cu.cuModuleUnload(module)[0]),)
+
+
 def hipPointerGetAttributes(attributes: hipPointerAttribute_t, ptr: int) -> tuple[hipError_t]:
     """Memory type, device and both addresses of `ptr`; an address CUDA does not know is hipErrorInvalidValue."""
     status = _ready()

@@ -1,0 +1,83 @@
+"""hip-python's `hiprtc` module, the subset HMC's HIP backend calls, over NVRTC (see the package).
+
+hiprtc compiles for the current device when no architecture is given; so does this one (sm_XX of the
+current CUDA device), and its code is a CUBIN that `hip.hipModuleLoadData` loads.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+try:
+    from cuda.bindings import driver as _cu
+    from cuda.bindings import nvrtc as _nvrtc
+except ImportError:  # importable without it, as `hip` is
+    _cu = _nvrtc = None
+
+
+class hiprtcResult(enum.IntEnum):
+    HIPRTC_SUCCESS = 0
+    HIPRTC_ERROR_OUT_OF_MEMORY = 1
+    HIPRTC_ERROR_PROGRAM_CREATION_FAILURE = 2
+    HIPRTC_ERROR_INVALID_INPUT = 3
+    HIPRTC_ERROR_INVALID_PROGRAM = 4
+    HIPRTC_ERROR_INVALID_OPTION = 5
+    HIPRTC_ERROR_COMPILATION = 6
+    HIPRTC_ERROR_BUILTIN_OPERATION_FAILURE = 7
+    HIPRTC_ERROR_INTERNAL_ERROR = 11
+
+
+def _status(result: Any) -> hiprtcResult:
+    code = int(result)  # NVRTC numbers its results as hiprtc does
+    return hiprtcResult(code) if code in hiprtcResult._value2member_map_ else hiprtcResult.HIPRTC_ERROR_INTERNAL_ERROR
+
+
+def _current_arch() -> bytes:
+    device = int(_cu.cuCtxGetDevice()[1])
+    attribute = _cu.CUdevice_attribute
+    major = int(_cu.cuDeviceGetAttribute(attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device)[1])
+    minor = int(_cu.cuDeviceGetAttribute(attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device)[1])
+    return f"--gpu-architecture=sm_{major}{minor}".encode()
+
+
+def hiprtcCreateProgram(src: bytes, name: bytes, numHeaders: int, headers: Any, includeNames: Any) -> tuple[hiprtcResult, Any]:
+    status, program = _nvrtc.nvrtcCreateProgram(src, name, numHeaders, list(headers or []), list(includeNames or []))
+    return _status(status), program
+
+
+def hiprtcCompileProgram(prog: Any, numOptions: int, options: Any) -> tuple[hiprtcResult]:
+    given = [bytes(option) for option in (options or [])][:numOptions]
+    if not any(option.startswith((b"--offload-arch", b"--gpu-architecture", b"-arch")) for option in given):
+        given.append(_current_arch())
+    return (_status(_nvrtc.nvrtcCompileProgram(prog, len(given), given)[0]),)
+
+
+def hiprtcGetCodeSize(prog: Any) -> tuple[hiprtcResult, Any]:
+    status, size = _nvrtc.nvrtcGetCUBINSize(prog)
+    return _status(status), int(size)
+
+
+def hiprtcGetCode(prog: Any, code: Any) -> tuple[hiprtcResult]:
+    view = memoryview(code).cast("B")
+    image = b" " * view.nbytes
+    status = _status(_nvrtc.nvrtcGetCUBIN(prog, image)[0])
+    view[:] = image
+    return (status,)
+
+
+def hiprtcGetProgramLogSize(prog: Any) -> tuple[hiprtcResult, Any]:
+    status, size = _nvrtc.nvrtcGetProgramLogSize(prog)
+    return _status(status), int(size)
+
+
+def hiprtcGetProgramLog(prog: Any, log: Any) -> tuple[hiprtcResult]:
+    view = memoryview(log).cast("B")
+    text = b" " * view.nbytes
+    status = _status(_nvrtc.nvrtcGetProgramLog(prog, text)[0])
+    view[:] = text
+    return (status,)
+
+
+def hiprtcDestroyProgram(prog: Any) -> tuple[hiprtcResult]:
+    return (_status(_nvrtc.nvrtcDestroyProgram(prog)[0]),)
