@@ -19,7 +19,8 @@ GPUs the source is on cuda:0 and the destination on cuda:1; on one GPU (or with
     nixl-tcp-cuda-copy  the same with UCX_TLS=tcp,cuda_copy: NIXL between vendors without RDMA
     hmc            HMC through its public API, two processes, write()/read() + wait() per
                    iteration, on paths ipc (same vendor), staged (the peer declares its GPU
-                   AMD: vendor override) and staged-tcp (the peer declares another host)
+                   AMD: vendor override), staged-tcp (the peer declares another host) and
+                   staged-hip (the peer runs HMC's HIP backend on the HIP-on-CUDA runtime)
     hmc-prepared   the same peers: single ranges up to 64 KiB as one prepare_write()/
                    prepare_read() posted per iteration, as the nixl rows repost one request
 

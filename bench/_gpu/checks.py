@@ -10,6 +10,10 @@ largest bulk workload (1 GiB in a full run) and `small` its smallest (4 KiB):
                                               >= 80 x NIXL UCX_TLS=tcp,cuda_copy, same ranges and op
     hmc and hmc-prepared staged small WRITE p50 <= NIXL UCX_TLS=tcp,cuda_copy's        (us)
 
+Issue 12 (the CUDA <-> HIP pair, the peer on the HIP-on-CUDA runtime):
+
+    hmc staged-hip big and each KV, WRITE, READ >= 0.8 x hmc staged (peer AMD)'s     (GB/s)
+
 Issue 3 (two GPUs only: cuda:0 -> cuda:1 over NVLink): ipc against peer copy and
 NIXL, staged against pinned copies and NCCL without P2P, and the ipc KV floor of
 300 GB/s. A check whose rows are missing (a system skipped or failed) says so
@@ -29,7 +33,10 @@ from hmc.bench._report import Check, evaluate
 from hmc.bench._timing import Row
 from hmc.bench._workloads import KIND_BULK, KIND_KV, Workload
 
-__all__ = ["MinCheck", "cross_vendor_checks", "evaluate_checks", "floor_checks", "format_table", "gpu_checks", "reference_ratios", "two_gpu_checks"]
+__all__ = [
+    "MinCheck", "cross_vendor_checks", "evaluate_checks", "floor_checks", "format_table", "gpu_checks", "hip_pair_checks", "reference_ratios",
+    "two_gpu_checks",
+]
 
 NIXL_NO_IPC = "nixl-tcp-cuda-copy"
 """NIXL without vendor IPC (UCX_TLS=tcp,cuda_copy): the cross-vendor anchor."""
@@ -76,6 +83,19 @@ def cross_vendor_checks(workloads: Sequence[Workload]) -> list[Check | MinCheck]
     return checks
 
 
+def hip_pair_checks(workloads: Sequence[Workload]) -> list[Check]:
+    """Issue 12's target: the CUDA <-> HIP-on-CUDA pair against the CUDA pair with the peer declared AMD."""
+    sizes = _sizes(workloads)
+    if sizes is None:
+        return []
+    big, _, kvs = sizes
+    return [
+        Check(f"hmc staged-hip (CUDA <-> HIP-on-CUDA) {name} {op} vs {STAGED_AMD}", ("hmc", "staged-hip", op, name), ("hmc", "staged", op, name), 0.8)
+        for name in (big, *kvs)
+        for op in OPS
+    ]
+
+
 def two_gpu_checks(workloads: Sequence[Workload]) -> list[Check]:
     """Issue 3's targets between two GPUs (largest bulk, smallest bulk, each KV)."""
     sizes = _sizes(workloads)
@@ -100,8 +120,8 @@ def two_gpu_checks(workloads: Sequence[Workload]) -> list[Check]:
 
 
 def gpu_checks(workloads: Sequence[Workload], gpus: int) -> list[Check | MinCheck]:
-    """The checks of a run on `gpus` GPUs: issue 11's everywhere, issue 3's on two."""
-    return [*cross_vendor_checks(workloads), *(two_gpu_checks(workloads) if gpus >= 2 else [])]
+    """The checks of a run on `gpus` GPUs: issues 11's and 12's everywhere, issue 3's on two."""
+    return [*cross_vendor_checks(workloads), *hip_pair_checks(workloads), *(two_gpu_checks(workloads) if gpus >= 2 else [])]
 
 
 def _evaluate_min(check: MinCheck, rows: Sequence[Row]) -> dict[str, Any]:

@@ -14,6 +14,9 @@ peer says, and the initiator measures every workload against it:
                  picks staged through the shared pinned ring, what a real NVIDIA-AMD pair gets
     staged-tcp   the peer declares another host (HMC_HOST_ID in its environment): staged through
                  pinned rings over TCP, the path of two hosts
+    staged-hip   the peer runs HMC's HIP backend through the HIP-on-CUDA runtime (HMC_HIP_ON_CUDA=1:
+                 its tensors register as hip:N, vendor AMD): a CUDA <-> HIP pair over the shared
+                 pinned ring, the HIP end's copies and kernels through hipMemcpyAsync and hiprtc
 
 No path is forced: the first transfer of each row checks that the handle
 reports the path the peer stands for (a row whose negotiation picks another
@@ -43,6 +46,7 @@ from hmc.bench._child import receive, reap, send_error
 from hmc.bench._timing import Row, Timing
 from hmc.bench._workloads import Workload, make_ranges
 from hmc.errors import NoPathError, UnavailableError, UnsupportedError
+from hmc.memory._hip_on_cuda import SWITCH
 from hmc.memory._machine import HOST_ID_ENV
 
 __all__ = ["HMC_PATHS", "HMC_SYSTEMS", "PEERS", "Peer", "hmc_rows", "unavailable_reason"]
@@ -73,6 +77,7 @@ PEERS = (
     Peer("ipc", "ipc", False, {}, "same vendor, same host: CUDA IPC"),
     Peer("staged", "staged", True, {}, "the peer declares its GPU AMD (vendor override): the shared pinned ring"),
     Peer("staged-tcp", "staged", False, {HOST_ID_ENV: "hmc-gpu-bench-another-host"}, "the peer declares another host (HMC_HOST_ID): pinned rings over TCP"),
+    Peer("staged-hip", "staged", False, {SWITCH: "1"}, "the peer runs HMC's HIP backend on the HIP-on-CUDA runtime: a CUDA <-> HIP pair, the shared pinned ring"),
 )
 HMC_PATHS = tuple(p.label for p in PEERS)
 
