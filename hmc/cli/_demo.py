@@ -14,6 +14,9 @@ through its pinned ring although the pair would get `ipc`), each timed after one
 towards a second child that declares that GPU AMD (`Config.vendor_override`, as
 HMC_DEVICE_VENDOR_OVERRIDE=cuda:0=amd would): a cross-vendor pair, for which
 negotiation refuses vendor IPC and picks `staged`, what an NVIDIA-AMD pair gets.
+With `--hip-on-cuda`, once more towards a third child that runs HMC's HIP backend
+on the HIP-on-CUDA runtime (HMC_HIP_ON_CUDA=1: its GPU is hip:0, vendor AMD): a
+CUDA -> HIP pair, the HIP end's code running for real (on NVIDIA hardware).
 Every row says the path the transfer reports it took (`used`). The size is cut to
 a quarter of the smaller GPU's memory where `--size` does not fit, and the report
 says so; one device target at a time exists, beside the source.
@@ -183,9 +186,12 @@ def _cuda_size(size: int, pair: tuple[Device, Device]) -> int:
     return min(size, cap) if cap > 0 else size
 
 
-def _cuda_sections(agent: Any, peer: Any, config: Config, source: Any, size: int, name: str, quiet: bool) -> list[dict[str, Any]] | None:
+def _cuda_sections(
+    agent: Any, peer: Any, config: Config, source: Any, size: int, name: str, quiet: bool, *, hip_on_cuda: bool = False
+) -> list[dict[str, Any]] | None:
     """The device-memory sections of the report: cuda:0 here -> cuda:1 (or cuda:0) in the child, every path but
-    local; then the same towards a second child that declares that GPU AMD (`vendor_override`), a cross-vendor pair."""
+    local; then the same towards a second child that declares that GPU AMD (`vendor_override`), a cross-vendor pair;
+    with `hip_on_cuda`, towards a third child on the HIP-on-CUDA runtime (a CUDA -> HIP pair)."""
     from hmc.agent._peer_process import PeerProcess, ranges_digest
 
     pair = _cuda_pair()
@@ -202,6 +208,9 @@ def _cuda_sections(agent: Any, peer: Any, config: Config, source: Any, size: int
         lambda: contextlib.nullcontext(peer),
         lambda: PeerProcess(config.replace(vendor_override={**config.vendor_override, **override}), daemon=True),
     ]
+    if hip_on_cuda:
+        sections.append({**head, "paths": [], "target": there.name.replace("cuda:", "hip:"), "runtime": "hip_on_cuda"})
+        owners.append(lambda: _hip_on_cuda_peer(config))
     try:
         with memory.allocate(gpu_size, here) as region:
             host_bytes = source.numpy()[:gpu_size]
@@ -217,6 +226,25 @@ def _cuda_sections(agent: Any, peer: Any, config: Config, source: Any, size: int
         for section in sections:
             section.setdefault("error", f"{type(exc).__name__}: {exc}")
     return sections
+
+
+@contextlib.contextmanager
+def _hip_on_cuda_peer(config: Config) -> Iterator[Any]:
+    """A child agent switched to the HIP-on-CUDA runtime (it inherits the switch from this process's environment)."""
+    from hmc.agent._peer_process import PeerProcess
+    from hmc.memory._hip_on_cuda import SWITCH
+
+    before = os.environ.get(SWITCH)
+    os.environ[SWITCH] = "1"
+    try:
+        peer = PeerProcess(config, daemon=True)
+    finally:
+        if before is None:
+            del os.environ[SWITCH]
+        else:
+            os.environ[SWITCH] = before
+    with peer:
+        yield peer
 
 
 def _declared(section: dict[str, Any]) -> str:
@@ -241,6 +269,9 @@ def _cuda_section(
     target, vendor = section["target"], _declared(section)
     memory_pair = f"{section['source']}->{target}"
     pair = f"two processes, same node, {memory_pair}" + (f", the peer declaring {target} {vendor}" if vendor else "")
+    if section.get("runtime") == "hip_on_cuda":
+        pair += ", the peer's HIP backend on the HIP-on-CUDA runtime"
+        vendor = "hip-on-cuda"
     label = f"{memory_pair} {vendor}".rstrip()
     try:
         with owner() as peer:
@@ -276,13 +307,13 @@ def _demo(args: argparse.Namespace, config: Config) -> int:
                 for path in PathName:
                     target = local_target if path is PathName.LOCAL else remote
                     rows.append(_run_path(agent, peer, source, target, path, size, expected, config.timeout_s, quiet))
-                sections = _cuda_sections(agent, peer, config, source, size, name, quiet) or []
+                sections = _cuda_sections(agent, peer, config, source, size, name, quiet, hip_on_cuda=args.hip_on_cuda) or []
                 agent.unregister(source)
                 agent.unregister(local_target)
     every = rows + [row for section in sections for row in section["paths"]]
     ok = all(row["verified"] for row in every if row["available"]) and not any("error" in section for section in sections)
     report: dict[str, Any] = {"node": config.node, "hmcd": hmcd_state, "size_bytes": size, "paths": rows, "ok": ok}
-    report.update(zip(("cuda", "cuda_cross_vendor"), sections))
+    report.update(zip(("cuda", "cuda_cross_vendor", "cuda_to_hip"), sections))
     if args.json:
         print_json(report)
         return 0 if ok else 1
@@ -291,6 +322,8 @@ def _demo(args: argparse.Namespace, config: Config) -> int:
     for section in sections:
         note = f" ({section['note']})" if "note" in section else ""
         declared = f", the peer declaring its {section['target']} {_declared(section)} (vendor_override)" if _declared(section) else ""
+        if section.get("runtime") == "hip_on_cuda":
+            declared = ", the peer's HIP backend on the HIP-on-CUDA runtime (NVIDIA hardware)"
         print(f"\nCUDA device memory, {section['source']} -> {section['target']}{declared}: {section['size_bytes'] / 2**30:.2f} GiB per path{note}, after a 4 KiB warm-up")
         if "error" in section:
             print(f"failed: {section['error']}")
@@ -321,4 +354,8 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
         "and once more with the other process declaring that GPU AMD (a cross-vendor pair: staged).",
     )
     demo.add_argument("--size", default="1GiB", help="bytes to move per path (default: 1GiB; e.g. 256MiB)")
+    demo.add_argument(
+        "--hip-on-cuda", action="store_true",
+        help="also move device memory to a child agent running HMC's HIP backend on the HIP-on-CUDA runtime (a CUDA -> HIP pair on NVIDIA GPUs)",
+    )
     demo.set_defaults(run=_demo)

@@ -1,5 +1,6 @@
-"""`hmc demo --json` on a GPU machine, one GPU or more: besides the host paths it moves CUDA memory across processes over ipc and
-staged, every byte verified, then once more to a peer that declares its GPU AMD (a cross-vendor pair: negotiation picks staged)."""
+"""`hmc demo --json --hip-on-cuda` on a GPU machine, one GPU or more: besides the host paths it moves CUDA memory across processes
+over ipc and staged, every byte verified, then once more to a peer that declares its GPU AMD (a cross-vendor pair: negotiation
+picks staged), and once more to a peer running HMC's HIP backend on the HIP-on-CUDA runtime (a CUDA -> HIP pair)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def demo_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     private.chmod(0o700)  # hmcd refuses a socket directory open to others
     env["HMC_SOCKET"] = str(private / "demo.sock")
     result = subprocess.run(
-        [sys.executable, "-m", "hmc.cli._main", "demo", "--size", f"{SIZE >> 20}MiB", "--json"],
+        [sys.executable, "-m", "hmc.cli._main", "demo", "--size", f"{SIZE >> 20}MiB", "--json", "--hip-on-cuda"],
         capture_output=True, text=True, timeout=240, env=env, cwd=REPO,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
@@ -64,3 +65,15 @@ def test_demo_moves_cuda_memory_to_a_peer_declared_amd_over_staged(demo_report: 
     assert staged["available"] and staged["verified"] and staged["bytes"] == SIZE and staged["gbps"] > 0, staged
     assert any(r["path"] == "ipc" and r["reason"].startswith("cross-vendor pair (amd vs nvidia)") for r in staged["rejected"]), staged
     assert not by_path["ipc"]["available"] and "cross-vendor" in by_path["ipc"]["why"] and "local" not in by_path
+
+
+def test_hip_on_cuda_demo_moves_cuda_memory_to_a_hip_agent_over_staged(demo_report: dict[str, Any]) -> None:
+    """The third peer's GPU is hip:N (vendor AMD) through the HIP-on-CUDA runtime: staged negotiated, used and verified."""
+    cuda, hip = demo_report["cuda"], demo_report["cuda_to_hip"]
+    assert (hip["source"], hip["target"], hip["size_bytes"]) == (cuda["source"], cuda["target"].replace("cuda:", "hip:"), SIZE)
+    assert hip["runtime"] == "hip_on_cuda" and "error" not in hip
+    by_path = {row["path"]: row for row in hip["paths"]}
+    staged = by_path["staged"]
+    assert staged["negotiated"] == "staged" and staged["used"] == "staged", staged
+    assert staged["available"] and staged["verified"] and staged["bytes"] == SIZE and staged["gbps"] > 0, staged
+    assert not by_path["ipc"]["available"], by_path["ipc"]
