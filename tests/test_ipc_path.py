@@ -19,7 +19,7 @@ from hmc.errors import BrokenResourceError, UnsupportedError
 from hmc.memory import Device, DeviceKind, MemoryKind, MemoryRegion, Vendor
 from hmc.memory._host import HOST_DEVICE
 from hmc.transport._base import Capabilities, PathName, TransferOp, TransferRequest, Transport
-from hmc.transport._cuda_copy import pieces
+from hmc.transport._gpu_copy import pieces
 from hmc.transport._ipc_path import IpcPath
 from hmc.transport._ranges import RangeList
 from hmc.transport._staged import StagedTransport
@@ -224,7 +224,7 @@ class _FakeLane:
 
 def test_cuda_ipc_requests_complete_on_the_waiting_thread_once() -> None:
     from hmc.agent._transfer import TransferHandle
-    from hmc.transport._cuda_ipc_completion import _Pending, _Waiter
+    from hmc.transport._gpu_ipc_completion import _Pending, _Waiter
 
     lane, waiter = _FakeLane(), _Waiter(interval=0.05)
     handle = TransferHandle("ipc", 8, time.monotonic() + 5)
@@ -248,7 +248,7 @@ def test_cuda_ipc_requests_complete_on_the_waiting_thread_once() -> None:
 
 
 def test_cuda_ipc_backstop_completes_requests_nobody_waits_on() -> None:
-    from hmc.transport._cuda_ipc_completion import _Pending, _Waiter
+    from hmc.transport._gpu_ipc_completion import _Pending, _Waiter
 
     lane, waiter = _FakeLane(), _Waiter(interval=0.001)
     outcomes: list[BaseException | None] = []

@@ -60,7 +60,7 @@ from hmc.errors import (
 from hmc.memory import DeviceKind, MemoryRegion
 from hmc.memory import register as register_memory
 from hmc.transport._base import InlineCopy, PathName, TransferOp, TransferRequest, Transport
-from hmc.transport._cuda_ipc import CudaIpcTransport
+from hmc.transport._gpu_ipc import GpuIpcTransport
 from hmc.transport._ipc import IpcTransport, allow_ptrace_peers
 from hmc.transport._ipc_path import IpcPath
 from hmc.transport._local import LocalTransport
@@ -153,9 +153,10 @@ class Agent:
         local = LocalTransport(self._buffers)
         host_ipc = IpcTransport(self._peers.open_grant, threads=cfg.ipc_threads)
         ipc_movers: dict[DeviceKind, Transport] = {DeviceKind.HOST: host_ipc}
-        cuda_ipc = CudaIpcTransport.probe(self._peers.open_grant, host=host_ipc, timeout_s=cfg.timeout_s)
-        if cuda_ipc is not None:
-            ipc_movers[DeviceKind.CUDA] = cuda_ipc
+        for kind in (DeviceKind.CUDA, DeviceKind.HIP):  # vendor IPC for each GPU family this process has
+            mover = GpuIpcTransport.probe(kind, self._peers.open_grant, host=host_ipc, timeout_s=cfg.timeout_s)
+            if mover is not None:
+                ipc_movers[kind] = mover
         return [
             local,
             IpcPath(ipc_movers),

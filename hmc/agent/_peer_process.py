@@ -23,7 +23,7 @@ import multiprocessing
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -160,13 +160,24 @@ _COMMANDS = {
 class PeerProcess:
     """A peer agent running in its own process."""
 
-    def __init__(self, config: Config | None = None, *, daemon: bool | None = False, timeout: float = 30.0) -> None:
+    def __init__(self, config: Config | None = None, *, daemon: bool | None = False, timeout: float = 30.0, env: Mapping[str, str] | None = None) -> None:
+        """`env`: variables the child starts with besides this process's (set here while it starts: HMC_HIP_ON_CUDA=1
+        makes it an AMD process on the HIP-on-CUDA runtime)."""
         self._timeout = timeout
         self._lock = threading.Lock()  # one command at a time on the pipe
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._process = context.Process(target=_serve, args=(child, config or Config(), daemon), name="hmc-test-peer", daemon=True)
-        self._process.start()
+        saved = {name: os.environ.get(name) for name in env or {}}
+        os.environ.update(env or {})
+        try:
+            self._process.start()
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
         child.close()
         self.info = common_pb2.AgentInfo.FromString(self._reply(_START_S))
 

@@ -286,11 +286,12 @@ _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.
 
 def _grant_handles(buffer: ConnBuffer) -> common_pb2.TransportHandles:
     """What an ipc initiator needs to reach `buffer`: pid and address (cross-memory attach, or direct
-    use by an agent of this very process), and for device memory the CUDA IPC handle."""
+    use by an agent of this very process), and for device memory its vendor's IPC handle (CUDA or HIP)."""
     handles = common_pb2.TransportHandles(cma=common_pb2.CmaHandle(pid=os.getpid(), address=buffer.region.address))
     if buffer.region.kind is MemoryKind.DEVICE:
         exported = buffer.descriptor.handles
-        if not exported.HasField("cuda_ipc"):
+        vendor = [field for field in ("cuda_ipc", "hip_ipc") if exported.HasField(field)]
+        if not vendor:
             raise UnsupportedError(f"buffer {buffer.id} is {buffer.region.device.name} memory with no IPC handle this agent could export")
-        handles.cuda_ipc.CopyFrom(exported.cuda_ipc)
+        getattr(handles, vendor[0]).CopyFrom(getattr(exported, vendor[0]))
     return handles

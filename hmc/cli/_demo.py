@@ -193,6 +193,7 @@ def _cuda_sections(
     local; then the same towards a second child that declares that GPU AMD (`vendor_override`), a cross-vendor pair;
     with `hip_on_cuda`, towards a third child on the HIP-on-CUDA runtime (a CUDA -> HIP pair)."""
     from hmc.agent._peer_process import PeerProcess, ranges_digest
+    from hmc.memory._hip_on_cuda import SWITCH
 
     pair = _cuda_pair()
     if pair is None:
@@ -210,7 +211,7 @@ def _cuda_sections(
     ]
     if hip_on_cuda:
         sections.append({**head, "paths": [], "target": there.name.replace("cuda:", "hip:"), "runtime": "hip_on_cuda"})
-        owners.append(lambda: _hip_on_cuda_peer(config))
+        owners.append(lambda: PeerProcess(config, daemon=True, env={SWITCH: "1"}))
     try:
         with memory.allocate(gpu_size, here) as region:
             host_bytes = source.numpy()[:gpu_size]
@@ -226,25 +227,6 @@ def _cuda_sections(
         for section in sections:
             section.setdefault("error", f"{type(exc).__name__}: {exc}")
     return sections
-
-
-@contextlib.contextmanager
-def _hip_on_cuda_peer(config: Config) -> Iterator[Any]:
-    """A child agent switched to the HIP-on-CUDA runtime (it inherits the switch from this process's environment)."""
-    from hmc.agent._peer_process import PeerProcess
-    from hmc.memory._hip_on_cuda import SWITCH
-
-    before = os.environ.get(SWITCH)
-    os.environ[SWITCH] = "1"
-    try:
-        peer = PeerProcess(config, daemon=True)
-    finally:
-        if before is None:
-            del os.environ[SWITCH]
-        else:
-            os.environ[SWITCH] = before
-    with peer:
-        yield peer
 
 
 def _declared(section: dict[str, Any]) -> str:

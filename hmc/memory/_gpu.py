@@ -133,6 +133,10 @@ class GpuBackend(MemoryBackend):
     def _malloc_host(self, size: int) -> tuple[int, Callable[[], None]]:
         """`size` bytes of portable page-locked host memory: (address, the call that frees them)."""
 
+    def enable_peer_access(self, ordinal: int, peer: int) -> None:
+        """Let GPU `ordinal` reach GPU `peer`'s memory directly; idempotent."""
+        self._peers.enable_peer_access(ordinal, peer)
+
     def open_ipc(self, handle: Any, device: Device, size: int) -> MemoryRegion:
         """Map `size` bytes another process exported (a CudaIpcHandle or HipIpcHandle), for use by the GPU `device`.
 

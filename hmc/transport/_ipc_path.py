@@ -2,8 +2,8 @@
 
 `IpcPath` holds the movers that serve the path on this host, keyed by the kind
 of device memory they reach: host memory by cross-memory attach
-(`hmc.transport._ipc.IpcTransport`), CUDA memory by CUDA IPC
-(`hmc.transport._cuda_ipc.CudaIpcTransport`), HIP later. Its capabilities are
+(`hmc.transport._ipc.IpcTransport`), CUDA memory by CUDA IPC and HIP memory by
+HIP IPC (`hmc.transport._gpu_ipc.GpuIpcTransport`, one per family). Its capabilities are
 the union of what the available movers declare, so negotiation stays a pure
 function of declarations. Each request goes to the mover of the pair's device
 memory: the remote buffer's kind when that is device memory, else the local

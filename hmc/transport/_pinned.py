@@ -123,7 +123,7 @@ class _GpuSide:
     """
 
     def __init__(self, backend: Any, device: Any) -> None:
-        from hmc.transport._cuda_copy import FEW, Lane
+        from hmc.transport._gpu_copy import FEW, Lane
 
         self.few = FEW
         """Up to this many ranges go straight between device memory and the slot (copy engines)."""

@@ -70,7 +70,7 @@ def backend() -> None:
 def _batch_through_the_lane(backend: object, device: object) -> list[object]:
     """A batch of 64 scattered ranges on a copy lane of hip:0 (one kernel launch): [how, every byte right]."""
     from hmc import memory
-    from hmc.transport._cuda_copy import Lane
+    from hmc.transport._gpu_copy import Lane
 
     rng = np.random.default_rng(3)
     size = 8 << 20

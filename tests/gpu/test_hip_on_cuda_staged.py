@@ -7,7 +7,6 @@ random data into poisoned destinations, every byte compared: single ranges, 1 Gi
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,13 +34,8 @@ def gpu_config(tmp_path_factory: pytest.TempPathFactory) -> Config:
 
 @pytest.fixture(scope="module")
 def hip_peer(gpu_config: Config) -> Iterator[PeerProcess]:
-    """A peer process switched to the HIP-on-CUDA runtime (it inherits the switch when it starts)."""
-    os.environ[SWITCH] = "1"
-    try:
-        peer = PeerProcess(gpu_config, timeout=120.0)
-    finally:
-        del os.environ[SWITCH]
-    with peer:
+    """A peer process switched to the HIP-on-CUDA runtime."""
+    with PeerProcess(gpu_config, timeout=120.0, env={SWITCH: "1"}) as peer:
         yield peer
 
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hmc.errors import HMCError, TimeoutError
-from hmc.transport._cuda_copy import Lane
+from hmc.transport._gpu_copy import Lane
 
 _log = logging.getLogger(__name__)
 

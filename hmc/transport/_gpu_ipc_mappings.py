@@ -1,4 +1,4 @@
-"""The mapping cache of the CUDA `ipc` path: peers' buffers mapped through CUDA IPC, local host buffers page-locked, one lane per GPU.
+"""The mapping cache of the GPU `ipc` path: peers' buffers mapped through vendor IPC, local host buffers page-locked, one lane per GPU.
 
 Grants. The initiator asks the owner once per (peer, buffer): OpenBuffer with the
 buffer's access key over the control connection; the owner checks the key and
@@ -40,12 +40,11 @@ from typing import TYPE_CHECKING, Any
 from hmc.errors import ArgumentError, BufferWithdrawnError, ClosedResourceError, HMCError, UnsupportedError
 from hmc.memory import DeviceKind, MemoryKind, MemoryRegion
 from hmc.memory._base import Device
-from hmc.memory._cuda_driver import check, driver
-from hmc.transport._cuda_copy import Lane
+from hmc.transport._gpu_copy import Lane
 from hmc.v1 import common_pb2, peer_pb2
 
 if TYPE_CHECKING:
-    from hmc.memory._cuda import CudaBackend
+    from hmc.memory._gpu import GpuBackend
 
 _log = logging.getLogger(__name__)
 
@@ -126,9 +125,12 @@ class _Pinned:
 
 
 class _MappingCache:
-    """Mappings, page-locked buffers and lanes of the CUDA ipc transport (mixed into `CudaIpcTransport`, which sets this state)."""
+    """Mappings, page-locked buffers and lanes of the GPU ipc transport (mixed into `GpuIpcTransport`, which sets this state)."""
 
-    _backend: CudaBackend
+    _backend: GpuBackend
+    _kind: DeviceKind
+    _handle: str
+    """The grant field carrying this family's IPC handle ("cuda_ipc", "hip_ipc")."""
     _open_grant: OpenGrant
     _lock: threading.Lock
     _pin_lock: threading.Lock
@@ -143,7 +145,7 @@ class _MappingCache:
         That GPU is matched by uuid (processes may number GPUs differently); one this
         process cannot see (CUDA_VISIBLE_DEVICES) is reached from the first GPU it can.
         """
-        if local.kind is MemoryKind.DEVICE and local.device.kind is DeviceKind.CUDA:
+        if local.kind is MemoryKind.DEVICE and local.device.kind is self._kind:
             return local.device
         devices = self._backend.devices()
         for device in devices:
@@ -178,15 +180,15 @@ class _MappingCache:
         return winner
 
     def _map(self, grant: peer_pb2.BufferGrant, remote: common_pb2.BufferDescriptor, device: Device) -> _Mapping:
-        """Open the grant's CUDA IPC handle in `device`'s context (kernels there can then reach it)."""
+        """Open the grant's IPC handle for `device` (kernels there can then reach it)."""
         read_only = bool(grant.read_only)
         if grant.handles.HasField("cma") and grant.handles.cma.pid == os.getpid():  # an agent of this process: its address is valid here
             self._peer_link(device, remote.device)
             return _Mapping(grant.handles.cma.address, grant.size, device, remote.access_key, remote.owner.id, read_only, _Use(lambda: None))
-        if not grant.handles.HasField("cuda_ipc"):
-            raise UnsupportedError(f"the owner of buffer {remote.id} granted no CUDA IPC handle")
+        if not grant.handles.HasField(self._handle):
+            raise UnsupportedError(f"the owner of buffer {remote.id} granted no {self._kind.value} IPC handle")
         try:
-            region = self._backend.open_ipc(grant.handles.cuda_ipc, device, grant.size)
+            region = self._backend.open_ipc(getattr(grant.handles, self._handle), device, grant.size)
         except ArgumentError as exc:
             raise UnsupportedError(f"buffer {remote.id}: {exc}") from exc
         return _Mapping(region.address, grant.size, device, remote.access_key, remote.owner.id, read_only, _Use(region.free))
@@ -195,7 +197,7 @@ class _MappingCache:
         """Memory of this process on another GPU: enable peer access to it (IPC mappings get theirs from the driver)."""
         for other in self._backend.devices():
             if other.uuid == remote.uuid and other.index != device.index:
-                self._backend.contexts.enable_peer_access(device.index, other.index)
+                self._backend.enable_peer_access(device.index, other.index)
 
     def _local_side(self, local: Any, device: Device) -> tuple[int, Lane, bool, _Use | None]:
         """(device-side base address of the local buffer, the lane that copies, one copy per range?, the use to hold)."""
@@ -223,22 +225,21 @@ class _MappingCache:
 
     def _pin(self, region: MemoryRegion, lane: Lane) -> _Pinned | None:
         """Page-lock a local host buffer and map it for the GPUs (None where the driver refuses)."""
-        contexts = self._backend.contexts
-        with contexts.use(lane.ordinal):
+        runtime = self._backend.runtime
+        with runtime.use(lane.ordinal):
             if region.kind is MemoryKind.HOST_PINNED:
-                return _Pinned(self._backend.runtime.mapped_pointer(region.address), _Use(lambda: None))
+                return _Pinned(runtime.mapped_pointer(region.address), _Use(lambda: None))
             if region.size == 0:
                 return None
-            flags = int(driver.CU_MEMHOSTREGISTER_PORTABLE) | int(driver.CU_MEMHOSTREGISTER_DEVICEMAP)
-            status = driver.cuMemHostRegister(region.address, region.size, flags)[0]
-            if status != driver.CUresult.CUDA_SUCCESS:  # e.g. already registered, perhaps only in part
-                _log.info("cannot page-lock the %d-byte host buffer at %#x (%s): one copy per range", region.size, region.address, status)
+            try:
+                pointer = runtime.register_host(region.address, region.size)
+            except HMCError as exc:  # e.g. already registered, perhaps only in part
+                _log.info("cannot page-lock the %d-byte host buffer at %#x (%s): one copy per range", region.size, region.address, exc)
                 return None
-            pointer = self._backend.runtime.mapped_pointer(region.address)
 
         def unregister() -> None:
-            with contexts.use(lane.ordinal):
-                check(driver.cuMemHostUnregister(region.address))
+            with runtime.use(lane.ordinal):
+                runtime.unregister_host(region.address)
 
         return _Pinned(pointer, _Use(unregister))
 

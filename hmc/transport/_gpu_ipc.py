@@ -1,9 +1,10 @@
-"""The `ipc` path for CUDA memory: the peer's device memory mapped through CUDA IPC, bytes moved by device copies.
+"""The `ipc` path for GPU memory of one vendor: the peer's device memory mapped through vendor IPC (CUDA IPC between
+NVIDIA GPUs, HIP IPC between AMD ones), bytes moved by device copies. One transport per GPU family present.
 
 This module is the mover: the transport and its request paths. The grants and
 the mapping cache (peer buffers mapped per GPU, local host buffers page-locked,
-lanes) are `hmc.transport._cuda_ipc_mappings`; completion (callers driving their
-own events, the backstop thread) is `hmc.transport._cuda_ipc_completion`.
+lanes) are `hmc.transport._gpu_ipc_mappings`; completion (callers driving their
+own events, the backstop thread) is `hmc.transport._gpu_ipc_completion`.
 
 Access model (as for host memory in `hmc.transport._ipc`): one grant per (peer,
 buffer), mapped in the context of the GPU that runs the copies and kept until
@@ -11,20 +12,20 @@ the owner withdraws the buffer or the peer is lost. Every range is
 bounds-checked against the granted size, and writes into a read-only grant are
 refused, before anything is queued.
 
-Moving bytes (`hmc.transport._cuda_copy.Lane`). The copies run on the GPU of
+Moving bytes (`hmc.transport._gpu_copy.Lane`). The copies run on the GPU of
 the local buffer when it is device memory (a WRITE pushes, a READ pulls, over
-NVLink), else on the GPU the peer's memory lives on. One range is one
-cuMemcpyAsync; a batch is one table upload and one gather/scatter kernel
+NVLink or XGMI), else on the GPU the peer's memory lives on. One range is one
+memcpyAsync; a batch is one table upload and one gather/scatter kernel
 launch. Local host memory is page-locked once per buffer so the GPU reaches it
-directly; where the driver refuses, each range is one cuMemcpyAsync. The two
-GPUs must reach each other (NVLink or PCIe peer access; cuIpcOpenMemHandle
-enables it for the mapping). Local device memory and a peer's *host* memory
+directly; where the runtime refuses, each range is one memcpyAsync. The two
+GPUs must reach each other (NVLink, XGMI or PCIe peer access; opening the IPC
+handle enables it for the mapping). Local device memory and a peer's *host* memory
 meet through a page-locked bounce buffer and the host-memory ipc transport
 (cross-memory attach), one chunk at a time.
 
 Completion. Requests up to `sync_bytes` are waited for on the caller's thread
 before post() returns; larger ones are completed by whoever waits on them, or
-by the "hmc-cuda-ipc-wait" backstop (`hmc.transport._cuda_ipc_completion`).
+by the "hmc-cuda-ipc-wait" backstop (`hmc.transport._gpu_ipc_completion`).
 
 Ordering: as with any one-sided path, the caller makes sure the bytes it writes
 are ready (their producing stream synchronized) before write(); the bytes of a
@@ -59,20 +60,22 @@ from hmc.errors import (
 from hmc.memory import DeviceKind, MemoryKind, MemoryRegion
 from hmc.memory import backend_for as memory_backend
 from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport
-from hmc.transport._cuda_copy import Lane
-from hmc.transport._cuda_ipc_completion import _CLOSE_S, _Latch, _Pending, _Waiter
-from hmc.transport._cuda_ipc_mappings import OpenGrant, _enter, _leave, _Mapping, _MappingCache, _Pinned, _Use
+from hmc.transport._gpu_copy import Lane
+from hmc.transport._gpu_ipc_completion import _CLOSE_S, _Latch, _Pending, _Waiter
+from hmc.transport._gpu_ipc_mappings import OpenGrant, _enter, _leave, _Mapping, _MappingCache, _Pinned, _Use
 from hmc.transport._ranges import RangeList
 from hmc.v1 import common_pb2
 
 if TYPE_CHECKING:
-    from hmc.memory._cuda import CudaBackend
+    from hmc.memory._gpu import GpuBackend
 
-__all__ = ["CudaIpcTransport"]
+__all__ = ["GpuIpcTransport"]
 
 _log = logging.getLogger(__name__)
 
-_CUDA = common_pb2.DEVICE_KIND_CUDA
+_PROTO_KIND = {DeviceKind.CUDA: common_pb2.DEVICE_KIND_CUDA, DeviceKind.HIP: common_pb2.DEVICE_KIND_HIP}
+_HANDLE = {DeviceKind.CUDA: "cuda_ipc", DeviceKind.HIP: "hip_ipc"}
+"""The grant field carrying each family's IPC handle."""
 _WITHDRAW_S = 5.0
 
 
@@ -82,26 +85,18 @@ class _Staging:
     __slots__ = ("id", "region", "size")
 
     def __init__(self, region: MemoryRegion) -> None:
-        self.id = "cuda-ipc-bounce"
+        self.id = "gpu-ipc-bounce"
         self.region = region
         self.size = region.size
 
 
-class CudaIpcTransport(Transport, _MappingCache):
-    """CUDA device memory of another process of this host, mapped through CUDA IPC (initiator side)."""
-
-    capabilities = Capabilities(
-        path=PathName.IPC,
-        memory_kinds=frozenset({DeviceKind.CUDA}),  # local host memory to a peer's CUDA memory works too, but host memory as a peer's is the host mover's
-        one_sided=True,
-        same_host_only=True,
-        same_vendor_only=True,
-        detail="cuda ipc (peer copies, one gather/scatter kernel per batch)",
-    )
+class GpuIpcTransport(Transport, _MappingCache):
+    """Device memory of one GPU family (`backend.kind`) in another process of this host, mapped through that
+    vendor's IPC (initiator side)."""
 
     def __init__(
         self,
-        backend: CudaBackend,
+        backend: GpuBackend,
         open_grant: OpenGrant,
         *,
         host: Transport | None = None,
@@ -110,6 +105,18 @@ class CudaIpcTransport(Transport, _MappingCache):
         bounce_bytes: int = 16 << 20,
     ) -> None:
         self._backend = backend
+        self._kind = backend.kind
+        self._proto_kind = _PROTO_KIND[backend.kind]
+        self._handle = _HANDLE[backend.kind]
+        family = backend.kind.value
+        self.capabilities = Capabilities(
+            path=PathName.IPC,
+            memory_kinds=frozenset({backend.kind}),  # local host memory to a peer's device memory works too, but host memory as a peer's is the host mover's
+            one_sided=True,
+            same_host_only=True,
+            same_vendor_only=True,
+            detail=f"{family} ipc (peer copies, one gather/scatter kernel per batch)",
+        )
         self._open_grant = open_grant
         self._host = host
         self._timeout_s = timeout_s
@@ -124,16 +131,16 @@ class CudaIpcTransport(Transport, _MappingCache):
         self._closed = False
 
     @classmethod
-    def probe(cls, open_grant: OpenGrant, **options: Any) -> CudaIpcTransport | None:
-        """The transport, or None where this host has no CUDA backend (no cuda-python, driver or GPU)."""
+    def probe(cls, kind: DeviceKind, open_grant: OpenGrant, **options: Any) -> GpuIpcTransport | None:
+        """The transport for the GPU family `kind`, or None where this process has no backend for it."""
         try:
-            backend = memory_backend(DeviceKind.CUDA)
+            backend = memory_backend(kind)
         except UnsupportedError:
             return None
         return cls(backend, open_grant, **options)  # type: ignore[arg-type]
 
     def copy_engines(self) -> dict[str, str]:
-        """How each GPU in use moves batches of ranges: "nvrtc", "cupy" (the kernel), "memcpy" or "unloaded"."""
+        """How each GPU in use moves batches of ranges: "nvrtc", "cupy", "hiprtc" (the kernel), "memcpy" or "unloaded"."""
         with self._lock:
             return {lane.device.name: lane.kernel_kind for lane in self._lanes.values()}
 
@@ -141,7 +148,7 @@ class CudaIpcTransport(Transport, _MappingCache):
 
     def export(self, buffer: Any) -> dict[str, Any]:
         region = buffer.region
-        if region.kind is not MemoryKind.DEVICE or region.device.kind is not DeviceKind.CUDA:
+        if region.kind is not MemoryKind.DEVICE or region.device.kind is not self._kind:
             return {}
         return self._backend.export_handles(region)
 
@@ -184,7 +191,7 @@ class CudaIpcTransport(Transport, _MappingCache):
 
     def post(self, request: TransferRequest) -> None:
         try:
-            if request.remote.device.kind == _CUDA:
+            if request.remote.device.kind == self._proto_kind:
                 self._post_mapped(request)
             elif request.local.region.kind is MemoryKind.DEVICE:
                 self._post_bounced(request)
@@ -271,7 +278,7 @@ class CudaIpcTransport(Transport, _MappingCache):
     # -- the single-range fast path ---------------------------------------------------
 
     def inline(self, local: Any, remote: common_pb2.BufferDescriptor) -> InlineCopy | None:
-        if remote.device.kind != _CUDA:
+        if remote.device.kind != self._proto_kind:
             return None
         device = self._copier(local.region, remote.device)
         with self._lock:
