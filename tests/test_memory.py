@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 
 import numpy as np
@@ -147,3 +148,52 @@ def test_a_pointer_cuda_does_not_know_is_asked_of_hip(monkeypatch: pytest.Monkey
     monkeypatch.setattr(memory, "_backends", lambda: {DeviceKind.CUDA: _Claims(None), DeviceKind.HIP: _Claims(None)})
     with pytest.raises(ArgumentError, match="no GPU backend knows"):
         memory.register(_DeviceMemory())
+
+
+_CAPSULE_NAME = b"dltensor"  # PyCapsule_New keeps the pointer: the name must outlive the capsules
+
+
+class _DLManaged(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p), ("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32),
+        ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16),
+        ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64),
+        ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p),
+    ]
+
+
+class _RocmTensor:
+    """A DLPack producer of a kDLROCM tensor (what torch on ROCm hands out), built by hand with ctypes."""
+
+    def __init__(self, data: int, shape: tuple[int, ...], bits: int, strides: tuple[int, ...] | None = None, byte_offset: int = 0) -> None:
+        self._shape = (ctypes.c_int64 * len(shape))(*shape)
+        self._strides = (ctypes.c_int64 * len(shape))(*strides) if strides else None
+        self._managed = _DLManaged(data, 10, 0, len(shape), 2, bits, 1, self._shape, self._strides, byte_offset, None, None)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return 10, 0
+
+    def __dlpack__(self, **kwargs: object) -> object:
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype, new.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+        return new(ctypes.addressof(self._managed), _CAPSULE_NAME, None)
+
+
+def test_a_dlpack_rocm_tensor_registers_as_hip_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    hip0 = memory.Device("hip:0", DeviceKind.HIP, 0, memory.Vendor.AMD, memory.Vendor.AMD)
+    asked: list[int] = []
+
+    class Hip(_Claims):
+        def resolve_pointer(self, address: int) -> tuple[memory.Device, MemoryKind]:
+            asked.append(address)
+            return super().resolve_pointer(address)
+
+    monkeypatch.setattr(memory, "_backends", lambda: {DeviceKind.HIP: Hip(hip0)})
+    tensor = _RocmTensor(0x7F0000100000, (4, 8, 16), 16, byte_offset=256)
+    region = memory.register(tensor)
+    assert (region.device, region.address, region.size, region.kind) == (hip0, 0x7F0000100100, 4 * 8 * 16 * 2, MemoryKind.DEVICE)
+    assert asked == [0x7F0000100100] and region.owner is tensor
+    with pytest.raises(ArgumentError, match="C-contiguous"):
+        memory.register(_RocmTensor(0x7F0000100000, (4, 8), 32, strides=(1, 4)))
+    with pytest.raises(ArgumentError, match="byte-addressable"):
+        memory.register(_RocmTensor(0x7F0000100000, (4, 8), 4))

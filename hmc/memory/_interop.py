@@ -1,14 +1,18 @@
 """Normalise foreign memory objects into a `MemoryRegion` at the entry point.
 
 Accepted: a `MemoryRegion`; objects with `__cuda_array_interface__` (CUDA tensors,
-CuPy arrays); DLPack producers on the CPU (torch CPU tensors); anything with the
-buffer protocol (numpy arrays, bytearray, mmap). Memory must be contiguous.
+CuPy arrays, torch-on-ROCm tensors, which call themselves CUDA); DLPack producers on
+the CPU (torch CPU tensors) and on GPUs (kDLCUDA, kDLROCM: the tensor is read from the
+capsule, the device from the backends); anything with the buffer protocol (numpy
+arrays, bytearray, mmap). Memory must be contiguous.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import ctypes
 
 import numpy as np
 
@@ -20,7 +24,36 @@ __all__ = ["as_region"]
 
 # DLPack device types (dlpack.h).
 _DL_CPU = 1
+_DL_CUDA = 2
 _DL_CUDA_HOST = 3
+_DL_ROCM = 10
+_DL_ROCM_HOST = 11
+_DL_DEVICES = frozenset({_DL_CUDA, _DL_ROCM})
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = (ctypes.py_object, ctypes.c_char_p)
 
 DeviceResolver = Callable[[int], tuple[Device, MemoryKind]]
 
@@ -38,6 +71,28 @@ def _from_cuda_array_interface(obj: Any, resolve_device: DeviceResolver | None) 
         raise UnsupportedError("object exposes __cuda_array_interface__ but no CUDA backend is available")
     device, kind = resolve_device(address)
     return MemoryRegion(device=device, address=int(address), size=size, kind=kind, owner=obj, readonly=bool(readonly))
+
+
+def _from_dlpack_device(obj: Any, resolve_device: DeviceResolver | None) -> MemoryRegion:
+    """GPU memory behind a DLPack producer: its tensor read from the capsule (which `obj` outlives), its device from
+    the backends (a kDLROCM tensor is HIP memory, whatever it calls itself)."""
+    try:
+        capsule = obj.__dlpack__()
+        tensor = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))  # DLManagedTensor starts with its DLTensor
+    except (TypeError, ValueError, BufferError) as exc:
+        raise ArgumentError(f"cannot read the DLPack tensor of {type(obj).__name__}: {exc}") from exc
+    shape = tuple(tensor.shape[i] for i in range(tensor.ndim))
+    itemsize = tensor.dtype.bits * tensor.dtype.lanes // 8
+    if itemsize <= 0 or tensor.dtype.bits % 8:
+        raise ArgumentError(f"DLPack dtype of {tensor.dtype.bits} bits is not byte-addressable")
+    if tensor.strides and tuple(tensor.strides[i] for i in range(tensor.ndim)) != tuple(s // itemsize for s in _contiguous_strides(shape, itemsize)):
+        raise ArgumentError("device memory must be C-contiguous to be registered")
+    address = int(tensor.data or 0) + int(tensor.byte_offset)
+    size = int(np.prod(shape, dtype=np.int64)) * itemsize
+    if resolve_device is None:
+        raise UnsupportedError("a DLPack GPU tensor was given but no GPU backend is available")
+    device, kind = resolve_device(address)
+    return MemoryRegion(device=device, address=address, size=size, kind=kind, owner=obj)
 
 
 def _contiguous_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
@@ -70,7 +125,9 @@ def as_region(obj: Any, resolve_device: DeviceResolver | None = None) -> MemoryR
         return _from_cuda_array_interface(obj, resolve_device)
     if hasattr(obj, "__dlpack_device__"):
         device_type, _ = obj.__dlpack_device__()
-        if device_type not in (_DL_CPU, _DL_CUDA_HOST):
+        if device_type in _DL_DEVICES:
+            return _from_dlpack_device(obj, resolve_device)
+        if device_type not in (_DL_CPU, _DL_CUDA_HOST, _DL_ROCM_HOST):
             raise UnsupportedError(f"DLPack device type {device_type} is not supported by this build")
         return _from_host_array(np.from_dlpack(obj), owner=obj)
     try:
