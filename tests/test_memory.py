@@ -192,8 +192,39 @@ def test_a_dlpack_rocm_tensor_registers_as_hip_memory(monkeypatch: pytest.Monkey
     tensor = _RocmTensor(0x7F0000100000, (4, 8, 16), 16, byte_offset=256)
     region = memory.register(tensor)
     assert (region.device, region.address, region.size, region.kind) == (hip0, 0x7F0000100100, 4 * 8 * 16 * 2, MemoryKind.DEVICE)
-    assert asked == [0x7F0000100100] and region.owner is tensor
+    assert asked == [0x7F0000100100] and region.owner[0] is tensor  # with the capsule, which keeps the tensor alive
     with pytest.raises(ArgumentError, match="C-contiguous"):
         memory.register(_RocmTensor(0x7F0000100000, (4, 8), 32, strides=(1, 4)))
     with pytest.raises(ArgumentError, match="byte-addressable"):
         memory.register(_RocmTensor(0x7F0000100000, (4, 8), 4))
+
+
+class _Refusing:
+    """A DLPack producer that refuses to export (as torch does for a tensor that requires grad)."""
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return 10, 0
+
+    def __dlpack__(self, **kwargs: object) -> object:
+        raise RuntimeError("Can't export tensors that require gradient")
+
+
+def test_a_refused_dlpack_export_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "_backends", lambda: {})
+    with pytest.raises(ArgumentError, match="cannot read the DLPack tensor"):
+        memory.register(_Refusing())
+
+
+def test_a_backend_failing_during_discovery_is_absent_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runtime that fails in a way its probe did not foresee leaves its family out; host memory still works."""
+
+    def broken() -> tuple[None, str]:
+        raise DeviceError("HIP call failed: hipErrorNotSupported")
+
+    monkeypatch.setattr(memory, "_load_hip", broken)
+    memory._discovery.cache_clear()
+    try:
+        assert "hipErrorNotSupported" in memory.absent_backends()["hip"]
+        assert memory.get_device("host").kind is DeviceKind.HOST
+    finally:
+        memory._discovery.cache_clear()

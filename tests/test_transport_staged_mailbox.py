@@ -121,6 +121,45 @@ def test_a_refusal_comes_back_typed_through_the_mailbox_and_writes_nothing(pair:
     assert peer.contents(remote.id)[16:] == bytes([POISON]) * (SIZE - 16)
 
 
+def _deleted_rings() -> set[str]:
+    """Ring files this process still maps although they were unlinked (a dropped ring not let go of)."""
+    with open("/proc/self/maps") as maps:
+        return {line.split()[-2] for line in maps if "hmc-staged-" in line and "(deleted)" in line}
+
+
+def test_a_refused_request_lets_go_of_its_ring_while_its_error_lives(pair: tuple[Agent, PeerProcess, Any], posts: list[int]) -> None:
+    """A refusal drops the ring; the error, kept by a handle, must not keep the dropped ring mapped."""
+    agent, peer, remote = pair
+    withdrawn = peer.register(SIZE, fill=POISON)
+    shm: ShmStaging = agent._transports["staged"]._shm  # type: ignore[attr-defined]
+    local = agent.register(np.full(SIZE, 0x77, np.uint8))
+    good, refused = shm.inline(local, remote, 10.0), shm.inline(local, withdrawn, 10.0)
+    peer.unregister(withdrawn.id)
+    before = _deleted_rings()
+    kept = []
+    for _ in range(3):
+        good.write(0, 0, 16)
+        with pytest.raises(BufferWithdrawnError) as error:
+            refused.write(8192, 8192, 4096)
+        kept.append(error.value)
+    assert len(posts) >= 3 and _deleted_rings() <= before, "a dropped ring stays mapped while its error lives"
+
+
+def test_an_owner_without_the_mailbox_gets_every_request_over_the_socket(config: Config, ring_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An owner that never attaches the page (another release, or SUPPORTED false there) is never posted to."""
+    import hmc.transport._staged_owner as owner_side
+
+    monkeypatch.setattr(owner_side, "SUPPORTED", False)  # the owner side only: both agents live in this process
+    with Agent(config.replace(policy=STAGED), daemon=False) as owner, Agent(config.replace(policy=STAGED), daemon=False) as initiator:
+        data = np.arange(SIZE, dtype=np.uint32).view(np.uint8)[:SIZE].copy()
+        target = np.full(SIZE, POISON, np.uint8)
+        remote = owner.register(target).descriptor
+        local = initiator.register(data)
+        for at in range(0, 64 * 4096, 4096):
+            initiator.write(local, remote, at, at, 4096).wait()
+        assert np.array_equal(target[: 64 * 4096], data[: 64 * 4096])
+
+
 def test_the_owner_dying_fails_a_mailbox_request_with_a_typed_error(pair: tuple[Agent, PeerProcess, Any], posts: list[int]) -> None:
     agent, peer, remote = pair
     local = agent.register(np.full(SIZE, 0x5A, np.uint8))
@@ -185,6 +224,15 @@ class _Quiet:
 
     def send(self, frame: peer_pb2.PeerFrame, deadline: float | None = None) -> None:
         self.rung.append(frame.posted.seq)
+
+
+def test_the_page_is_attached_only_by_the_connection_it_was_offered_to() -> None:
+    initiator, owner = _page()
+    initiator.offer(7)
+    assert not owner.attach(8) and not initiator.ready(7)  # another connection (another peer naming this ring)
+    assert owner.attach(7) and initiator.ready(7) and not initiator.ready(8)
+    initiator.offer(9)  # a new connection: nothing is posted until its owner attaches the page too
+    assert not initiator.ready(9)
 
 
 def test_a_posted_request_is_taken_once_by_its_connection_only() -> None:

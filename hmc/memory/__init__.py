@@ -50,7 +50,10 @@ def _discovery() -> tuple[dict[DeviceKind, MemoryBackend], dict[DeviceKind, str]
     found: dict[DeviceKind, MemoryBackend] = {DeviceKind.HOST: HostBackend()}
     absent: dict[DeviceKind, str] = {}
     for kind, loader in ((DeviceKind.CUDA, _load_cuda), (DeviceKind.HIP, _load_hip)):
-        backend, reason = loader()
+        try:
+            backend, reason = loader()
+        except Exception as exc:  # noqa: BLE001 - a runtime failing in a way its probe did not foresee: absent, not fatal
+            backend, reason = None, f"its runtime failed during discovery: {type(exc).__name__}: {exc}"
         if backend is not None and backend.devices():
             found[kind] = backend
         else:

@@ -272,7 +272,7 @@ class CudaRuntime:
         flags = driver.CU_MEMHOSTREGISTER_PORTABLE | driver.CU_MEMHOSTREGISTER_DEVICEMAP
         with self._contexts.use_any():
             check(driver.cuMemHostRegister(address, size, flags))
-            return int(check(driver.cuMemHostGetDevicePointer(address, 0)))
+            return self.mapped_pointer(address)  # never raises: the registration stands, whoever asked undoes it
 
     def unregister_host(self, address: int) -> None:
         with self._contexts.use_any():

@@ -73,7 +73,8 @@ class Runtime(Protocol):
         """Where the current GPU reaches page-locked host memory at `address` (the address itself, where equal)."""
 
     def register_host(self, address: int, size: int) -> int:
-        """Page-lock and map host memory for every GPU; returns the pointer GPUs use."""
+        """Page-lock and map host memory for every GPU; returns the pointer GPUs use (once registered, it does not
+        raise: the caller owns the registration and undoes it)."""
 
     def unregister_host(self, address: int) -> None: ...
 

@@ -61,13 +61,13 @@ class HipBackend(GpuBackend):
         try:
             check(hip.hipInit(0))
             count = int(check(hip.hipGetDeviceCount()))
+            if count <= 0:
+                return None, "no AMD GPU: the HIP runtime reports none"
+            return cls(_discover(count)), ""
         except RuntimeError as exc:  # hip-python could not load libamdhip64.so
             return None, f"no ROCm runtime: {exc}"
-        except DeviceError as exc:
+        except DeviceError as exc:  # a device the runtime counts but cannot describe, a driver failure
             return None, f"no AMD GPU usable: {exc}"
-        if count <= 0:
-            return None, "no AMD GPU: the HIP runtime reports none"
-        return cls(_discover(count)), ""
 
     @property
     def scopes(self) -> Devices:

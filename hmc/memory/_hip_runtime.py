@@ -275,8 +275,8 @@ def _code_object(source: str, name: str) -> bytes:
         code = bytearray(int(ok(hiprtc.hiprtcGetCodeSize(program))))
         ok(hiprtc.hiprtcGetCode(program, code))
         return bytes(code)
-    finally:
-        hiprtc.hiprtcDestroyProgram(program)
+    finally:  # hiprtcDestroyProgram takes hiprtcProgram*: a reference to the handle, not the handle
+        ok(hiprtc.hiprtcDestroyProgram(program.createRef()))
 
 
 class _HipKernel:

@@ -74,12 +74,13 @@ def _from_cuda_array_interface(obj: Any, resolve_device: DeviceResolver | None) 
 
 
 def _from_dlpack_device(obj: Any, resolve_device: DeviceResolver | None) -> MemoryRegion:
-    """GPU memory behind a DLPack producer: its tensor read from the capsule (which `obj` outlives), its device from
-    the backends (a kDLROCM tensor is HIP memory, whatever it calls itself)."""
+    """GPU memory behind a DLPack producer: its tensor read from the capsule (kept, unconsumed, with `obj` as the
+    region's owner: its deleter runs when the region goes), its device from the backends (a kDLROCM tensor is HIP
+    memory, whatever it calls itself)."""
     try:
         capsule = obj.__dlpack__()
         tensor = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))  # DLManagedTensor starts with its DLTensor
-    except (TypeError, ValueError, BufferError) as exc:
+    except Exception as exc:  # noqa: BLE001 - producers raise what they like (torch: RuntimeError for a tensor needing grad)
         raise ArgumentError(f"cannot read the DLPack tensor of {type(obj).__name__}: {exc}") from exc
     shape = tuple(tensor.shape[i] for i in range(tensor.ndim))
     itemsize = tensor.dtype.bits * tensor.dtype.lanes // 8
@@ -92,7 +93,7 @@ def _from_dlpack_device(obj: Any, resolve_device: DeviceResolver | None) -> Memo
     if resolve_device is None:
         raise UnsupportedError("a DLPack GPU tensor was given but no GPU backend is available")
     device, kind = resolve_device(address)
-    return MemoryRegion(device=device, address=address, size=size, kind=kind, owner=obj)
+    return MemoryRegion(device=device, address=address, size=size, kind=kind, owner=(obj, capsule))  # the capsule keeps the tensor alive
 
 
 def _contiguous_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:

@@ -72,19 +72,21 @@ class PinnedMapping:
         self.size = size
         self._array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.address = int(self._array.ctypes.data)
-        self.device_address = self.address
-        """Where GPUs reach the mapping (unified addressing: the host address on every GPU HMC supports)."""
+        self._pointers: dict[int, int] = {}
+        """Where each runtime's GPUs reach the mapping (by id of the runtime; usually the host address itself)."""
         self._pinned_by: list[Any] = []
         """The runtimes this mapping is page-locked and mapped with (every GPU backend present)."""
         try:
             for backend in gpu_backends():
-                pointer = backend.runtime.register_host(self.address, size)
-                if not self._pinned_by:
-                    self.device_address = pointer
+                self._pointers[id(backend.runtime)] = backend.runtime.register_host(self.address, size)
                 self._pinned_by.append(backend.runtime)
         except BaseException:
             self.close()
             raise
+
+    def device_address(self, runtime: Any) -> int:
+        """Where the GPUs of `runtime` (a backend's) reach the mapping."""
+        return self._pointers.get(id(runtime), self.address)
 
     def close(self) -> None:
         runtimes, self._pinned_by = self._pinned_by, []
@@ -266,14 +268,14 @@ class SlotCopier:
             return no_wait
         gpu = self._gpu(region.device)
         lane = gpu.lane
+        pointer = slot.device_address(gpu.backend.runtime) + at
         if len(lengths) == 1 and lengths[0] <= _NOW_BYTES:  # a small single range: copied and polled right here
-            source, target = (base + int(offsets[0]), slot.device_address + at) if to_slot else (slot.device_address + at, base + int(offsets[0]))
+            source, target = (base + int(offsets[0]), pointer) if to_slot else (pointer, base + int(offsets[0]))
             if not gpu.small.copy_now(target, source, int(lengths[0]), deadline):
                 raise StuckCopy("a staging copy did not finish before the deadline")
             return no_wait
         offsets, lengths = np.asarray(offsets, np.int64), np.asarray(lengths, np.int64)
         positions = end_to_end(lengths)
-        pointer = slot.device_address + at
         if lengths.size <= gpu.few:  # copy engines, straight between the ranges and the slot
             if to_slot:
                 event = lane.enqueue(offsets, base, positions, pointer, lengths, deadline, record=True)

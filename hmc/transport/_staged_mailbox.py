@@ -8,9 +8,12 @@ and no wake-up on either side (on one H100 host a socket round trip between two 
 8-10 us, a mailbox one 2). When the owner is not polling, the initiator rings its doorbell: a Posted
 frame on the socket, which wakes it to look.
 
-A request names its connection (`token`, from the connection's nonce): a connection being replaced
-never serves its successor's requests. The first request of every connection goes over the socket,
-so the owner has mapped the ring and the mailbox before anything is posted there.
+The page is bound to one connection at a time (`token`, from the connection's nonce, which both ends
+hold): the initiator offers it to its current connection, and the owner's thread of that connection
+attaches it (and says so) only when the offer names its own connection; requests carry the token too.
+So the initiator posts only once the owner it is talking to has attached the page (an owner without
+the mailbox, or of another release, never does: those keep to the socket), a connection being replaced
+never serves its successor's requests, and a peer naming someone else's ring cannot attach its page.
 
 Ordering. x86-64 keeps stores in order and loads in order (TSO), so a record written before its
 sequence number is whole when the number is seen. Only a store followed by a load may pass each
@@ -26,11 +29,8 @@ meanwhile); the owner takes and answers on its connection's thread, or its compl
 from __future__ import annotations
 
 import platform
-import struct
 import time
 from collections.abc import Callable
-
-import numpy as np
 
 from hmc.errors import ProtocolError, TimeoutError
 from hmc.transport._wire import FrameStream, raise_for_reply
@@ -41,18 +41,19 @@ __all__ = ["MAILBOX_BYTES", "RECHECK_S", "SUPPORTED", "Mailbox", "token_of"]
 SUPPORTED = platform.machine() in ("x86_64", "AMD64")
 """Whether this machine's memory ordering lets two processes hand records over through plain loads and stores."""
 MAILBOX_BYTES = 8192
-"""The mailbox page: the owner's flag, the request, the reply, each on lines of their own."""
+"""The mailbox page: the header words, the request, the reply, each on lines of their own."""
 RECHECK_S = 1e-3
 """How long the owner waits on its socket before it looks at the mailbox a last time and sleeps."""
 _SPIN_S = 200e-6
 """How long the initiator polls for its reply before napping between looks (a small copy answers well within it)."""
 _NAP_S = 50e-6
 _AWAKE = 0  # word: the owner polls the mailbox (owner writes)
+_OFFERED = 1  # word: the token of the connection the initiator uses the page with (initiator writes)
+_ATTACHED = 2  # word: the token of the connection whose owner attached the page (owner writes)
 _REQUEST = 64  # bytes: seq, token, length (u32 each), then the request frame
 _REPLY = 4096  # bytes: seq, length (u32 each), then a refusal's PeerReply (length 0: done)
 _BODY = 64  # where a record's bytes start after its words
 _MAX_RECORD = _REPLY - _REQUEST - _BODY
-_WORDS = struct.Struct("<3I")
 
 
 def token_of(stream: FrameStream) -> int:
@@ -61,20 +62,33 @@ def token_of(stream: FrameStream) -> int:
 
 
 class Mailbox:
-    """One ring's mailbox page (`view`, `MAILBOX_BYTES` of the mapped ring), seen from either end."""
+    """One ring's mailbox page (`view`, `MAILBOX_BYTES` of the mapped ring), seen from either end; `close()` lets
+    go of the page (the ring can be unmapped then, whoever still holds this object)."""
 
     def __init__(self, view: memoryview) -> None:
         if view.nbytes != MAILBOX_BYTES:
             raise ProtocolError(f"a mailbox is {MAILBOX_BYTES} bytes, not {view.nbytes}")
         self._view = view
-        self._words = np.frombuffer(view, np.uint32)
+        self._words = view.cast("I")
         self._request_seq = _REQUEST // 4
         self._reply_seq = _REPLY // 4
-        self.seen = int(self._words[self._request_seq])
+        self.seen = self._words[self._request_seq]
         """Owner: the last request sequence number taken (or there when attached)."""
-        self._next = int(self._words[self._request_seq])
+        self._next = self._words[self._request_seq]
+
+    def close(self) -> None:
+        self._words.release()
+        self._view.release()
 
     # -- initiator -------------------------------------------------------------
+
+    def offer(self, token: int) -> None:
+        """Use the page with connection `token` from now on (its owner attaches it on the next slot it is named in)."""
+        self._words[_OFFERED] = token
+
+    def ready(self, token: int) -> bool:
+        """Whether the owner of connection `token` has attached the page (requests may be posted)."""
+        return self._words[_ATTACHED] == token
 
     def owner_awake(self) -> bool:
         return bool(self._words[_AWAKE])
@@ -112,7 +126,7 @@ class Mailbox:
                     raise_for_reply(frame.reply)
                 raise ProtocolError(f"{stream.peer} answered a mailbox request on the socket")
             time.sleep(_NAP_S)
-        length = int(words[at + 1])
+        length = words[at + 1]
         if length:
             if length > _MAX_RECORD:
                 raise ProtocolError("a mailbox reply longer than the mailbox")
@@ -122,6 +136,14 @@ class Mailbox:
             raise ProtocolError("a mailbox reply that is neither done nor a refusal")
 
     # -- owner -----------------------------------------------------------------
+
+    def attach(self, token: int) -> bool:
+        """Take the page for connection `token` if the initiator offered it to that connection (then say so)."""
+        if self._words[_OFFERED] != token:
+            return False
+        self.seen = self._words[self._request_seq]
+        self._words[_ATTACHED] = token
+        return True
 
     def awake(self, polling: bool) -> None:
         self._words[_AWAKE] = 1 if polling else 0
@@ -135,10 +157,10 @@ class Mailbox:
                 break
         else:
             return None
-        seq = int(words[at])
-        if int(words[at + 1]) != token:
+        seq = words[at]
+        if words[at + 1] != token:
             return None
-        length = int(words[at + 2])
+        length = words[at + 2]
         if length > _MAX_RECORD:
             raise ProtocolError("a mailbox request longer than the mailbox")
         self.seen = seq
@@ -159,4 +181,3 @@ class Mailbox:
             self._words[self._reply_seq] = seq
 
         return reply
-

@@ -21,7 +21,7 @@ from typing import Any
 
 from hmc.errors import HMCError, ProtocolError, TimeoutError
 from hmc.transport._pinned import PinnedMapping, SlotCopier, no_wait
-from hmc.transport._staged_mailbox import MAILBOX_BYTES, SUPPORTED, Mailbox
+from hmc.transport._staged_mailbox import MAILBOX_BYTES, SUPPORTED, Mailbox, token_of
 from hmc.transport._staged_shm import RING_NAME, SMALL_BYTES, ring_dirs
 from hmc.transport._wire import FrameStream, error_reply
 from hmc.v1 import peer_pb2
@@ -102,7 +102,12 @@ class OwnerSegments:
         if shm.mailbox and SUPPORTED and self._mailbox_at != (shm.segment, shm.mailbox):
             if shm.mailbox % 64 or shm.mailbox + MAILBOX_BYTES > shm.segment_bytes:
                 raise ProtocolError("a staging ring's mailbox lies outside it")
-            self.mailbox, self._mailbox_at = Mailbox(mapping.view(shm.mailbox, MAILBOX_BYTES)), (shm.segment, shm.mailbox)
+            mailbox = Mailbox(mapping.view(shm.mailbox, MAILBOX_BYTES))
+            if mailbox.attach(token_of(self._stream)):  # offered to this connection: not another's ring
+                self._forget_mailbox()
+                self.mailbox, self._mailbox_at = mailbox, (shm.segment, shm.mailbox)
+            else:
+                mailbox.close()
         return mapping
 
     def _map(self, shm: peer_pb2.ShmSlot) -> PinnedMapping:
@@ -138,6 +143,7 @@ class OwnerSegments:
         """Stop using the mailbox (its ring is about to be unmapped), saying so to an initiator still looking."""
         if self.mailbox is not None:
             self.mailbox.awake(False)
+            self.mailbox.close()
         self.mailbox, self._mailbox_at = None, ("", 0)
 
     def start(

@@ -254,13 +254,14 @@ def _next_request(stream: FrameStream, segments: OwnerSegments, token: int) -> t
             return frame, None
         mailbox.awake(True)
         until = time.monotonic() + _MAILBOX_SPIN_S
-        while (posted := mailbox.take(token, _LOOKS)) is None and not stream.readable():
+        posted = None
+        while not stream.broken and (posted := mailbox.take(token, _LOOKS)) is None and not stream.readable():
             if time.monotonic() > until:
                 mailbox.awake(False)
                 if (posted := mailbox.take(token)) is None and not stream.readable(RECHECK_S):
                     posted = mailbox.take(token)
                 break
-        if posted is None:
+        if posted is None or stream.broken:  # a connection cut meanwhile serves nothing more: its receive fails
             frame = stream.recv()
             if frame.WhichOneof("kind") != "posted":
                 return frame, None

@@ -62,6 +62,7 @@ import struct
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -72,7 +73,7 @@ from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutErro
 from hmc.memory._machine import host_id
 from hmc.transport._base import InlineCopy, TransferOp, TransferRequest
 from hmc.transport._pinned import PinnedMapping, SlotCopier, StuckCopy
-from hmc.transport._staged_mailbox import MAILBOX_BYTES, SUPPORTED, Mailbox
+from hmc.transport._staged_mailbox import MAILBOX_BYTES, SUPPORTED, Mailbox, token_of
 from hmc.transport._wire import FrameStream, expires_ms, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
@@ -146,12 +147,9 @@ class _Link:
         self.stuck = False
         """A GPU copy into or out of the ring missed its deadline: the ring is abandoned, never unmapped or reused."""
         self.mailbox: Mailbox | None = None
-        """The ring's mailbox (`_staged_mailbox`), where small requests go while the owner polls it."""
-        self.mailbox_stream: FrameStream | None = None
-        """The connection whose owner has mapped the mailbox (a request it answered came over the socket)."""
+        """The ring's mailbox (`_staged_mailbox`), where small requests go once the connection's owner attached it."""
 
     def drop_stream(self) -> None:
-        self.mailbox_stream = None
         if self.stream is not None:
             self.stream.close()
             self.stream = None
@@ -160,7 +158,9 @@ class _Link:
         """After a failed transfer: the connection, and the ring (the owner may still be copying into it); a ring a
         stuck GPU copy may still touch stays mapped and pinned (leaked), only its file goes."""
         self.drop_stream()
-        self.mailbox = None  # its views go before the ring is unmapped
+        if self.mailbox is not None:  # its views go before the ring is unmapped
+            self.mailbox.close()
+            self.mailbox = None
         if self.ring is not None:
             if self.stuck:
                 _log.warning("a staging copy is stuck on the GPU: its %d MiB ring is abandoned", self.ring.size >> 20)
@@ -185,6 +185,13 @@ def _settle(link: _Link, wait: Callable[[float], None], deadline: float) -> None
         link.stuck = True
     except HMCError as exc:
         _log.debug("a staging copy left by a failed transfer failed: %s", exc)
+
+
+def _drop(link: _Link, error: BaseException) -> None:
+    """Drop a failed transfer's ring and connection, first letting go of what its traceback's frames hold (views
+    of the ring, which would keep it mapped for as long as the error lives)."""
+    traceback.clear_frames(error.__traceback__)
+    link.drop()
 
 
 def frame_of(message: peer_pb2.DataWrite | peer_pb2.DataRead) -> peer_pb2.PeerFrame:
@@ -291,17 +298,15 @@ class ShmStaging:
                 self._read(link, request)
         except HMCError as exc:
             link.stuck = link.stuck or isinstance(exc, StuckCopy)
-            link.drop()
+            _drop(link, exc)
             request.completion.finish(exc)
             return
         except Exception as exc:  # noqa: BLE001 - the driver's own failures must still finish the request
-            link.drop()
+            _drop(link, exc)
             request.completion.finish(BrokenResourceError(f"staging failed: {exc}"))
             return
         if link.closed:  # its peer was forgotten meanwhile: the ring and connection go with this transfer
             link.drop()
-        elif link.mailbox is not None:  # the owner has seen a slot naming the mailbox on this connection
-            link.mailbox_stream = link.stream
         request.completion.finish()
 
     def inline(self, local: Any, remote: common_pb2.BufferDescriptor, stall_s: float) -> InlineCopy:
@@ -321,10 +326,10 @@ class ShmStaging:
                 self._inline_locked(link, remote, write, region, local_offset, remote_offset, length, deadline)
             except HMCError as exc:
                 link.stuck = link.stuck or isinstance(exc, StuckCopy)
-                link.drop()
+                _drop(link, exc)
                 raise
             except Exception as exc:  # noqa: BLE001 - the driver's own failures are typed here
-                link.drop()
+                _drop(link, exc)
                 raise BrokenResourceError(f"staging failed: {exc}") from exc
             finally:
                 link.lock.release()
@@ -356,7 +361,7 @@ class ShmStaging:
         message.key_proof = stream.proof(remote.access_key)
         message.expires_ms = expires_ms(deadline)
         mailbox = link.mailbox
-        if mailbox is not None and link.mailbox_stream is stream:
+        if mailbox is not None and mailbox.ready(token_of(stream)):
             self._slot_of(link, message, 0)
             mailbox.answer(mailbox.post(frame_of(message).SerializeToString(), stream, deadline), stream, deadline)
         else:
@@ -365,7 +370,6 @@ class ShmStaging:
                 reply_of(stream, deadline, length)
             else:
                 self._answer(link, stream, 0, length, deadline)
-            link.mailbox_stream = stream if mailbox is not None else None
         if not write:
             self._copier.copy(region, (local_offset,), (length,), ring, 0, to_slot=False, deadline=deadline)
 
@@ -381,6 +385,8 @@ class ShmStaging:
         if link.stream is None or link.stream.broken:
             link.drop_stream()
             link.stream = self._connect(remote, deadline)
+            if link.mailbox is not None:
+                link.mailbox.offer(token_of(link.stream))
 
     def _new_ring(self, size: int) -> tuple[PinnedMapping, str]:
         """A ring the owner maps too: a new file in the ring directory, and its path (named in every hand-off)."""

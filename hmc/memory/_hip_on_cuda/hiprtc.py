@@ -1,7 +1,9 @@
 """hip-python's `hiprtc` module, the subset HMC's HIP backend calls, over NVRTC (see the package).
 
 hiprtc compiles for the current device when no architecture is given; so does this one (sm_XX of the
-current CUDA device), and its code is a CUBIN that `hip.hipModuleLoadData` loads.
+current CUDA device), and its code is a CUBIN that `hip.hipModuleLoadData` loads. A program is handed
+around as hip-python's is: by value, except to hiprtcDestroyProgram, which (a `hiprtcProgram*` in C)
+takes `program.createRef()`; given the program itself it refuses, as ROCm would misbehave.
 """
 
 from __future__ import annotations
@@ -41,43 +43,65 @@ def _current_arch() -> bytes:
     return f"--gpu-architecture=sm_{major}{minor}".encode()
 
 
+class _hiprtcProgram:
+    """A program handle (an NVRTC program inside)."""
+
+    def __init__(self, native: Any) -> None:
+        self.native = native
+
+    def createRef(self) -> _Reference:
+        return _Reference(self)
+
+
+class _Reference:
+    """`hiprtcProgram*`: what hiprtcDestroyProgram takes."""
+
+    def __init__(self, program: _hiprtcProgram) -> None:
+        self.program = program
+
+
+hiprtcProgram = _hiprtcProgram
+
+
 def hiprtcCreateProgram(src: bytes, name: bytes, numHeaders: int, headers: Any, includeNames: Any) -> tuple[hiprtcResult, Any]:
     status, program = _nvrtc.nvrtcCreateProgram(src, name, numHeaders, list(headers or []), list(includeNames or []))
-    return _status(status), program
+    return _status(status), (_hiprtcProgram(program) if int(status) == 0 else None)
 
 
 def hiprtcCompileProgram(prog: Any, numOptions: int, options: Any) -> tuple[hiprtcResult]:
     given = [bytes(option) for option in (options or [])][:numOptions]
     if not any(option.startswith((b"--offload-arch", b"--gpu-architecture", b"-arch")) for option in given):
         given.append(_current_arch())
-    return (_status(_nvrtc.nvrtcCompileProgram(prog, len(given), given)[0]),)
+    return (_status(_nvrtc.nvrtcCompileProgram(prog.native, len(given), given)[0]),)
 
 
 def hiprtcGetCodeSize(prog: Any) -> tuple[hiprtcResult, Any]:
-    status, size = _nvrtc.nvrtcGetCUBINSize(prog)
+    status, size = _nvrtc.nvrtcGetCUBINSize(prog.native)
     return _status(status), int(size)
 
 
 def hiprtcGetCode(prog: Any, code: Any) -> tuple[hiprtcResult]:
     view = memoryview(code).cast("B")
     image = b" " * view.nbytes
-    status = _status(_nvrtc.nvrtcGetCUBIN(prog, image)[0])
+    status = _status(_nvrtc.nvrtcGetCUBIN(prog.native, image)[0])
     view[:] = image
     return (status,)
 
 
 def hiprtcGetProgramLogSize(prog: Any) -> tuple[hiprtcResult, Any]:
-    status, size = _nvrtc.nvrtcGetProgramLogSize(prog)
+    status, size = _nvrtc.nvrtcGetProgramLogSize(prog.native)
     return _status(status), int(size)
 
 
 def hiprtcGetProgramLog(prog: Any, log: Any) -> tuple[hiprtcResult]:
     view = memoryview(log).cast("B")
     text = b" " * view.nbytes
-    status = _status(_nvrtc.nvrtcGetProgramLog(prog, text)[0])
+    status = _status(_nvrtc.nvrtcGetProgramLog(prog.native, text)[0])
     view[:] = text
     return (status,)
 
 
 def hiprtcDestroyProgram(prog: Any) -> tuple[hiprtcResult]:
-    return (_status(_nvrtc.nvrtcDestroyProgram(prog)[0]),)
+    if not isinstance(prog, _Reference):
+        return (hiprtcResult.HIPRTC_ERROR_INVALID_INPUT,)
+    return (_status(_nvrtc.nvrtcDestroyProgram(prog.program.native)[0]),)
