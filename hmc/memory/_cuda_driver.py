@@ -25,6 +25,7 @@ from typing import Any
 
 from hmc.errors import DeviceError
 from hmc.memory._base import Device, Owned, Stream
+from hmc.memory._gpu import PeerLinks
 
 try:
     from cuda.bindings import driver
@@ -86,16 +87,14 @@ class _Pushed:
         check(driver.cuCtxPopCurrent())
 
 
-class Contexts:
+class Contexts(PeerLinks):
     """The devices' primary contexts, retained on first use, and the peer links enabled so far."""
 
     def __init__(self) -> None:
+        super().__init__()
         # _context_lock guards _contexts: two threads reaching a device first retain it once.
         self._context_lock = threading.Lock()
         self._contexts: dict[int, Any] = {}
-        # _peer_lock guards _peers and serialises cuCtxEnablePeerAccess calls.
-        self._peer_lock = threading.Lock()
-        self._peers: set[tuple[int, int]] = set()
 
     def context(self, ordinal: int) -> Any:
         """The primary context of device `ordinal` (a CUcontext)."""
@@ -121,17 +120,12 @@ class Contexts:
             with self.use(0):
                 yield
 
-    def enable_peer_access(self, ordinal: int, peer: int) -> None:
-        """Let device `ordinal` reach `peer`'s memory directly (NVLink or PCIe P2P); idempotent."""
-        with self._peer_lock:
-            if (ordinal, peer) in self._peers:
-                return
-            peer_context = self.context(peer)
-            with self.use(ordinal):
-                status = driver.cuCtxEnablePeerAccess(peer_context, 0)[0]
-            if status != driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
-                check((status,))
-            self._peers.add((ordinal, peer))
+    def _link(self, ordinal: int, peer: int) -> None:
+        peer_context = self.context(peer)
+        with self.use(ordinal):
+            status = driver.cuCtxEnablePeerAccess(peer_context, 0)[0]
+        if status != driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
+            check((status,))
 
 
 class CudaEvent(Owned):

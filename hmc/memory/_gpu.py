@@ -10,6 +10,7 @@ copies, exports) are the subclass's.
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
@@ -21,7 +22,7 @@ from hmc.memory._base import Device, DeviceKind, MemoryBackend, MemoryKind, Memo
 from hmc.memory._host import HOST_DEVICE
 from hmc.memory._ipc_mappings import IpcMappings
 
-__all__ = ["GpuBackend", "Kernel", "Runtime", "argument_pointers"]
+__all__ = ["GpuBackend", "Kernel", "PeerLinks", "Runtime", "argument_pointers"]
 
 
 class Kernel(Protocol):
@@ -88,8 +89,23 @@ def argument_pointers(arguments: Sequence[int]) -> tuple[np.ndarray, np.ndarray]
     return values, values.ctypes.data + 8 * np.arange(len(values), dtype=np.uint64)
 
 
-class _PeerLinks(Protocol):
-    def enable_peer_access(self, ordinal: int, peer: int) -> None: ...
+class PeerLinks(abc.ABC):
+    """The peer links enabled so far (each once, under one lock): the runtime's call is `_link`."""
+
+    def __init__(self) -> None:
+        self._peer_lock = threading.Lock()  # guards _peers, serialises the runtime's enable calls
+        self._peers: set[tuple[int, int]] = set()
+
+    def enable_peer_access(self, ordinal: int, peer: int) -> None:
+        """Let GPU `ordinal` reach GPU `peer`'s memory directly (NVLink, XGMI or PCIe P2P); idempotent."""
+        with self._peer_lock:
+            if (ordinal, peer) not in self._peers:
+                self._link(ordinal, peer)
+                self._peers.add((ordinal, peer))
+
+    @abc.abstractmethod
+    def _link(self, ordinal: int, peer: int) -> None:
+        """Enable the link in the runtime (a link it reports enabled already is no error)."""
 
 
 class GpuBackend(MemoryBackend):
@@ -97,7 +113,7 @@ class GpuBackend(MemoryBackend):
 
     _stream_type: type[Stream]
 
-    def __init__(self, devices: list[Device], peers: _PeerLinks, ipc: IpcMappings, runtime: Runtime) -> None:
+    def __init__(self, devices: list[Device], peers: PeerLinks, ipc: IpcMappings, runtime: Runtime) -> None:
         self._devices = devices
         self._peers = peers
         self._ipc = ipc

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +23,7 @@ import numpy as np
 
 from hmc.errors import DeviceError
 from hmc.memory._base import Device, Owned, Stream
-from hmc.memory._gpu import argument_pointers
+from hmc.memory._gpu import PeerLinks, argument_pointers
 from hmc.memory._hip_on_cuda import SWITCH, enabled
 
 __all__ = ["ON_CUDA", "Devices", "HipEvent", "HipRuntime", "HipStream", "check", "hip", "missing"]
@@ -86,28 +85,19 @@ class _Current:
             self._previous = -1
 
 
-class Devices:
+class Devices(PeerLinks):
     """Current-device scopes and the peer links enabled so far."""
-
-    def __init__(self) -> None:
-        self._peer_lock = threading.Lock()  # guards _peers, serialises hipDeviceEnablePeerAccess
-        self._peers: set[tuple[int, int]] = set()
 
     @staticmethod
     def use(ordinal: int) -> _Current:
         """Make device `ordinal` current for the block, then restore the caller's."""
         return _Current(ordinal)
 
-    def enable_peer_access(self, ordinal: int, peer: int) -> None:
-        """Let device `ordinal` reach `peer`'s memory directly (XGMI or PCIe P2P); idempotent."""
-        with self._peer_lock:
-            if (ordinal, peer) in self._peers:
-                return
-            with self.use(ordinal):
-                status = hip.hipDeviceEnablePeerAccess(peer, 0)[0]
-            if status != hip.hipError_t.hipErrorPeerAccessAlreadyEnabled:
-                check((status,))
-            self._peers.add((ordinal, peer))
+    def _link(self, ordinal: int, peer: int) -> None:
+        with self.use(ordinal):
+            status = hip.hipDeviceEnablePeerAccess(peer, 0)[0]
+        if status != hip.hipError_t.hipErrorPeerAccessAlreadyEnabled:
+            check((status,))
 
 
 class HipEvent(Owned):

@@ -80,12 +80,17 @@ def hiprtcGetCodeSize(prog: Any) -> tuple[hiprtcResult, Any]:
     return _status(status), int(size)
 
 
-def hiprtcGetCode(prog: Any, code: Any) -> tuple[hiprtcResult]:
-    view = memoryview(code).cast("B")
-    image = b" " * view.nbytes
-    status = _status(_nvrtc.nvrtcGetCUBIN(prog.native, image)[0])
-    view[:] = image
+def _copied_out(nvrtc_call: Any, prog: Any, into: Any) -> tuple[hiprtcResult]:
+    """An NVRTC call that fills a bytes object of `into`'s size, its bytes then copied into `into` (hiprtc fills it)."""
+    view = memoryview(into).cast("B")
+    filled = b" " * view.nbytes
+    status = _status(nvrtc_call(prog.native, filled)[0])
+    view[:] = filled
     return (status,)
+
+
+def hiprtcGetCode(prog: Any, code: Any) -> tuple[hiprtcResult]:
+    return _copied_out(_nvrtc.nvrtcGetCUBIN, prog, code)
 
 
 def hiprtcGetProgramLogSize(prog: Any) -> tuple[hiprtcResult, Any]:
@@ -94,11 +99,7 @@ def hiprtcGetProgramLogSize(prog: Any) -> tuple[hiprtcResult, Any]:
 
 
 def hiprtcGetProgramLog(prog: Any, log: Any) -> tuple[hiprtcResult]:
-    view = memoryview(log).cast("B")
-    text = b" " * view.nbytes
-    status = _status(_nvrtc.nvrtcGetProgramLog(prog.native, text)[0])
-    view[:] = text
-    return (status,)
+    return _copied_out(_nvrtc.nvrtcGetProgramLog, prog, log)
 
 
 def hiprtcDestroyProgram(prog: Any) -> tuple[hiprtcResult]:
