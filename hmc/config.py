@@ -29,6 +29,12 @@ TOML layout (every key optional; each key has exactly one home)::
     prefer = []
     [devices]
     vendor_override = { "cuda:1" = "amd" }   # HMC_DEVICE_VENDOR_OVERRIDE="cuda:1=amd,cuda:2=nvidia"
+    [directory]
+    kind = "static"                     # HMC_DIRECTORY ("static" or "etcd")
+    endpoints = ["http://10.0.0.1:2379"]  # HMC_ETCD_ENDPOINTS="http://10.0.0.1:2379,https://10.0.0.2:2379"
+    prefix = "/hmc"                     # HMC_ETCD_PREFIX
+    lease_ttl_s = 5                     # HMC_ETCD_LEASE_TTL_S
+    ca = "" / cert = "" / key = ""      # HMC_ETCD_CA, HMC_ETCD_CERT, HMC_ETCD_KEY (TLS to etcd)
 
 Validation (pydantic models; the environment is read by pydantic-settings): types are strict
 in the file and in `Config(...)` (`timeout_s = "30"` is refused), environment strings are
@@ -60,6 +66,7 @@ from hmc.memory._base import Vendor
 __all__ = ["Config", "PathPolicy", "default_socket_path"]
 
 _PathName = Literal["local", "ipc", "rdma", "ucx", "staged"]
+DirectoryKind = Literal["static", "etcd"]
 PATH_NAMES: tuple[str, ...] = get_args(_PathName)
 
 
@@ -77,6 +84,12 @@ def _host_port(text: str) -> str:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{text!r} is not HOST:PORT with a port in 1..65535")
+    return text
+
+
+def _etcd_prefix(text: str) -> str:
+    if not text.startswith("/") or text.endswith("/") or "//" in text:
+        raise ValueError(f"{text!r} must start with '/', not end with one, and have no empty part (e.g. '/hmc' or '/prod/hmc')")
     return text
 
 
@@ -191,6 +204,20 @@ class Config(_Frozen):
     """Inbound connections an agent's peer port serves at once; further ones are refused until one closes."""
     keepalive_s: Seconds = 5.0
     """Idle peer connections are probed this often (TCP keepalive), so a silent peer is detected."""
+    directory: DirectoryKind = "static"
+    """How nodes find each other: `static` (static_peers) or `etcd` (a cluster on etcd_endpoints)."""
+    etcd_endpoints: Annotated[tuple[NonEmpty, ...], Field(strict=False)] = ()
+    """etcd endpoints (host:port, http://host:port or https://host:port), tried in turn."""
+    etcd_prefix: Annotated[str, AfterValidator(_etcd_prefix)] = "/hmc"
+    """Namespace of this cluster's keys in etcd (several clusters may share one etcd)."""
+    etcd_lease_ttl_s: Annotated[int, Field(ge=2, le=3600)] = 5
+    """TTL of each hmcd's etcd lease: a node that stops renewing it vanishes from the others' view within this."""
+    etcd_ca: str = ""
+    """PEM CA bundle to verify etcd's certificate (TLS on when set, or with https endpoints)."""
+    etcd_cert: str = ""
+    """PEM client certificate for etcd (with `etcd_key`)."""
+    etcd_key: str = ""
+    """PEM private key of the client certificate for etcd."""
 
     def __hash__(self) -> int:
         return hash(tuple(frozenset(value.items()) if isinstance(value, Mapping) else value for _, value in self))
@@ -226,8 +253,12 @@ def _optional(fields: Mapping[str, str], *metadata: Any, alias: str = "") -> dic
     return out
 
 
-_TRANSFER_KEYS = {"timeout_s": "timeout_s", "streams": "staged_streams", "chunk_bytes": "staged_chunk_bytes", "socket_buffer_bytes": "socket_buffer_bytes", "ipc_threads": "ipc_threads"}
-"""[transfer] key -> Config field; every other scalar field is a top-level key of its own name."""
+_TABLES = {
+    "transfer": {"timeout_s": "timeout_s", "streams": "staged_streams", "chunk_bytes": "staged_chunk_bytes", "socket_buffer_bytes": "socket_buffer_bytes", "ipc_threads": "ipc_threads"},
+    "directory": {"kind": "directory", "endpoints": "etcd_endpoints", "prefix": "etcd_prefix", "lease_ttl_s": "etcd_lease_ttl_s", "ca": "etcd_ca", "cert": "etcd_cert", "key": "etcd_key"},
+}
+"""[table] key -> Config field; every other scalar field is a top-level key of its own name."""
+_IN_TABLES = {name for keys in _TABLES.values() for name in keys.values()}
 _SCALARS = [name for name in Config.model_fields if name not in {"policy", "vendor_override"}]
 _POLICY_KEYS = tuple(PathPolicy.model_fields)
 
@@ -235,8 +266,8 @@ _TABLE = ConfigDict(extra="forbid", strict=True)
 _File = create_model(
     "_File",
     __config__=_TABLE,
-    **_optional({name: name for name in _SCALARS if name not in _TRANSFER_KEYS.values()}),
-    transfer=(create_model("_Transfer", __config__=_TABLE, **_optional(_TRANSFER_KEYS)) | None, None),
+    **_optional({name: name for name in _SCALARS if name not in _IN_TABLES}),
+    **{table: (create_model(f"_{table.title()}", __config__=_TABLE, **_optional(keys)) | None, None) for table, keys in _TABLES.items()},
     paths=(create_model("_Paths", __config__=_TABLE, **{key: (PathNames | None, None) for key in _POLICY_KEYS}) | None, None),
     devices=(create_model("_Devices", __config__=_TABLE, vendor_override=(dict[NonEmpty, VendorName] | None, None)) | None, None),
 )
@@ -252,8 +283,10 @@ def _read_file(file: str | os.PathLike[str]) -> dict[str, Any]:
         raise ArgumentError(f"cannot read config file {file}: {exc}") from exc
     with _refusals(f"config file {file}"):
         given = _File.model_validate(data).model_dump(exclude_none=True)
-    transfer, paths, devices = given.pop("transfer", {}), given.pop("paths", {}), given.pop("devices", {})
-    return {**given, **{_TRANSFER_KEYS[key]: value for key, value in transfer.items()}, **devices, **({"policy": paths} if paths else {})}
+    tables = {table: given.pop(table, {}) for table in _TABLES}
+    paths, devices = given.pop("paths", {}), given.pop("devices", {})
+    fields = {_TABLES[table][key]: value for table, values in tables.items() for key, value in values.items()}
+    return {**given, **fields, **devices, **({"policy": paths} if paths else {})}
 
 
 def _split(value: Any) -> Any:
@@ -287,7 +320,7 @@ class _EnvironmentBase(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings,)  # values come from `_Variables` over the mapping Config.load was given, never os.environ behind its back
 
-    _lists = field_validator("static_peers", *(f"paths_{key}" for key in _POLICY_KEYS), mode="before", check_fields=False)(_split)
+    _lists = field_validator("static_peers", "etcd_endpoints", *(f"paths_{key}" for key in _POLICY_KEYS), mode="before", check_fields=False)(_split)
     _vendor_pairs = field_validator("device_vendor_override", mode="before", check_fields=False)(_pairs)
 
 

@@ -9,6 +9,7 @@
     │   └── UntrustedSocketError a unix socket or its directory that another user could have put there
     ├── UnknownBufferError       no ConnBuffer with that id or name
     │   └── BufferWithdrawnError the ConnBuffer existed and was withdrawn
+    │       └── StaleDescriptorError a descriptor from an earlier epoch of its node's registry
     ├── NoPathError              negotiation found no usable path
     ├── ProtocolError            malformed message from a peer
     │   └── VersionMismatchError peers speak incompatible protocol versions
@@ -48,6 +49,7 @@ __all__ = [
     "OutOfRangeError",
     "ProtocolError",
     "ResourceError",
+    "StaleDescriptorError",
     "TimeoutError",
     "UnavailableError",
     "UnknownBufferError",
@@ -80,6 +82,7 @@ class ErrorCode(enum.IntEnum):
     UNSUPPORTED = 16
     DEVICE = 17
     UNAVAILABLE = 18
+    STALE_DESCRIPTOR = 19
 
 
 class HMCError(Exception):
@@ -118,6 +121,13 @@ class UnknownBufferError(HMCError, LookupError):
 
 class BufferWithdrawnError(UnknownBufferError):
     code = ErrorCode.BUFFER_WITHDRAWN
+
+
+class StaleDescriptorError(BufferWithdrawnError):
+    """The descriptor was served by an earlier epoch of its node's registry (its hmcd started again
+    since): it is never used; look the buffer up again."""
+
+    code = ErrorCode.STALE_DESCRIPTOR
 
 
 class NoPathError(HMCError):
@@ -183,6 +193,7 @@ _BY_CODE: dict[ErrorCode, type[HMCError]] = {
     ErrorCode.UNSUPPORTED: UnsupportedError,
     ErrorCode.DEVICE: DeviceError,
     ErrorCode.UNAVAILABLE: UnavailableError,
+    ErrorCode.STALE_DESCRIPTOR: StaleDescriptorError,
 }
 
 

@@ -216,10 +216,24 @@ def test_config_is_frozen_hashable_and_pickles() -> None:
 
 def test_every_field_has_a_variable() -> None:
     """HMC_<FIELD> reaches each scalar field (a field added to Config cannot be forgotten by the environment)."""
-    config = Config(node="n", socket="/tmp/n.sock", listen="127.0.0.1:0", token="t", agent_host="10.0.0.9", tls_ca="/ca.pem")
+    config = Config(node="n", socket="/tmp/n.sock", listen="127.0.0.1:0", token="t", agent_host="10.0.0.9", tls_ca="/ca.pem", directory="etcd", etcd_prefix="/c1", etcd_cert="/c.pem", etcd_key="/k.pem")
     text = {name: str(value) for name, value in config if isinstance(value, str | int | float)}
     assert Config.load(env={f"HMC_{name.upper()}": value for name, value in text.items()}) == config
-    assert set(text) == set(Config.model_fields) - {"static_peers", "policy", "vendor_override"}
+    assert set(text) == set(Config.model_fields) - {"static_peers", "etcd_endpoints", "policy", "vendor_override"}
+
+
+def test_the_directory_table_and_its_variables() -> None:
+    env = {"HMC_DIRECTORY": "etcd", "HMC_ETCD_ENDPOINTS": "10.0.0.1:2379, https://etcd-1:2379", "HMC_ETCD_LEASE_TTL_S": "3"}
+    config = Config.load(env=env)
+    assert (config.directory, config.etcd_endpoints, config.etcd_lease_ttl_s) == ("etcd", ("10.0.0.1:2379", "https://etcd-1:2379"), 3)
+    with pytest.raises(ArgumentError, match="HMC_DIRECTORY"):
+        Config.load(env={"HMC_DIRECTORY": "consul"})
+    for prefix in ("hmc", "/hmc/", "/a//b", ""):
+        with pytest.raises(ArgumentError, match="etcd_prefix"):
+            Config(etcd_prefix=prefix)
+    for ttl in (1, 0, -5, 10**6):
+        with pytest.raises(ArgumentError, match="etcd_lease_ttl_s"):
+            Config(etcd_lease_ttl_s=ttl)
 
 
 def test_shipped_example_configs_load() -> None:

@@ -17,7 +17,7 @@ from control_fixtures import DaemonSet, FakeAgent, Hmcd, agent_info, daemon_set,
 from hmc.config import Config
 from hmc.control import DaemonLink
 from hmc.control._errors import rpc_errors
-from hmc.errors import ArgumentError, BufferWithdrawnError, BusyResourceError, ClosedResourceError, UnavailableError, UnknownBufferError
+from hmc.errors import ArgumentError, BufferWithdrawnError, BusyResourceError, ClosedResourceError, StaleDescriptorError, UnavailableError, UnknownBufferError
 from hmc.transport import RangeList
 from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
@@ -230,25 +230,27 @@ def _submit(hmcd: Hmcd, src: str, dst: common_pb2.BufferDescriptor) -> daemon_pb
         return daemon_pb2_grpc.TransferServiceStub(channel).Submit(request, timeout=5)
 
 
-def test_an_explicit_descriptor_of_an_older_epoch_is_refused_unless_registered_again(hmcd: Hmcd) -> None:
+def test_an_explicit_descriptor_of_an_older_epoch_is_refused_even_when_registered_again(hmcd: Hmcd) -> None:
     executor = FakeAgent(hmcd.config(), auto_report=common_pb2.TRANSFER_STATE_DONE)
     owner = FakeAgent(hmcd.config())
     try:
         executor.register("epoch-src")
-        current = owner.register("epoch-dst")
+        owner.register("epoch-dst")
         with hmcd.client() as client:
             served = client.lookup("epoch-dst")
+        assert _submit(hmcd, "epoch-src", served).state in (common_pb2.TRANSFER_STATE_PENDING, common_pb2.TRANSFER_STATE_DONE)
+        wait_until(lambda: executor.instructions, what="the instruction")
+        assert executor.instructions[-1].remote.registry_epoch == served.registry_epoch
         older = common_pb2.BufferDescriptor()
         older.CopyFrom(served)
         older.registry_epoch -= 1  # as served before a restart; its owner registered it again since
-        assert _submit(hmcd, "epoch-src", older).state in (common_pb2.TRANSFER_STATE_PENDING, common_pb2.TRANSFER_STATE_DONE)
-        wait_until(lambda: executor.instructions, what="the instruction")
-        assert executor.instructions[-1].remote.registry_epoch == served.registry_epoch and executor.instructions[-1].remote.id == current.id
-        stale = common_pb2.BufferDescriptor()
-        stale.CopyFrom(older)
-        stale.id = uuid.uuid4().hex  # never registered again in this epoch
-        with pytest.raises(BufferWithdrawnError, match="stale descriptor.*epoch"):
-            _submit(hmcd, "epoch-src", stale)
+        with pytest.raises(StaleDescriptorError, match="stale descriptor.*epoch.*registered it again"):
+            _submit(hmcd, "epoch-src", older)
+        gone = common_pb2.BufferDescriptor()
+        gone.CopyFrom(older)
+        gone.id = uuid.uuid4().hex  # never registered again in this epoch
+        with pytest.raises(StaleDescriptorError, match="stale descriptor.*not registered it again"):
+            _submit(hmcd, "epoch-src", gone)
         assert len(executor.instructions) == 1
     finally:
         executor.close()

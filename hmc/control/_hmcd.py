@@ -4,7 +4,7 @@
       inventory    host, devices (vendor override applied), RDMA NICs, transports
       events       EventBus: Watch subscribers, sequence numbers
       registry     ConnBuffers of attached agents; names leased across restarts (state file beside the socket)
-      directory    static peers: health, event relay, lookups that fall through
+      directory    static peers, or etcd: where other nodes and their buffers are found
       transfers    third-party transfers executed by agents on instruction
       metrics      a CollectorRegistry of this daemon only
 
@@ -36,7 +36,7 @@ from grpc_health.v1 import health, health_pb2
 
 from hmc.config import Config
 from hmc.control._auth import TokenInterceptor, UnixDoor, prepare_socket_path, served_path, server_credentials
-from hmc.control._directory import Peer, StaticDirectory
+from hmc.control._directory import Peer, open_directory
 from hmc.control._errors import ErrorBoundary
 from hmc.control._events import EventBus
 from hmc.control._inventory import Inventory
@@ -80,14 +80,15 @@ class Daemon:
         self.events = EventBus(config.node)
         self.events.add_listener(self._observe_event)
         self.registry = Registry(config.node, self.events, state_path=state_path_for(config.socket), grace_s=lease_grace_s, host_id=self.inventory.host_id)
-        self.directory = StaticDirectory(config, self.events, self.metrics)
-        self.transfers = TransferTable(config, self.registry, self.directory, self.resolve, self.metrics)
+        self.directory = open_directory(config, self.events, self.metrics, self.registry, self.node_record)
+        self.transfers = TransferTable(config, self.registry, self.resolve, self.metrics)
         self.tcp_address = ""
         self.metrics_port = 0
         self.health = health.aio.HealthServicer()
         """grpc.health.v1 on every server: NOT_SERVING until started, SERVING while up, NOT_SERVING from stop() on."""
         self._servers: list[grpc.aio.Server] = []
         self._started = time.monotonic()
+        self._started_at = time.time()
         self._stopped: bool = False
         self._owns_socket = False  # True once this daemon bound the socket files (only then may it remove them)
         self._door: UnixDoor | None = None
@@ -136,7 +137,7 @@ class Daemon:
         elif metrics_port is not None:
             host = self.config.listen.rsplit(":", 1)[0] if self.config.listen else "127.0.0.1"
             self.metrics_port = self.metrics.serve_http(host.strip("[]") or "0.0.0.0", metrics_port)
-        self.directory.start()
+        await self.directory.start()
         await self.health.set(health.OVERALL_HEALTH, health_pb2.HealthCheckResponse.SERVING)
         self._started = time.monotonic()
         log.info(
@@ -241,6 +242,14 @@ class Daemon:
             agents=len(self.registry.sessions),
             buffers=len(self.registry),
             uptime_s=time.monotonic() - self._started,
+            registry_epoch=self.registry.epoch,
+            directory=self.directory.status(),
+        )
+
+    def node_record(self) -> daemon_pb2.DirectoryNode:
+        """What this node publishes about itself in a directory."""
+        return daemon_pb2.DirectoryNode(
+            node=self.config.node, host_id=self.inventory.host_id, epoch=self.registry.epoch, tcp_address=self.tcp_address, version=_version(), started=self._started_at
         )
 
     def _observe_event(self, event: daemon_pb2.Event, relayed: bool) -> None:

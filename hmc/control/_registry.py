@@ -49,7 +49,7 @@ from typing import NoReturn
 from hmc.control._events import EventBus
 from hmc.memory._machine import host_id as local_host_id
 from hmc.control._leases import Lease, LeaseFile, ProcessIdentity, ProcessWatch, next_epoch, process_identity
-from hmc.errors import ArgumentError, BufferWithdrawnError, BusyResourceError, UnavailableError, UnknownBufferError
+from hmc.errors import ArgumentError, BufferWithdrawnError, BusyResourceError, ClosedResourceError, StaleDescriptorError, UnavailableError, UnknownBufferError
 from hmc.v1 import common_pb2, daemon_pb2
 
 __all__ = ["AgentSession", "Registry", "describe_ref"]
@@ -295,8 +295,9 @@ class Registry:
 
     # -- buffers --------------------------------------------------------------------
 
-    def register(self, session: AgentSession, descriptor: common_pb2.BufferDescriptor) -> None:
-        """Add a ConnBuffer owned by `session`: ArgumentError on a bad descriptor, BusyResourceError on a name another agent holds."""
+    def prepare(self, session: AgentSession, descriptor: common_pb2.BufferDescriptor) -> None:
+        """Check that `session` may register `descriptor` and stamp it (owner, node, epoch), changing nothing else:
+        ArgumentError on a bad descriptor, BusyResourceError on a name another agent holds."""
         if not descriptor.id:
             raise ArgumentError("buffer descriptor has no id")
         if descriptor.size <= 0:
@@ -315,6 +316,12 @@ class Registry:
         if descriptor.name:
             self._check_name_free(session, descriptor.name)
         descriptor.registry_epoch = self.epoch
+
+    def register(self, session: AgentSession, descriptor: common_pb2.BufferDescriptor) -> None:
+        """Add a ConnBuffer owned by `session` (checked and stamped by `prepare`, which raises what it raises)."""
+        if self._sessions.get(session.agent_id) is not session:
+            raise ClosedResourceError(f"agent {session.agent_id!r} detached before its buffer {descriptor.id!r} was registered")
+        self.prepare(session, descriptor)
         self._by_id[descriptor.id] = descriptor
         if descriptor.name:
             self._by_name[descriptor.name] = descriptor.id
@@ -391,20 +398,22 @@ class Registry:
     def current(self, descriptor: common_pb2.BufferDescriptor) -> common_pb2.BufferDescriptor:
         """The descriptor to act on for one a caller handed in (a Submit's `dst_descriptor`).
 
-        A buffer registered here: this registry's descriptor (whatever epoch the given one
-        carries: its owner registered it again). A buffer of another node: the given one.
-        A buffer of this node not registered now: refused, never served.
+        A buffer of another node: the given one. One of this node served by an earlier
+        epoch of this registry: StaleDescriptorError, even when its owner registered it
+        again since (a republish invalidates every descriptor of the older epoch). Else
+        this registry's descriptor, or UnknownBufferError when it is not registered now.
         """
+        if descriptor.owner.node and descriptor.owner.node != self._node:
+            return descriptor
+        if descriptor.registry_epoch and descriptor.registry_epoch != self.epoch:
+            again = "its owner registered it again since: look it up again" if descriptor.id in self._by_id else "its owner has not registered it again"
+            raise StaleDescriptorError(
+                f"stale descriptor: buffer {descriptor.id!r} was served by registry epoch {descriptor.registry_epoch} of node {self._node}, "
+                f"which is now at epoch {self.epoch}; {again}"
+            )
         registered = self._by_id.get(descriptor.id)
         if registered is not None:
             return registered
-        if descriptor.owner.node != self._node:
-            return descriptor
-        if descriptor.registry_epoch and descriptor.registry_epoch != self.epoch:
-            raise BufferWithdrawnError(
-                f"stale descriptor: buffer {descriptor.id!r} was served by registry epoch {descriptor.registry_epoch} of node {self._node}, "
-                f"which is now at epoch {self.epoch}, and its owner has not registered it again"
-            )
         self._raise_unknown("id", descriptor.id)
 
     def was_withdrawn(self, ref: daemon_pb2.BufferRef) -> bool:

@@ -108,7 +108,7 @@ class RegistryServicer(daemon_pb2_grpc.RegistryServiceServicer):
         kind = message.WhichOneof("kind")
         registry = self._daemon.registry
         if kind == "register":
-            error = _attempt(lambda: registry.register(session, message.register.descriptor))
+            error = await self._register(session, message.register.descriptor)
             await session.outbox.put(daemon_pb2.DaemonMessage(ack=daemon_pb2.Ack(request_id=message.register.request_id, error=error)))
         elif kind == "unregister":
             error = _attempt(lambda: registry.unregister(session, message.unregister.buffer_id))
@@ -118,15 +118,35 @@ class RegistryServicer(daemon_pb2_grpc.RegistryServiceServicer):
         else:
             raise ProtocolError(f"unexpected {kind or 'empty'} message on the Attach stream of agent {session.agent_id!r}")
 
+    async def _register(self, session: AgentSession, descriptor: common_pb2.BufferDescriptor) -> common_pb2.Error | None:
+        """Check, then publish in the directory (which may refuse a name another node holds, or wait for etcd), then register."""
+        daemon = self._daemon
+        try:
+            daemon.registry.prepare(session, descriptor)
+        except HMCError as exc:
+            return common_pb2.Error(code=int(exc.code), message=str(exc))
+        try:
+            await daemon.directory.publish(descriptor, daemon.config.timeout_s / 2)  # answered before the agent's own deadline
+        except HMCError as exc:
+            return common_pb2.Error(code=int(exc.code), message=str(exc))
+        except asyncio.CancelledError:  # the stream ended meanwhile: nothing may stay published
+            daemon.directory.unpublish(descriptor)
+            raise
+        error = _attempt(lambda: daemon.registry.register(session, descriptor))
+        if error is not None:
+            daemon.directory.unpublish(descriptor)
+        return error
+
     async def LookupBuffer(self, request: daemon_pb2.LookupBufferRequest, context: grpc.aio.ServicerContext) -> common_pb2.BufferDescriptor:
         descriptor, _ = await self._daemon.resolve(request.ref, request.local_only, call_timeout(self._daemon, context))
         return descriptor
 
     async def ListBuffers(self, request: daemon_pb2.ListBuffersRequest, context: grpc.aio.ServicerContext) -> daemon_pb2.ListBuffersResponse:
-        found = self._daemon.registry.buffers()
+        found, age = self._daemon.registry.buffers(), 0.0
         if not request.local_only:
-            found += await self._daemon.directory.list_buffers(call_timeout(self._daemon, context))
-        return daemon_pb2.ListBuffersResponse(buffers=found)
+            others, age = await self._daemon.directory.list_buffers(call_timeout(self._daemon, context))
+            found += others
+        return daemon_pb2.ListBuffersResponse(buffers=found, directory_age_s=age)
 
 
 def _attempt(action: object) -> common_pb2.Error | None:

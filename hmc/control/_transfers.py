@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 from hmc.config import Config
-from hmc.control._directory import Peer, StaticDirectory
+from hmc.control._directory import Peer
 from hmc.control._errors import error_to_proto
 from hmc.control._metrics import DaemonMetrics
 from hmc.control._registry import AgentSession, Registry, describe_ref
@@ -77,10 +77,9 @@ class _Transfer:
 class TransferTable:
     """Every third-party transfer this hmcd started or forwarded."""
 
-    def __init__(self, config: Config, registry: Registry, directory: StaticDirectory, resolve: Resolver, metrics: DaemonMetrics, *, keep_finished: int = 10_000) -> None:
+    def __init__(self, config: Config, registry: Registry, resolve: Resolver, metrics: DaemonMetrics, *, keep_finished: int = 10_000) -> None:
         self._config = config
         self._registry = registry
-        self._directory = directory
         self._resolve = resolve
         self._metrics = metrics
         self._keep_finished = keep_finished
@@ -133,7 +132,7 @@ class TransferTable:
         return _copy(status)
 
     async def _forward(self, request: daemon_pb2.SubmitTransferRequest, peer: Peer, status: daemon_pb2.TransferStatus, call_timeout: float) -> daemon_pb2.TransferStatus:
-        reply = await self._directory.submit(peer, request, call_timeout)
+        reply = await peer.submit(request, call_timeout)
         status.MergeFrom(reply)
         record = _Transfer(status=status, peer=peer)
         self._active[request.transfer_id] = record  # the peer enforces the deadline; this is a pointer to it
@@ -219,7 +218,7 @@ class TransferTable:
         timeout = min(ref.timeout_s, call_timeout)
         if record.peer is not None and not record.final:
             forwarded = daemon_pb2.TransferRef(transfer_id=ref.transfer_id, timeout_s=max(timeout - 0.2, 0.0))
-            self._update_forwarded(record, await self._directory.wait(record.peer, forwarded, call_timeout))
+            self._update_forwarded(record, await record.peer.wait(forwarded, call_timeout))
         elif not record.final and timeout > 0:
             try:
                 await asyncio.wait_for(record.done.wait(), timeout)
@@ -231,7 +230,7 @@ class TransferTable:
         """Cancel an unfinished transfer (best effort: bytes may already have landed)."""
         record = self._get(ref.transfer_id)
         if record.peer is not None and not record.final:
-            self._update_forwarded(record, await self._directory.cancel(record.peer, ref, call_timeout))
+            self._update_forwarded(record, await record.peer.cancel(ref, call_timeout))
         elif not record.final:
             self._tell_executor_cancel(record)
             self._finish(record, common_pb2.TRANSFER_STATE_CANCELLED, error_to_proto(CancelledError(f"transfer {ref.transfer_id} was cancelled")))

@@ -1,0 +1,542 @@
+"""The etcd directory: nodes, agents and ConnBuffers of a cluster in etcd, under one lease per hmcd.
+
+Keys, under `Config.etcd_prefix` (P), every one attached to its hmcd's lease:
+
+    P/nodes/<node>               DirectoryNode: host id, registry epoch, TCP address
+    P/agents/<node>/<agent id>   AgentInfo
+    P/buffers/<node>/<buffer id> BufferDescriptor (stamped with the registry epoch)
+    P/names/<name>               NameClaim: the one buffer of the cluster holding the name
+
+Joining. hmcd takes a lease (`etcd_lease_ttl_s`) and creates its node record in a
+transaction (the key must not exist). A record left by an earlier start of the same
+node on the same host (same host id, an older epoch: a restart faster than the TTL)
+is taken over by revoking its lease, which drops every key of the old epoch at once;
+a record of another host is a BusyResourceError (two hmcd claim one node name).
+Then everything local is published, and the lease is renewed every TTL/3. A lease
+that expired meanwhile (a partition longer than the TTL) is replaced by joining again.
+
+Publishing. Every write goes through one ordered queue (`_Writer`), so a withdrawal
+and a later registration of the same buffer land in that order. A registration is
+accepted only once its record is in etcd (`publish`, awaited by the Attach handler);
+a name is claimed in the same transaction (cluster-wide unique: BusyResourceError
+naming the holder). Withdrawals and agents coming and going follow hmcd's own
+events.
+
+Watching. One watch over P (from a consistent snapshot's revision) keeps a cache of
+the other nodes' keys and republishes their changes as relayed events: PEER_UP /
+PEER_DOWN for node records, BUFFER_ADDED / BUFFER_WITHDRAWN, AGENT_UP / AGENT_DOWN.
+A node record with a new epoch drops every cached descriptor of the older one (a
+stale descriptor is never served). After the watch breaks, a fresh snapshot is
+diffed against the cache, so nothing that happened meanwhile is missed.
+
+Partition. While etcd cannot be reached (the watch broken or the lease not renewed),
+lookups and listings are served read-only from the cache, with its age (`age_s`), a
+lookup that misses says UnavailableError rather than "unknown", and registrations
+wait for etcd up to their deadline, then fail with UnavailableError.
+
+Concurrency: owned by hmcd's event loop: tasks "hmc-etcd-lease" (join and renew),
+"hmc-etcd-watch" and "hmc-etcd-writer"; `close()` cancels them and revokes the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from hmc.config import Config
+from hmc.control._directory import Directory, Lookup, Peer
+from hmc.control._etcd import EtcdClient, EtcdSettings
+from hmc.control._events import EventBus
+from hmc.control._metrics import DaemonMetrics
+from hmc.control._registry import Registry
+from hmc.errors import ArgumentError, BusyResourceError, HMCError, ProtocolError, UnavailableError
+from hmc.v1 import common_pb2, daemon_pb2
+from hmc.v1 import etcd_pb2 as pb
+
+__all__ = ["EtcdDirectory"]
+
+log = logging.getLogger("hmc.hmcd")
+
+_RETRY_S = 0.25
+"""Pause between attempts while etcd cannot be reached."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Write:
+    """One queued change of this node's keys; `done` resolves when etcd has it (or it gave up)."""
+
+    run: Callable[[int], Awaitable[None]]
+    deadline: float | None = None
+    done: asyncio.Future[None] | None = None
+
+
+class EtcdDirectory(Directory):
+    """This node's records in etcd, and a watched cache of everyone else's."""
+
+    kind = "etcd"
+
+    def __init__(self, config: Config, events: EventBus, metrics: DaemonMetrics, registry: Registry, record: Callable[[], daemon_pb2.DirectoryNode]) -> None:
+        if "/" in config.node:
+            raise ArgumentError(f"node name {config.node!r} may not contain '/' with the etcd directory (it is part of etcd keys)")
+        self._config = config
+        self._events = events
+        self._metrics = metrics
+        self._registry = registry
+        self._record = record
+        self._node = config.node
+        self._ttl = config.etcd_lease_ttl_s
+        self._client = EtcdClient(EtcdSettings(config.etcd_endpoints, ca=config.etcd_ca, cert=config.etcd_cert, key=config.etcd_key))
+        self._prefix = config.etcd_prefix.encode() + b"/"
+        self._lease = 0
+        self._joined = asyncio.Event()
+        self._renewed = 0.0
+        self._watching = False
+        self._last_in_sync = time.monotonic()
+        self._error = "not joined yet"
+        self._writes: asyncio.Queue[_Write] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+        # the cache of the other nodes' keys, as of the watch
+        self._kvs: dict[bytes, pb.KeyValue] = {}
+        self._nodes: dict[str, daemon_pb2.DirectoryNode] = {}
+        self._seen: dict[str, float] = {}
+        self._buffers: dict[str, common_pb2.BufferDescriptor] = {}
+        self._names: dict[str, str] = {}
+        self._peers: dict[str, Peer] = {}
+        self._old_channels: list[Peer] = []
+        events.add_listener(self._follow_local)
+
+    # -- keys -------------------------------------------------------------------------
+
+    def _key(self, *parts: str) -> bytes:
+        return self._prefix + "/".join(parts).encode()
+
+    # -- life cycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Join within the configured timeout (BusyResourceError: the node name is another host's);
+        an unreachable etcd only delays joining, which goes on in the background."""
+        try:
+            await self._join(self._config.timeout_s)
+        except UnavailableError as exc:
+            self._error = str(exc)
+            log.warning("etcd directory: cannot join yet, retrying in the background: %s", exc)
+        self._tasks = [
+            asyncio.create_task(self._keep_lease(), name="hmc-etcd-lease"),
+            asyncio.create_task(self._watch_forever(), name="hmc-etcd-watch"),
+            asyncio.create_task(self._write_forever(), name="hmc-etcd-writer"),
+        ]
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._lease:
+            try:
+                await self._client.revoke(self._lease, min(self._config.timeout_s, 2.0))  # leave at once rather than after the TTL
+            except HMCError as exc:
+                log.info("etcd directory: could not revoke lease %x on leaving (it expires within %ds): %s", self._lease, self._ttl, exc)
+        while not self._writes.empty():
+            _fail(self._writes.get_nowait(), UnavailableError("hmcd is stopping"))
+        for peer in [*self._peers.values(), *self._old_channels]:
+            await peer.channel.close()
+        await self._client.close()
+
+    # -- joining and the lease ------------------------------------------------------------
+
+    async def _join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        grant = await self._client.grant(self._ttl, _left(deadline))
+        try:
+            await self._claim_node(grant.ID, deadline)
+            await self._publish_everything(grant.ID, deadline)
+        except BaseException:
+            try:
+                await self._client.revoke(grant.ID, max(_left(deadline), 0.5))
+            except HMCError:
+                pass  # it expires on its own
+            raise
+        self._lease, self._renewed, self._error = grant.ID, time.monotonic(), ""
+        self._joined.set()
+        log.info("etcd directory: node %s joined at %s (lease %x, ttl %ds, epoch %d)", self._node, self._client.endpoint, grant.ID, self._ttl, self._registry.epoch)
+
+    async def _claim_node(self, lease: int, deadline: float) -> None:
+        """Create this node's record; take over an older epoch's record of this very host."""
+        key = self._key("nodes", self._node)
+        record = self._record()
+        while True:
+            txn = pb.TxnRequest(
+                compare=[_absent(key)],
+                success=[pb.RequestOp(request_put=pb.PutRequest(key=key, value=record.SerializeToString(), lease=lease))],
+                failure=[pb.RequestOp(request_range=pb.RangeRequest(key=key))],
+            )
+            reply = await self._client.txn(txn, _left(deadline))
+            if reply.succeeded:
+                return
+            kvs = reply.responses[0].response_range.kvs
+            if not kvs:
+                continue  # expired meanwhile
+            held = daemon_pb2.DirectoryNode.FromString(kvs[0].value)
+            if held.host_id != record.host_id:
+                raise BusyResourceError(
+                    f"node name {self._node!r} is held in etcd by an hmcd on host {held.host_id!r} (epoch {held.epoch}, {held.tcp_address or 'no TCP address'}); "
+                    f"each node needs its own name (it frees within {self._ttl}s of that hmcd stopping)"
+                )
+            if held.epoch >= record.epoch:
+                raise BusyResourceError(f"node {self._node!r} is held in etcd by a newer start of hmcd on this host (epoch {held.epoch} >= {record.epoch})")
+            log.info("etcd directory: taking over node %s from its earlier start (epoch %d, lease %x)", self._node, held.epoch, kvs[0].lease)
+            await self._client.revoke(kvs[0].lease, _left(deadline))
+
+    async def _publish_everything(self, lease: int, deadline: float) -> None:
+        for session in self._registry.sessions:
+            await self._client.put(self._key("agents", self._node, session.agent_id), session.info.SerializeToString(), _left(deadline), lease)
+        for descriptor in self._registry.buffers():
+            try:
+                await self._put_buffer(descriptor, lease, deadline)
+            except BusyResourceError as exc:  # only after a partition longer than the TTL: another node took the name
+                log.error("etcd directory: %s; buffer %s stays registered here but cannot be found by that name", exc, descriptor.id)
+
+    async def _keep_lease(self) -> None:
+        interval = self._ttl / 3
+        while True:
+            if not self._lease:
+                try:
+                    await self._join(self._config.timeout_s)
+                except UnavailableError as exc:
+                    self._error = str(exc)
+                    await asyncio.sleep(_RETRY_S)
+                    continue
+                except (BusyResourceError, ProtocolError) as exc:
+                    self._error = str(exc)
+                    log.error("etcd directory: cannot join: %s", exc)
+                    await asyncio.sleep(interval)
+                    continue
+            await asyncio.sleep(interval)
+            try:
+                ttl = await self._client.keepalive(self._lease, interval)
+            except UnavailableError as exc:
+                self._error = str(exc)
+                if time.monotonic() - self._renewed > self._ttl:
+                    self._lost_lease("it could not be renewed for longer than its TTL")
+                continue
+            if ttl <= 0:
+                self._lost_lease("etcd says it expired")
+            else:
+                self._renewed = time.monotonic()
+                if self._watching:
+                    self._last_in_sync = self._renewed
+
+    def _lost_lease(self, why: str) -> None:
+        log.warning("etcd directory: lease %x of node %s is lost (%s); joining again", self._lease, self._node, why)
+        self._lease = 0
+        self._joined.clear()
+
+    # -- writes: one ordered queue ------------------------------------------------------
+
+    async def publish(self, descriptor: common_pb2.BufferDescriptor, timeout: float) -> None:
+        done = asyncio.get_running_loop().create_future()
+        deadline = time.monotonic() + timeout
+        self._writes.put_nowait(_Write(lambda lease: self._put_buffer(descriptor, lease, deadline), deadline, done))
+        await done
+
+    def unpublish(self, descriptor: common_pb2.BufferDescriptor) -> None:
+        self._queue_delete(descriptor)
+
+    async def _write_forever(self) -> None:
+        while True:
+            write = await self._writes.get()
+            while True:
+                if write.deadline is not None and time.monotonic() >= write.deadline:
+                    _fail(write, UnavailableError(f"the etcd directory could not record this within its deadline: {self._error or 'etcd unreachable'}"))
+                    break
+                lease = self._lease
+                if not lease:
+                    await _wait(self._joined, write.deadline)
+                    continue
+                try:
+                    await write.run(lease)
+                except (UnavailableError, ProtocolError) as exc:
+                    if isinstance(exc, ProtocolError) and "lease not found" not in str(exc):
+                        log.error("etcd directory: etcd refused a change of this node's keys: %s", exc)
+                        _fail(write, exc)
+                        break
+                    self._error = str(exc)  # unreachable, or the lease went away meanwhile: again, with the next lease
+                    await asyncio.sleep(_RETRY_S)
+                    continue
+                except HMCError as exc:
+                    _fail(write, exc)
+                    break
+                if write.done is not None and not write.done.done():
+                    write.done.set_result(None)
+                break
+
+    async def _put_buffer(self, descriptor: common_pb2.BufferDescriptor, lease: int, deadline: float) -> None:
+        """The buffer's record, and its name claimed in the same transaction."""
+        put = pb.RequestOp(request_put=pb.PutRequest(key=self._key("buffers", self._node, descriptor.id), value=descriptor.SerializeToString(), lease=lease))
+        if not descriptor.name:
+            await self._client.txn(pb.TxnRequest(success=[put]), _left(deadline))
+            return
+        name_key = self._key("names", descriptor.name)
+        claim = daemon_pb2.NameClaim(node=self._node, buffer_id=descriptor.id, epoch=descriptor.registry_epoch).SerializeToString()
+        claim_op = pb.RequestOp(request_put=pb.PutRequest(key=name_key, value=claim, lease=lease))
+        reply = await self._client.txn(pb.TxnRequest(compare=[_absent(name_key)], success=[claim_op, put], failure=[pb.RequestOp(request_range=pb.RangeRequest(key=name_key))]), _left(deadline))
+        if reply.succeeded:
+            return
+        kvs = reply.responses[0].response_range.kvs
+        held = daemon_pb2.NameClaim.FromString(kvs[0].value) if kvs else None
+        if held is not None and held.node == self._node and held.buffer_id == descriptor.id:
+            same = pb.Compare(key=name_key, target=pb.Compare.VALUE, result=pb.Compare.EQUAL, value=kvs[0].value)
+            if (await self._client.txn(pb.TxnRequest(compare=[same], success=[claim_op, put]), _left(deadline))).succeeded:
+                return
+        if held is None:
+            raise UnavailableError(f"buffer name {descriptor.name!r} changed hands in etcd while being claimed; try again")
+        raise BusyResourceError(f"buffer name {descriptor.name!r} is held cluster-wide by buffer {held.buffer_id!r} on node {held.node!r} (etcd)")
+
+    def _queue_delete(self, descriptor: common_pb2.BufferDescriptor) -> None:
+        buffer_key = self._key("buffers", self._node, descriptor.id)
+
+        async def delete(lease: int) -> None:
+            ops = [pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=buffer_key))]
+            await self._client.txn(pb.TxnRequest(success=ops), self._config.timeout_s)
+            if descriptor.name:  # only our own claim: the name may have moved on since
+                name_key = self._key("names", descriptor.name)
+                claim = daemon_pb2.NameClaim(node=self._node, buffer_id=descriptor.id, epoch=descriptor.registry_epoch).SerializeToString()
+                same = pb.Compare(key=name_key, target=pb.Compare.VALUE, result=pb.Compare.EQUAL, value=claim)
+                await self._client.txn(pb.TxnRequest(compare=[same], success=[pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=name_key))]), self._config.timeout_s)
+
+        self._writes.put_nowait(_Write(delete))
+
+    def _follow_local(self, event: daemon_pb2.Event, relayed: bool) -> None:
+        """This node's own changes, as hmcd publishes them, into the write queue."""
+        if relayed or self._closed:
+            return
+        if event.kind == daemon_pb2.EVENT_KIND_BUFFER_WITHDRAWN:
+            self._queue_delete(event.buffer)
+        elif event.kind in (daemon_pb2.EVENT_KIND_AGENT_UP, daemon_pb2.EVENT_KIND_AGENT_DOWN):
+            key = self._key("agents", self._node, event.agent_id)
+            if event.kind == daemon_pb2.EVENT_KIND_AGENT_UP:
+                value = event.agent.SerializeToString()
+                self._writes.put_nowait(_Write(lambda lease: self._client.put(key, value, self._config.timeout_s, lease)))
+            else:
+                self._writes.put_nowait(_Write(lambda lease: self._client.delete(key, self._config.timeout_s)))
+
+    # -- the watch and the cache ----------------------------------------------------------
+
+    async def _watch_forever(self) -> None:
+        while True:
+            try:
+                snapshot = await self._client.get_prefix(self._prefix, self._config.timeout_s)
+                self._apply_snapshot(snapshot.kvs)
+                async with self._client.watch_prefix(self._prefix, snapshot.header.revision + 1, self._config.timeout_s) as responses:
+                    self._watching = True
+                    if self._lease:
+                        self._last_in_sync = time.monotonic()
+                    async for response in responses:
+                        for event in response.events:
+                            self._apply(event.kv.key, event.kv if event.type == pb.Event.PUT else None)
+            except (UnavailableError, ProtocolError) as exc:
+                if self._watching:
+                    log.warning("etcd directory: watch lost, serving the cache read-only: %s", exc)
+                self._error = str(exc)
+            finally:
+                self._watching = False
+            await asyncio.sleep(_RETRY_S)
+
+    def _apply_snapshot(self, kvs: list[pb.KeyValue]) -> None:
+        """Bring the cache to a full listing: what vanished is deleted, what is new or changed is put."""
+        current = {kv.key: kv for kv in kvs}
+        for key in [key for key in self._kvs if key not in current]:
+            self._apply(key, None)
+        # node records first, so that buffers are checked against their node's epoch
+        for kv in sorted(current.values(), key=lambda kv: not kv.key.startswith(self._key("nodes", ""))):
+            old = self._kvs.get(kv.key)
+            if old is None or old.mod_revision != kv.mod_revision:
+                self._apply(kv.key, kv)
+
+    def _apply(self, key: bytes, kv: pb.KeyValue | None) -> None:
+        """One key changed (kv None: deleted): the cache and the relayed events."""
+        kind, _, rest = key[len(self._prefix) :].decode(errors="replace").partition("/")
+        node, _, item = rest.partition("/")
+        if kind == "names":
+            self._apply_name(rest, kv)
+            return
+        if node == self._node:
+            return
+        old = self._kvs.pop(key, None)
+        if kv is not None:
+            self._kvs[key] = kv
+        try:
+            if kind == "nodes":
+                self._apply_node(node, kv)
+            elif kind == "buffers":
+                self._apply_buffer(item, old, kv)
+            elif kind == "agents":
+                self._apply_agent(node, old, kv)
+        except Exception as exc:  # noqa: BLE001 - a foreign or corrupt value under our prefix must not stop the watch
+            log.warning("etcd directory: ignoring key %r: %s", key, exc)
+            self._kvs.pop(key, None)
+
+    def _apply_name(self, name: str, kv: pb.KeyValue | None) -> None:
+        if kv is None:
+            self._names.pop(name, None)
+            return
+        claim = daemon_pb2.NameClaim.FromString(kv.value)
+        if claim.node != self._node:
+            self._names[name] = claim.buffer_id
+        else:
+            self._names.pop(name, None)
+
+    def _apply_node(self, node: str, kv: pb.KeyValue | None) -> None:
+        old = self._nodes.pop(node, None)
+        if kv is None:
+            self._seen.pop(node, None)
+            peer = self._peers.pop(node, None)
+            if peer is not None:
+                self._old_channels.append(peer)
+            for descriptor in [d for d in self._buffers.values() if d.owner.node == node]:
+                self._drop_buffer(descriptor)
+            log.info("etcd directory: node %s left (epoch %d)", node, old.epoch if old else 0)
+            self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_PEER_DOWN, node=node, peer=old.tcp_address if old else node), relayed=True)
+            self._metrics.peers_up.set(len(self._nodes))
+            return
+        record = daemon_pb2.DirectoryNode.FromString(kv.value)
+        self._nodes[node] = record
+        self._seen[node] = time.monotonic()
+        if old is not None and old.epoch != record.epoch:  # a new start: nothing of the old epoch may be served
+            for descriptor in [d for d in self._buffers.values() if d.owner.node == node and d.registry_epoch < record.epoch]:
+                self._drop_buffer(descriptor)
+        peer = self._peers.get(node)
+        if peer is not None and (peer.address != record.tcp_address or peer.epoch != record.epoch):
+            self._old_channels.append(self._peers.pop(node))
+        if old is None or old.epoch != record.epoch:
+            log.info("etcd directory: node %s is up (epoch %d, %s)", node, record.epoch, record.tcp_address or "no TCP address")
+            self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_PEER_UP, node=node, peer=record.tcp_address or node), relayed=True)
+        self._metrics.peers_up.set(len(self._nodes))
+
+    def _apply_buffer(self, buffer_id: str, old: pb.KeyValue | None, kv: pb.KeyValue | None) -> None:
+        if kv is None:
+            descriptor = self._buffers.get(buffer_id)
+            if descriptor is not None:
+                self._drop_buffer(descriptor)
+            return
+        descriptor = common_pb2.BufferDescriptor.FromString(kv.value)
+        record = self._nodes.get(descriptor.owner.node)
+        if record is not None and descriptor.registry_epoch < record.epoch:
+            return  # of an older epoch than its node's record: never served
+        self._buffers[buffer_id] = descriptor
+        self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_BUFFER_ADDED, node=descriptor.owner.node, buffer=descriptor, agent_id=descriptor.owner.id), relayed=True)
+
+    def _drop_buffer(self, descriptor: common_pb2.BufferDescriptor) -> None:
+        if self._buffers.get(descriptor.id) is descriptor:
+            del self._buffers[descriptor.id]
+            self._kvs.pop(self._key("buffers", descriptor.owner.node, descriptor.id), None)
+            node = descriptor.owner.node
+            self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_BUFFER_WITHDRAWN, node=node, buffer=descriptor, agent_id=descriptor.owner.id), relayed=True)
+
+    def _apply_agent(self, node: str, old: pb.KeyValue | None, kv: pb.KeyValue | None) -> None:
+        if kv is None:
+            if old is not None:
+                agent = common_pb2.AgentInfo.FromString(old.value)
+                self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_AGENT_DOWN, node=node, agent_id=agent.id, agent=agent), relayed=True)
+            return
+        agent = common_pb2.AgentInfo.FromString(kv.value)
+        self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_AGENT_UP, node=node, agent_id=agent.id, agent=agent), relayed=True)
+
+    # -- what the directory answers -------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self._watching and bool(self._lease) and time.monotonic() - self._renewed < self._ttl
+
+    def age(self) -> float:
+        """Seconds since the cache was last known to be in sync with etcd (0 while it is)."""
+        return 0.0 if self.connected else time.monotonic() - self._last_in_sync
+
+    def _peer(self, node: str) -> Peer | None:
+        record = self._nodes.get(node)
+        if record is None or not record.tcp_address:
+            return None
+        peer = self._peers.get(node)
+        if peer is None:
+            peer = self._peers[node] = Peer.open(record.tcp_address, self._config, node=node, up=True, epoch=record.epoch)
+        return peer
+
+    @property
+    def peers(self) -> list[Peer]:
+        return [peer for node in self._nodes if (peer := self._peer(node)) is not None]
+
+    async def lookup(self, ref: daemon_pb2.BufferRef, timeout: float) -> Lookup:
+        buffer_id = ref.id if ref.WhichOneof("ref") == "id" else self._names.get(ref.name, "")
+        descriptor = self._buffers.get(buffer_id)
+        if descriptor is not None:
+            node = descriptor.owner.node
+            peer = self._peer(node)
+            if peer is not None:
+                return (descriptor, peer), []
+            return None, [f"node {node}: its hmcd has no TCP listener (set listen) to forward to"]
+        if not self.connected:
+            return None, [f"etcd: this node's view is {self.age():.1f}s old ({self._error or 'not in sync'})"]
+        return None, []
+
+    async def list_buffers(self, timeout: float) -> tuple[list[common_pb2.BufferDescriptor], float]:
+        return list(self._buffers.values()), self.age()
+
+    def statuses(self) -> list[daemon_pb2.PeerStatus]:
+        return [daemon_pb2.PeerStatus(address=record.tcp_address, node=node, up=True) for node, record in sorted(self._nodes.items())]
+
+    def status(self) -> daemon_pb2.DirectoryStatus:
+        now = time.monotonic()
+        age = self.age()
+        counts: dict[str, int] = {}
+        for descriptor in self._buffers.values():
+            counts[descriptor.owner.node] = counts.get(descriptor.owner.node, 0) + 1
+        nodes = []
+        for node, record in sorted(self._nodes.items()):
+            view = daemon_pb2.DirectoryNode()
+            view.CopyFrom(record)
+            view.up, view.age_s, view.buffers = True, age, counts.get(node, 0)
+            nodes.append(view)
+        return daemon_pb2.DirectoryStatus(
+            kind=self.kind,
+            endpoints=list(self._config.etcd_endpoints),
+            prefix=self._config.etcd_prefix,
+            connected=self.connected,
+            partitioned_s=age,
+            lease_id=self._lease,
+            lease_ttl_s=self._ttl,
+            lease_renewed_s=now - self._renewed if self._lease else 0.0,
+            nodes=nodes,
+            error="" if self.connected else self._error,
+        )
+
+
+def _absent(key: bytes) -> pb.Compare:
+    return pb.Compare(key=key, target=pb.Compare.VERSION, result=pb.Compare.EQUAL, version=0)
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise UnavailableError("etcd did not answer within the deadline")
+    return left
+
+
+async def _wait(event: asyncio.Event, deadline: float | None) -> None:
+    """Wait for `event` until `deadline` (None: without end); returns either way."""
+    timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+    except asyncio.TimeoutError:
+        pass
+
+
+def _fail(write: _Write, error: HMCError) -> None:
+    if write.done is not None and not write.done.done():
+        write.done.set_exception(error)
