@@ -147,8 +147,12 @@ class Client:
     # -- buffers and paths ---------------------------------------------------------------
 
     def buffers(self, local_only: bool = False) -> list[common_pb2.BufferDescriptor]:
-        """ConnBuffers of this node, and of its static peers unless `local_only`."""
-        return list(self._call(self._registry.ListBuffers, daemon_pb2.ListBuffersRequest(local_only=local_only)).buffers)
+        """ConnBuffers of this node, and of the other nodes its directory knows unless `local_only`."""
+        return list(self.listing(local_only).buffers)
+
+    def listing(self, local_only: bool = False) -> daemon_pb2.ListBuffersResponse:
+        """`buffers()` with `directory_age_s`: how old the view of the other nodes' buffers is (0: live)."""
+        return self._call(self._registry.ListBuffers, daemon_pb2.ListBuffersRequest(local_only=local_only))
 
     def lookup(self, ref: str | daemon_pb2.BufferRef) -> common_pb2.BufferDescriptor:
         """A ConnBuffer by name (or `id:<id>`), here or at a peer."""

@@ -78,6 +78,7 @@ _STATUS: dict[ErrorCode, grpc.StatusCode] = {
     ErrorCode.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
     ErrorCode.DEVICE: grpc.StatusCode.INTERNAL,
     ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.STALE_DESCRIPTOR: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 # For statuses that carry no hmc-error-code (raised by gRPC itself, or a foreign server).

@@ -23,8 +23,9 @@ naming the holder). Withdrawals and agents coming and going follow hmcd's own
 events.
 
 Watching. One watch over P (from a consistent snapshot's revision) keeps a cache of
-the other nodes' keys and republishes their changes as relayed events: PEER_UP /
-PEER_DOWN for node records, BUFFER_ADDED / BUFFER_WITHDRAWN, AGENT_UP / AGENT_DOWN.
+the other nodes' keys and turns their changes into events: PEER_UP / PEER_DOWN for
+node records (this node's own events, as the static directory's health checks give),
+and relayed BUFFER_ADDED / BUFFER_WITHDRAWN, AGENT_UP / AGENT_DOWN.
 A node record with a new epoch drops every cached descriptor of the older one (a
 stale descriptor is never served). After the watch breaks, a fresh snapshot is
 diffed against the cache, so nothing that happened meanwhile is missed.
@@ -241,8 +242,9 @@ class EtcdDirectory(Directory):
     # -- writes: one ordered queue ------------------------------------------------------
 
     async def publish(self, descriptor: common_pb2.BufferDescriptor, timeout: float) -> None:
+        """Queued behind earlier writes; waits for etcd at most the lease's TTL (longer, and this node's keys are gone anyway)."""
         done = asyncio.get_running_loop().create_future()
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + min(timeout, self._ttl)
         self._writes.put_nowait(_Write(lambda lease: self._put_buffer(descriptor, lease, deadline), deadline, done))
         await done
 
@@ -403,7 +405,7 @@ class EtcdDirectory(Directory):
             for descriptor in [d for d in self._buffers.values() if d.owner.node == node]:
                 self._drop_buffer(descriptor)
             log.info("etcd directory: node %s left (epoch %d)", node, old.epoch if old else 0)
-            self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_PEER_DOWN, node=node, peer=old.tcp_address if old else node), relayed=True)
+            self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_PEER_DOWN, peer=old.tcp_address if old and old.tcp_address else node))
             self._metrics.peers_up.set(len(self._nodes))
             return
         record = daemon_pb2.DirectoryNode.FromString(kv.value)
@@ -417,7 +419,7 @@ class EtcdDirectory(Directory):
             self._old_channels.append(self._peers.pop(node))
         if old is None or old.epoch != record.epoch:
             log.info("etcd directory: node %s is up (epoch %d, %s)", node, record.epoch, record.tcp_address or "no TCP address")
-            self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_PEER_UP, node=node, peer=record.tcp_address or node), relayed=True)
+            self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_PEER_UP, peer=record.tcp_address or node))
         self._metrics.peers_up.set(len(self._nodes))
 
     def _apply_buffer(self, buffer_id: str, old: pb.KeyValue | None, kv: pb.KeyValue | None) -> None:

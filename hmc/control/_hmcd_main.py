@@ -32,6 +32,7 @@ examples:
   hmcd --listen 0.0.0.0:7710 --token s3cret --static-peer 10.0.0.2:7710
   hmcd --listen 0.0.0.0:7710 --tls-cert node.pem --tls-key node.key --tls-ca ca.pem --static-peer 10.0.0.2:7710
   hmcd --socket /tmp/a.sock --listen 127.0.0.1:0 --port-file /tmp/a.port
+  hmcd --listen 10.0.0.1:7710 --token s3cret --etcd http://10.0.0.9:2379 --etcd http://10.0.0.10:2379
 
 The unix socket's directory is created 0700; hmcd refuses an existing one that is
 not its own or that grants anything to group or others, and admits on the socket
@@ -57,6 +58,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tls-ca", metavar="FILE", help="PEM CA bundle: speak TLS to static peers, trusting only this CA")
     parser.add_argument("--node", help="this node's name (default: the hostname)")
     parser.add_argument("--static-peer", action="append", default=None, metavar="HOST:PORT", help="another hmcd's TCP address; repeat for several")
+    parser.add_argument("--etcd", action="append", default=None, metavar="ENDPOINT", help="use the etcd directory at this endpoint (http[s]://host:port); repeat for several")
+    parser.add_argument("--etcd-prefix", metavar="PREFIX", help="this cluster's key prefix in etcd (default: /hmc)")
+    parser.add_argument("--etcd-lease-ttl", type=int, metavar="SECONDS", help="TTL of this hmcd's etcd lease (default: 5)")
     parser.add_argument("--metrics-port", type=int, metavar="PORT", help="also serve Prometheus /metrics over HTTP on this port (0 picks one)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default: info)")
     return parser.parse_args(argv)
@@ -80,6 +84,12 @@ def build_config(args: argparse.Namespace) -> Config:
     }
     if args.static_peer is not None:
         changes["static_peers"] = tuple(args.static_peer)
+    if args.etcd is not None:
+        changes["directory"], changes["etcd_endpoints"] = "etcd", tuple(args.etcd)
+    if args.etcd_prefix is not None:
+        changes["etcd_prefix"] = args.etcd_prefix
+    if args.etcd_lease_ttl is not None:
+        changes["etcd_lease_ttl_s"] = args.etcd_lease_ttl
     return config.replace(**changes)
 
 
