@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -19,7 +18,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from hmc.config import Config
-from hmc.control import Client, DaemonLink
+from hmc.testing._hmcd import HmcdProcess
+from hmc.testing._hmcd import clean_env as hmcd_env
+from hmc.control import DaemonLink
 from hmc.control._inventory import transports
 from hmc.memory._machine import host_id
 from hmc.memory import DeviceKind
@@ -29,43 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 PEER_CHECK_INTERVAL_S = 0.25
 
 
-@dataclasses.dataclass
-class Hmcd:
-    """A running hmcd process."""
-
-    name: str
-    socket: str
-    port: int
-    token: str
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    @property
-    def unix_address(self) -> str:
-        return f"unix:{self.socket}"
-
-    @property
-    def tcp_address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def config(self, **changes: object) -> Config:
-        base = Config(node=self.name, socket=self.socket, token=self.token, timeout_s=5.0)
-        return base.replace(**changes) if changes else base
-
-    def client(self, tcp: bool = False, **kwargs: object) -> Client:
-        return Client(self.tcp_address if tcp else None, config=self.config(), **kwargs)  # type: ignore[arg-type]
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+Hmcd = HmcdProcess
 
 
 def short_tempdir() -> str:
@@ -74,32 +39,13 @@ def short_tempdir() -> str:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("HMC_")}
-    env["HMC_PEER_CHECK_INTERVAL_S"] = str(PEER_CHECK_INTERVAL_S)
-    env.update(extra)
-    return env
+    return hmcd_env(HMC_PEER_CHECK_INTERVAL_S=str(PEER_CHECK_INTERVAL_S), **extra)
 
 
 def start_hmcd(directory: str, name: str, *, token: str = "", static_peers: tuple[str, ...] = (), extra_args: tuple[str, ...] = ()) -> Hmcd:
     """Start `python -m hmc.control._hmcd_main` and wait (bounded) until it serves."""
-    socket = os.path.join(directory, f"{name}.sock")
-    port_file = Path(directory, f"{name}.port")
-    log = Path(directory, f"{name}.log")
-    args = [sys.executable, "-m", "hmc.control._hmcd_main", "--socket", socket, "--listen", "127.0.0.1:0", "--port-file", str(port_file), "--node", name]
-    args += ["--log-level", "debug", *extra_args]
-    if token:
-        args += ["--token", token]
-    for peer in static_peers:
-        args += ["--static-peer", peer]
-    with open(log, "wb") as out:
-        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=clean_env(), cwd=REPO)
-    deadline = time.monotonic() + 20
-    while not port_file.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"hmcd {name} did not start:\n{log.read_text(errors='replace')}")
-        time.sleep(0.05)
-    return Hmcd(name=name, socket=socket, port=int(port_file.read_text()), token=token, process=process, log=log)
+    args = ["--log-level", "debug", *extra_args, *(f"--static-peer={peer}" for peer in static_peers)]
+    return HmcdProcess.start(directory, name, token=token, args=args, env=clean_env(), cwd=str(REPO))
 
 
 @dataclasses.dataclass
@@ -118,7 +64,6 @@ class DaemonSet:
         """Start `old`'s node again, on the same socket and state file, once `old` has exited (stopped or killed)."""
         if old.process.poll() is None:
             raise RuntimeError(f"hmcd {old.name} is still running")
-        Path(self.directory, f"{old.name}.port").unlink(missing_ok=True)
         return self.start(old.name, **kwargs)
 
     def close(self) -> None:
@@ -202,6 +147,8 @@ def wait_until(predicate: Callable[[], object], timeout: float = 5.0, what: str 
 AGENT_CHILD = """
 import sys, time
 from hmc.config import Config
+from hmc.testing._hmcd import HmcdProcess
+from hmc.testing._hmcd import clean_env as hmcd_env
 from hmc.control import DaemonLink
 sys.path.insert(0, {tests!r})
 from control_fixtures import agent_info, descriptor

@@ -32,7 +32,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from hmc.agent._buffers import BufferTable, ConnBuffer
@@ -79,6 +79,7 @@ _INLINE_MAX = 1 << 20
 """Largest single range the inline fast path copies on the caller's thread."""
 
 _DESCRIPTOR = common_pb2.BufferDescriptor
+_FOREVER = 1 << 63
 _PATH_NAMES = frozenset(p.value for p in PathName)
 
 LinkFactory = Callable[[Config, common_pb2.AgentInfo, Callable[[daemon_pb2.TransferInstruction], None]], Any]
@@ -117,9 +118,11 @@ class Agent:
         self.info = common_pb2.AgentInfo(id=self.id)  # completed below, once the listener has its port
         self._lock = threading.Lock()  # guards _paths and _withdrawn_remote
         self._paths: dict[tuple[str, str, str, str | None], PathChoice] = {}
-        self._withdrawn_remote: set[str] = set()
+        self._withdrawn_remote: dict[str, int] = {}
+        """Remote buffer id -> the newest registry epoch it was withdrawn at (_FOREVER: by its owner)."""
         self._closed = False
-        self._buffers = BufferTable()
+        self._link: DaemonLink | None = None
+        self._buffers = BufferTable(self._registry_epochs)
         self._inbox = NotificationInbox()
         self._instructions = Instructions(
             lambda op, local, remote, ranges, notify, timeout, tid: self._submit(op, local, remote, ranges, notify, timeout, None, tid),
@@ -411,7 +414,7 @@ class Agent:
             raise ArgumentError(f"{local!r} belongs to another agent; pass it as the remote side")
         self._buffers.get(local.id)
         with self._lock:
-            known_gone = descriptor.id in self._withdrawn_remote
+            known_gone = descriptor.registry_epoch <= self._withdrawn_remote.get(descriptor.id, -1)
         if known_gone or (descriptor.owner.id == self.id and self._buffers.withdrawn(descriptor.id)):
             raise BufferWithdrawnError(f"buffer {descriptor.id} was withdrawn by its owner")
 
@@ -485,9 +488,16 @@ class Agent:
 
     # -- peers and hmcd ----------------------------------------------------------
 
-    def _remote_withdrawn(self, agent_id: str, buffer_id: str) -> None:
+    def _registry_epochs(self) -> tuple[int, Collection[int]]:
+        """The epoch of the hmcd registry this agent's buffers are registered with, and the earlier ones."""
+        link = self._link
+        return (link.registry_epoch, link.past_epochs) if isinstance(link, DaemonLink) else (0, ())
+
+    def _remote_withdrawn(self, agent_id: str, buffer_id: str, epoch: int = 0) -> None:
+        """A remote buffer was withdrawn: by its owner (epoch 0: for good), or at `epoch` of its node's registry
+        (after its hmcd started again: a descriptor of a later epoch is good)."""
         with self._lock:
-            self._withdrawn_remote.add(buffer_id)
+            self._withdrawn_remote[buffer_id] = max(epoch or _FOREVER, self._withdrawn_remote.get(buffer_id, -1))
         self._drop_routes(buffer_id)
         for transport in self._transports.values():
             transport.withdraw(buffer_id)
@@ -512,7 +522,7 @@ class Agent:
     def _on_hmcd_event(self, event: daemon_pb2.Event) -> None:
         """hmcd's word about another agent (thread "hmc-daemon-events"): act as on the peer's own, then tell the user."""
         if event.kind == daemon_pb2.EVENT_KIND_BUFFER_WITHDRAWN and event.buffer.owner.id != self.id:
-            self._remote_withdrawn(event.agent_id, event.buffer.id)
+            self._remote_withdrawn(event.agent_id, event.buffer.id, event.buffer.registry_epoch)
             self._events.deliver(AgentEvent(AgentEventKind.BUFFER_WITHDRAWN, event.buffer.id, event.agent_id, event.buffer.name, event.node))
         elif event.kind == daemon_pb2.EVENT_KIND_AGENT_DOWN and event.agent_id != self.id:
             self._peer_lost(event.agent if event.HasField("agent") else common_pb2.AgentInfo(id=event.agent_id))

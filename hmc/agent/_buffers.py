@@ -19,12 +19,12 @@ from __future__ import annotations
 import hmac
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 from typing import Any
 
 import numpy as np
 
-from hmc.errors import AccessDeniedError, BufferWithdrawnError, UnknownBufferError
+from hmc.errors import AccessDeniedError, BufferWithdrawnError, StaleDescriptorError, UnknownBufferError
 from hmc.memory import MemoryRegion
 from hmc.v1 import common_pb2
 
@@ -66,7 +66,10 @@ class ConnBuffer:
 class BufferTable:
     """Local registrations by id and name, with access checks, withdrawn ids and in-flight users."""
 
-    def __init__(self) -> None:
+    def __init__(self, epochs: Callable[[], tuple[int, Collection[int]]] = lambda: (0, ())) -> None:
+        """`epochs`: the registry epoch of the hmcd this agent's buffers are registered with now, and the earlier
+        ones (a proof made with one of those is a stale descriptor's)."""
+        self._epochs = epochs
         self._lock = threading.Lock()  # guards the three dicts/sets below and _waiting
         self._cond = threading.Condition(self._lock)  # a buffer's last in-flight use ended
         self._by_id: dict[str, ConnBuffer] = {}
@@ -82,9 +85,10 @@ class BufferTable:
             self._withdrawn.discard(buffer.id)
 
     def get(
-        self, buffer_id: str, access_key: bytes | None = None, *, prove: Callable[[bytes], bytes] | None = None, proof: bytes = b""
+        self, buffer_id: str, access_key: bytes | None = None, *, prove: Callable[[bytes, int], bytes] | None = None, proof: bytes = b""
     ) -> ConnBuffer:
-        """The buffer, if it exists and `access_key` (when given) matches, or `proof` is `prove(its key)`; typed error otherwise."""
+        """The buffer, if it exists and `access_key` (when given) matches, or `proof` is `prove(its key, epoch)` of the
+        current registry epoch (or 0: a descriptor no hmcd served); typed error otherwise."""
         with self._lock:
             buffer = self._by_id.get(buffer_id)
             if buffer is None:
@@ -93,9 +97,22 @@ class BufferTable:
                 raise UnknownBufferError(f"no buffer {buffer_id!r} on this agent")
         if access_key is not None and not hmac.compare_digest(access_key, buffer.descriptor.access_key):
             raise AccessDeniedError(f"wrong access key for buffer {buffer_id}")
-        if prove is not None and not hmac.compare_digest(prove(buffer.descriptor.access_key), proof):
-            raise AccessDeniedError(f"wrong access key proof for buffer {buffer_id}")
+        if prove is not None:
+            self._check_proof(buffer, prove, proof)
         return buffer
+
+    def _check_proof(self, buffer: ConnBuffer, prove: Callable[[bytes, int], bytes], proof: bytes) -> None:
+        key = buffer.descriptor.access_key
+        current, earlier = self._epochs()
+        if hmac.compare_digest(prove(key, current), proof) or (current and hmac.compare_digest(prove(key, 0), proof)):
+            return
+        for epoch in earlier:
+            if hmac.compare_digest(prove(key, epoch), proof):
+                raise StaleDescriptorError(
+                    f"stale descriptor: buffer {buffer.id} was served by registry epoch {epoch} of its hmcd, which has started again since "
+                    f"(epoch {current}); look it up again"
+                )
+        raise AccessDeniedError(f"wrong access key proof for buffer {buffer.id}")
 
     def by_name(self, name: str) -> ConnBuffer:
         with self._cond:
@@ -105,7 +122,7 @@ class BufferTable:
         raise UnknownBufferError(f"no buffer named {name!r} on this agent")
 
     def acquire(
-        self, buffer_id: str, access_key: bytes | None = None, *, prove: Callable[[bytes], bytes] | None = None, proof: bytes = b"",
+        self, buffer_id: str, access_key: bytes | None = None, *, prove: Callable[[bytes, int], bytes] | None = None, proof: bytes = b"",
         holder: Hashable = None,
     ) -> ConnBuffer:
         """Check access, then hold the buffer so `unregister()` waits for this use to end (or cuts `holder`): pair

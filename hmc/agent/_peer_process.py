@@ -18,6 +18,7 @@ Concurrency: one test thread drives a PeerProcess; commands are serialized by
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import multiprocessing
 import os
@@ -52,9 +53,24 @@ def ranges_digest(data: np.ndarray, offsets: Any = None, lengths: Any = None) ->
     return digest.digest()
 
 
-def _serve(conn: Connection, config: Config, daemon: bool | None) -> None:
+def _enter_netns(name: str) -> None:
+    """Move this (single-threaded, just started) process into the named network namespace (`ip netns`)."""
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if hasattr(os, "setns"):  # Python 3.12
+            os.setns(fd, os.CLONE_NEWNET)
+        elif ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name!r} failed")
+    finally:
+        os.close(fd)
+
+
+def _serve(conn: Connection, config: Config, daemon: bool | None, netns: str | None) -> None:
     """The child's command loop."""
     from hmc.agent import Agent
+
+    if netns:
+        _enter_netns(netns)
 
     with Agent(config, daemon=daemon) as agent:
         buffers: dict[str, Any] = {}
@@ -160,14 +176,17 @@ _COMMANDS = {
 class PeerProcess:
     """A peer agent running in its own process."""
 
-    def __init__(self, config: Config | None = None, *, daemon: bool | None = False, timeout: float = 30.0, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, config: Config | None = None, *, daemon: bool | None = False, timeout: float = 30.0, env: Mapping[str, str] | None = None, netns: str | None = None
+    ) -> None:
         """`env`: variables the child starts with besides this process's (set here while it starts: HMC_HIP_ON_CUDA=1
-        makes it an AMD process on the HIP-on-CUDA runtime)."""
+        makes it an AMD process on the HIP-on-CUDA runtime). `netns`: a network namespace (`ip netns` name) the
+        child enters before anything else (a node of `hmc.testing.NetnsCluster`; needs root)."""
         self._timeout = timeout
         self._lock = threading.Lock()  # one command at a time on the pipe
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, config or Config(), daemon), name="hmc-test-peer", daemon=True)
+        self._process = context.Process(target=_serve, args=(child, config or Config(), daemon, netns), name="hmc-test-peer", daemon=True)
         saved = {name: os.environ.get(name) for name in env or {}}
         os.environ.update(env or {})
         try:

@@ -138,13 +138,13 @@ class Peers:
     def open_grant(self, descriptor: common_pb2.BufferDescriptor, deadline: float) -> peer_pb2.BufferGrant:
         """Ask the owner for one-sided (ipc) access to a buffer."""
         channel = self.control(descriptor, deadline)
-        frame = peer_pb2.PeerFrame(open=peer_pb2.OpenBuffer(buffer_id=descriptor.id, key_proof=channel.stream.proof(descriptor.access_key), path="ipc"))
+        frame = peer_pb2.PeerFrame(open=peer_pb2.OpenBuffer(buffer_id=descriptor.id, key_proof=channel.stream.proof(descriptor.access_key, descriptor.registry_epoch), path="ipc"))
         return channel.request(frame, deadline).grant
 
     def notify(self, descriptor: common_pb2.BufferDescriptor, transfer_id: str, payload: bytes, deadline: float, callback: ReplyCallback) -> None:
         """Send a Notify to the owner; `callback` runs when it acknowledged (or failed)."""
         channel = self.control(descriptor, deadline)
-        proof = channel.stream.proof(descriptor.access_key)
+        proof = channel.stream.proof(descriptor.access_key, descriptor.registry_epoch)
         frame = peer_pb2.PeerFrame(notify=peer_pb2.Notify(buffer_id=descriptor.id, key_proof=proof, transfer_id=transfer_id, payload=payload))
         channel.request_async(frame, deadline, callback)
 

@@ -49,7 +49,7 @@ from collections.abc import Callable
 
 from hmc.agent._buffers import BufferTable, ConnBuffer
 from hmc.agent._transfer import Notification, NotificationInbox
-from hmc.errors import AccessDeniedError, HMCError, ProtocolError, UnsupportedError
+from hmc.errors import AccessDeniedError, HMCError, ProtocolError, UnknownBufferError, UnsupportedError
 from hmc.memory import MemoryKind
 from hmc.transport._channel import Channel
 from hmc.transport._staged_serve import DataConnections
@@ -187,7 +187,7 @@ class PeerServer:
                 self._data.serve(stream)
             else:
                 raise ProtocolError(f"unknown channel {hello.channel} in hello")
-        except (ProtocolError, AccessDeniedError) as exc:
+        except (ProtocolError, AccessDeniedError, UnknownBufferError) as exc:  # a refused hello or proof: say why before hanging up
             with contextlib.suppress(HMCError):
                 stream.send(peer_pb2.PeerFrame(reply=error_reply(exc)), deadline=time.monotonic() + 1.0)
         except HMCError as exc:

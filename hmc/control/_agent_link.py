@@ -163,6 +163,8 @@ class DaemonLink:
         self.node: str = hello.node
         self.host_id: str = hello.host_id
         self.registry_epoch: int = hello.registry_epoch
+        self.past_epochs: frozenset[int] = frozenset()
+        """Earlier epochs of hmcd's registry this link was attached under (the last 16)."""
 
     # -- requests ---------------------------------------------------------------------
 
@@ -336,6 +338,8 @@ class DaemonLink:
             count = len(self._published)
             down_for = time.monotonic() - self._down_since
             self._down = None
+            if hello.registry_epoch != self.registry_epoch:
+                self.past_epochs = frozenset(sorted(self.past_epochs | {self.registry_epoch})[-16:])
             self.node, self.host_id, self.registry_epoch = hello.node, hello.host_id, hello.registry_epoch
         log.warning("attached to hmcd at %s again after %.1fs (registry epoch %d); registering %d buffer(s) again", self.address, down_for, hello.registry_epoch, count)
         self._schedule(self._on_attached, hello)

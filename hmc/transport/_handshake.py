@@ -75,7 +75,7 @@ def handshake(
         raise ProtocolError(f"{stream.peer} sent a hello without a nonce")
     stream.nonce = hello.nonce
     stream.peer_max_frame = hello.max_frame or MAX_FRAME
-    auth = peer_pb2.Auth(buffer_id=proves.id, key_proof=stream.proof(proves.access_key))
+    auth = peer_pb2.Auth(buffer_id=proves.id, key_proof=stream.proof(proves.access_key, proves.registry_epoch))
     stream.send(peer_pb2.PeerFrame(auth=auth), deadline=deadline)
     _expect(stream, deadline, "reply", "the proof")
     return hello

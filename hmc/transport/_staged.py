@@ -151,7 +151,7 @@ class _RoundTrip:
                 self.frames.clear()
             frame = peer_pb2.PeerFrame()
             request = frame.write if write else frame.read
-            request.buffer_id, request.key_proof = remote.id, self.stream.proof(remote.access_key)
+            request.buffer_id, request.key_proof = remote.id, self.stream.proof(remote.access_key, remote.registry_epoch)
             cached = self.frames[(remote.id, write)] = (frame, request, request.ranges)
         frame, request, ranges = cached
         if write:

@@ -358,7 +358,7 @@ class ShmStaging:
         else:
             wire.src_offsets = _I64.pack(remote_offset)
             message = peer_pb2.DataRead(buffer_id=remote.id, ranges=wire)
-        message.key_proof = stream.proof(remote.access_key)
+        message.key_proof = stream.proof(remote.access_key, remote.registry_epoch)
         message.expires_ms = expires_ms(deadline)
         mailbox = link.mailbox
         if mailbox is not None and mailbox.ready(token_of(stream)):
@@ -449,7 +449,7 @@ class ShmStaging:
                     slot = (started % slots) * size
                     wait = self._copier.start(region, chunk.src, chunk.lengths, ring, slot, to_slot=True, deadline=deadline)
                     write = peer_pb2.DataWrite(
-                        buffer_id=remote.id, key_proof=stream.proof(remote.access_key), ranges=_range_list(chunk.dst, chunk.lengths, "dst_offsets"),
+                        buffer_id=remote.id, key_proof=stream.proof(remote.access_key, remote.registry_epoch), ranges=_range_list(chunk.dst, chunk.lengths, "dst_offsets"),
                         transfer_id=request.transfer_id, expires_ms=expires_ms(deadline),
                     )
                     queued.append((wait, write, slot, chunk.total))
@@ -478,7 +478,7 @@ class ShmStaging:
         def ask(index: int) -> None:
             chunk = chunks[index]
             read = peer_pb2.DataRead(
-                buffer_id=remote.id, key_proof=stream.proof(remote.access_key), ranges=_range_list(chunk.dst, chunk.lengths, "src_offsets"),
+                buffer_id=remote.id, key_proof=stream.proof(remote.access_key, remote.registry_epoch), ranges=_range_list(chunk.dst, chunk.lengths, "src_offsets"),
                 transfer_id=request.transfer_id, expires_ms=expires_ms(deadline),
             )
             self._hand_off(link, stream, read, (index % slots) * size, chunk.total, deadline)

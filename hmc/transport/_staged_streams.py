@@ -98,7 +98,7 @@ def request_frame(request: TransferRequest, ranges: RangeList, stream: FrameStre
     """The DataWrite or DataRead asking for `ranges` of the request on `stream` (a write's payload goes after it)."""
     lengths = ranges.lengths.tobytes()
     remote = request.remote
-    proof, tid, expires = stream.proof(remote.access_key), request.transfer_id, expires_ms(request.deadline)
+    proof, tid, expires = stream.proof(remote.access_key, remote.registry_epoch), request.transfer_id, expires_ms(request.deadline)
     if request.op is TransferOp.WRITE:
         wire = common_pb2.RangeList(dst_offsets=ranges.dst.tobytes(), lengths=lengths)
         return peer_pb2.PeerFrame(write=peer_pb2.DataWrite(buffer_id=remote.id, key_proof=proof, ranges=wire, transfer_id=tid, expires_ms=expires))

@@ -141,8 +141,13 @@ def _row_views(rows: np.ndarray, skip: int) -> list[memoryview | bytes]:
     return views
 
 
-def key_proof(access_key: bytes, nonce: bytes) -> bytes:
-    """What proves `access_key` on the connection whose listener sent `nonce` (the key itself never travels)."""
+def key_proof(access_key: bytes, nonce: bytes, epoch: int = 0) -> bytes:
+    """What proves `access_key`, as served by registry `epoch`, on the connection whose listener sent `nonce`
+    (the key itself never travels). Epoch 0 (a descriptor no hmcd served) proves the key alone; any other
+    epoch proves a key derived from both, so that the owner can tell a descriptor of an earlier epoch of its
+    hmcd (StaleDescriptorError) from a wrong key."""
+    if epoch:
+        access_key = hmac.new(access_key, b"hmc-registry-epoch:" + epoch.to_bytes(8, "little"), hashlib.sha256).digest()
     return hmac.new(access_key, nonce, hashlib.sha256).digest()[:_PROOF_BYTES]
 
 
@@ -221,7 +226,7 @@ class FrameStream:
         """Largest frame the other end announced it accepts: `send()` refuses a larger one before it leaves."""
         self.inline_bytes = 0
         """Payload bytes that came inline with the frame `recv()` returned last (0: none, or not inline)."""
-        self._proofs: dict[bytes, bytes] = {}
+        self._proofs: dict[tuple[bytes, int], bytes] = {}
         self._tx = sock
         self._rx = sock.dup()
         for end in (self._tx, self._rx):  # non-blocking: try first, poll only when the kernel has nothing
@@ -244,11 +249,11 @@ class FrameStream:
         self._broken: BrokenResourceError | None = None
         self._closed = False
 
-    def proof(self, access_key: bytes) -> bytes:
-        """`key_proof(access_key, nonce)` of this connection, computed once per key."""
-        proof = self._proofs.get(access_key)
+    def proof(self, access_key: bytes, epoch: int = 0) -> bytes:
+        """`key_proof(access_key, nonce, epoch)` of this connection, computed once per key and epoch."""
+        proof = self._proofs.get((access_key, epoch))
         if proof is None:
-            proof = self._proofs[access_key] = key_proof(access_key, self.nonce)
+            proof = self._proofs[(access_key, epoch)] = key_proof(access_key, self.nonce, epoch)
         return proof
 
     def send(
