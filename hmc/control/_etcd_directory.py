@@ -246,7 +246,10 @@ class EtcdDirectory(Directory):
         done = asyncio.get_running_loop().create_future()
         deadline = time.monotonic() + min(timeout, self._ttl)
         self._writes.put_nowait(_Write(lambda lease: self._put_buffer(descriptor, lease, deadline), deadline, done))
-        await done
+        try:
+            await asyncio.wait_for(asyncio.shield(done), timeout + 1.0)  # the writer fails it at the deadline; never wait past
+        except asyncio.TimeoutError:
+            raise UnavailableError(f"the etcd directory could not record buffer {descriptor.id} in time: {self._error or 'etcd unreachable'}") from None
 
     def unpublish(self, descriptor: common_pb2.BufferDescriptor) -> None:
         self._queue_delete(descriptor)
@@ -260,6 +263,8 @@ class EtcdDirectory(Directory):
                     break
                 lease = self._lease
                 if not lease:
+                    if write.done is None:
+                        break  # not joined: the join publishes the state as it is then, which this change is part of
                     await _wait(self._joined, write.deadline)
                     continue
                 try:
@@ -347,6 +352,9 @@ class EtcdDirectory(Directory):
                 if self._watching:
                     log.warning("etcd directory: watch lost, serving the cache read-only: %s", exc)
                 self._error = str(exc)
+            except Exception as exc:  # noqa: BLE001 - the watch is this node's view of the cluster: it must go on
+                log.exception("etcd directory: the watch failed; starting it again")
+                self._error = f"watch failed: {exc!r}"
             finally:
                 self._watching = False
             await asyncio.sleep(_RETRY_S)
@@ -366,16 +374,15 @@ class EtcdDirectory(Directory):
         """One key changed (kv None: deleted): the cache and the relayed events."""
         kind, _, rest = key[len(self._prefix) :].decode(errors="replace").partition("/")
         node, _, item = rest.partition("/")
-        if kind == "names":
-            self._apply_name(rest, kv)
-            return
-        if node == self._node:
+        if kind != "names" and node == self._node:
             return
         old = self._kvs.pop(key, None)
         if kv is not None:
             self._kvs[key] = kv
         try:
-            if kind == "nodes":
+            if kind == "names":
+                self._apply_name(rest, kv)
+            elif kind == "nodes":
                 self._apply_node(node, kv)
             elif kind == "buffers":
                 self._apply_buffer(item, old, kv)

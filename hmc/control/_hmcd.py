@@ -212,11 +212,13 @@ class Daemon:
         local = self.registry.find(ref)
         if local is not None:
             return local, None
-        if local_only or not self.directory.peers:
+        if local_only:
             self.registry.require(ref)
         found, unanswered = await self.directory.lookup(ref, timeout)
         if found is not None:
             return found
+        if not unanswered and not self.directory.peers:
+            self.registry.require(ref)  # nobody else to ask: the local answer, as precise as it gets
         if self.registry.was_withdrawn(ref):
             raise BufferWithdrawnError(f"buffer {what} was withdrawn from node {self.config.node}")
         if unanswered:

@@ -61,6 +61,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--etcd", action="append", default=None, metavar="ENDPOINT", help="use the etcd directory at this endpoint (http[s]://host:port); repeat for several")
     parser.add_argument("--etcd-prefix", metavar="PREFIX", help="this cluster's key prefix in etcd (default: /hmc)")
     parser.add_argument("--etcd-lease-ttl", type=int, metavar="SECONDS", help="TTL of this hmcd's etcd lease (default: 5)")
+    parser.add_argument("--etcd-ca", metavar="FILE", help="PEM CA bundle to verify etcd (TLS to etcd)")
+    parser.add_argument("--etcd-cert", metavar="FILE", help="PEM client certificate for etcd (with --etcd-key)")
+    parser.add_argument("--etcd-key", metavar="FILE", help="PEM private key of --etcd-cert")
     parser.add_argument("--metrics-port", type=int, metavar="PORT", help="also serve Prometheus /metrics over HTTP on this port (0 picks one)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default: info)")
     return parser.parse_args(argv)
@@ -79,6 +82,11 @@ def build_config(args: argparse.Namespace) -> Config:
             ("tls_cert", args.tls_cert),
             ("tls_key", args.tls_key),
             ("tls_ca", args.tls_ca),
+            ("etcd_prefix", args.etcd_prefix),
+            ("etcd_lease_ttl_s", args.etcd_lease_ttl),
+            ("etcd_ca", args.etcd_ca),
+            ("etcd_cert", args.etcd_cert),
+            ("etcd_key", args.etcd_key),
         )
         if value is not None
     }
@@ -86,10 +94,6 @@ def build_config(args: argparse.Namespace) -> Config:
         changes["static_peers"] = tuple(args.static_peer)
     if args.etcd is not None:
         changes["directory"], changes["etcd_endpoints"] = "etcd", tuple(args.etcd)
-    if args.etcd_prefix is not None:
-        changes["etcd_prefix"] = args.etcd_prefix
-    if args.etcd_lease_ttl is not None:
-        changes["etcd_lease_ttl_s"] = args.etcd_lease_ttl
     return config.replace(**changes)
 
 

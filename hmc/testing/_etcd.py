@@ -43,8 +43,11 @@ def _free_port(host: str) -> int:
 class EtcdServer:
     """One etcd member on `host`, its data in a temporary directory removed by `close()`."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", *, tls: tuple[str, str, str] | None = None) -> None:
+        """`tls`: (certificate, key, CA) files: clients must speak TLS, trust the CA and show a certificate it
+        signed (the tests' own client uses the server's pair)."""
         self.host = host
+        self.tls = tls
         self.client_port = _free_port(host)
         self.peer_port = _free_port(host)
         self.directory = Path(tempfile.mkdtemp(prefix="hmc-etcd-"))
@@ -53,7 +56,7 @@ class EtcdServer:
 
     @property
     def endpoint(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
 
     def start(self) -> EtcdServer:
         """Start (or start again, on the same data) and wait until it answers."""
@@ -69,6 +72,8 @@ class EtcdServer:
             "--initial-advertise-peer-urls", f"http://{self.host}:{self.peer_port}",
             "--initial-cluster", f"hmc-test=http://{self.host}:{self.peer_port}",
         ]  # fmt: skip
+        if self.tls:
+            args += ["--cert-file", self.tls[0], "--key-file", self.tls[1], "--trusted-ca-file", self.tls[2]]
         with open(self.log, "ab") as out:
             self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + _START_S
@@ -83,7 +88,8 @@ class EtcdServer:
         from hmc.control._etcd import EtcdClient, EtcdSettings
 
         async def ask() -> None:
-            client = EtcdClient(EtcdSettings([self.endpoint]))
+            cert, key, ca = self.tls or ("", "", "")
+            client = EtcdClient(EtcdSettings([self.endpoint], ca=ca, cert=cert, key=key))
             try:
                 await client.status(1.0)
             finally:
