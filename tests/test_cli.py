@@ -51,8 +51,9 @@ def test_buffers_and_path_between_two_agents(hmcd: Hmcd) -> None:
     with PeerProcess(config, daemon=True) as first, PeerProcess(config, daemon=True) as second:
         first.register(4096, name="cli-src")
         second.register(4096, name="cli-dst")
-        listed = json.loads(hmc("buffers", "--json", "--address", hmcd.unix_address).stdout)
-        assert {"cli-src", "cli-dst"} <= {b["name"] for b in listed}
+        listing = json.loads(hmc("buffers", "--json", "--address", hmcd.unix_address).stdout)
+        listed = listing["buffers"]
+        assert {"cli-src", "cli-dst"} <= {b["name"] for b in listed} and listing["directory_age_s"] == 0
         assert all(b["access_key"] == "<redacted>" for b in listed)
         path = json.loads(hmc("path", "cli-src", "cli-dst", "--json", "--address", hmcd.unix_address).stdout)
         assert path["path"] == "ipc"

@@ -8,7 +8,10 @@ is found again within 2 s of its start.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -18,7 +21,7 @@ import pytest
 from hmc.agent._peer_process import ranges_digest
 from hmc.control import Client
 from hmc.errors import BufferWithdrawnError, StaleDescriptorError, UnavailableError, UnknownBufferError
-from hmc.testing import NetnsCluster, netns_available
+from hmc.testing import NetnsCluster, NetnsNode, netns_available
 from hmc.transport import PathName
 from hmc.v1 import daemon_pb2
 
@@ -176,3 +179,37 @@ def test_a_256_mib_transfer_by_name_between_two_namespaced_nodes(cluster: NetnsC
         assert status.path == "staged" and status.bytes_done == size
     expected = ranges_digest(np.frombuffer(chunk * (size // len(chunk)), dtype=np.uint8))
     assert owner.digest(target.id) == expected
+
+
+def _hmc(node: NetnsNode, *args: str) -> str:
+    """The `hmc` command against `node`'s hmcd, as a user on that node runs it."""
+    result = subprocess.run(
+        [sys.executable, "-m", "hmc.cli._main", *args, "--address", node.hmcd.unix_address],  # type: ignore[union-attr]
+        capture_output=True, text=True, timeout=60, env=node.env, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_the_cli_shows_the_directorys_view_and_explains_a_path_across_nodes(cluster: NetnsCluster) -> None:
+    a, b, c = cluster.nodes
+    owner, writer = a.agent(), c.agent()
+    owner.register(1 << 20, name="cli-dst-on-a")
+    writer.register(1 << 20, name="cli-src-on-c")
+    with c.hmcd.client() as client:  # type: ignore[union-attr]
+        _wait(lambda: _found(client, "cli-dst-on-a"), 10, "c to find cli-dst-on-a", cluster)
+    status = _hmc(c, "status")
+    assert f"directory: etcd {cluster.etcd.endpoint} prefix {cluster.prefix}: in sync" in status
+    assert "lease: " in status and "ttl 2 s" in status
+    for other in (a, b):
+        assert any(line.split()[:2] == [other.name, f"{other.address}:7710"] for line in status.splitlines()), status
+    listing = json.loads(_hmc(c, "buffers", "--json"))
+    mine = {d["name"]: d for d in listing["buffers"]}
+    assert mine["cli-dst-on-a"]["owner"]["node"] == "node-a" and int(mine["cli-dst-on-a"]["registry_epoch"]) > 0
+    assert "cli-dst-on-a" in _hmc(c, "buffers") and "node-a" in _hmc(c, "buffers")
+    path = json.loads(_hmc(c, "path", "cli-src-on-c", "cli-dst-on-a", "--json"))
+    assert path["path"] == "staged"
+    reasons = {r["path"]: r["reason"] for r in path["rejected"]}
+    assert "host" in reasons["ipc"] and reasons["local"]  # different hosts: no ipc; different agents: no local
+    table = _hmc(c, "path", "cli-src-on-c", "cli-dst-on-a")
+    assert "cli-src-on-c -> cli-dst-on-a: staged" in table and "rejected" in table

@@ -50,10 +50,33 @@ def _status(args: argparse.Namespace, config: Config) -> int:
     print(f"  agents: {info.agents}   buffers: {info.buffers}   devices: {', '.join(d.name for d in info.devices)}")
     print(f"  transports: {', '.join(t.path + (f' ({t.detail})' if t.detail else '') for t in info.transports) or '-'}")
     print(f"  rdma NICs: {', '.join(n.name for n in info.rdma_devices) or 'none'}")
-    for peer in info.peers:
-        state = "up" if peer.up else f"down ({peer.error})"
-        print(f"  peer {peer.address} {peer.node or ''}: {state}")
+    print(f"  registry epoch: {info.registry_epoch}")
+    _directory(info.directory)
     return 0
+
+
+def _directory(status: daemon_pb2.DirectoryStatus) -> None:
+    """The directory's view: how this node finds the others, and what it sees of them."""
+    if status.kind == "etcd":
+        state = "in sync" if status.connected else f"cut off for {status.partitioned_s:.1f} s, serving its cache read-only ({status.error})"
+        print(f"  directory: etcd {','.join(status.endpoints)} prefix {status.prefix}: {state}")
+        lease = f"{status.lease_id:x}, ttl {status.lease_ttl_s} s, renewed {status.lease_renewed_s:.1f} s ago" if status.lease_id else "none (not joined)"
+        print(f"  lease: {lease}")
+    else:
+        print(f"  directory: static ({len(status.endpoints)} peer(s) configured)")
+    rows = [
+        {
+            "node": n.node or "?",
+            "address": n.tcp_address or "-",
+            "epoch": n.epoch or "-",
+            "state": "up" if n.up else f"down ({n.error})" if n.error else "down",
+            "buffers": n.buffers if status.kind == "etcd" else "-",
+            "age_s": f"{n.age_s:.1f}",
+        }
+        for n in status.nodes
+    ]
+    if rows:
+        print_table(rows)
 
 
 def _local_devices(config: Config) -> tuple[list[common_pb2.DeviceInfo], list[daemon_pb2.AbsentBackend]]:
@@ -86,15 +109,29 @@ def _devices(args: argparse.Namespace, config: Config) -> int:
 
 def _buffers(args: argparse.Namespace, config: Config) -> int:
     with _client(args, config) as client:
-        buffers = client.buffers(local_only=args.local_only)
+        listing = client.listing(local_only=args.local_only)
+        node = client.node_info().node
+    buffers = listing.buffers
     if args.json:
-        print_json([{**_as_dict(b), "access_key": "<redacted>"} for b in buffers])
+        print_json({"directory_age_s": listing.directory_age_s, "buffers": [{**_as_dict(b), "access_key": "<redacted>"} for b in buffers]})
         return 0
+    age = listing.directory_age_s
     rows = [
-        {"id": b.id, "name": b.name or "-", "node": b.owner.node, "agent": b.owner.id, "device": b.device.name, "size": b.size}
+        {
+            "id": b.id,
+            "name": b.name or "-",
+            "node": b.owner.node,
+            "epoch": b.registry_epoch,
+            "agent": b.owner.id,
+            "device": b.device.name,
+            "size": b.size,
+            "age_s": "live" if b.owner.node == node or not age else f"{age:.1f} (cached)",
+        }
         for b in buffers
     ]
     print_table(rows)
+    if age:
+        print(f"(the other nodes' buffers are this node's cached view, {age:.1f} s old: the directory is cut off from etcd)")
     return 0
 
 
