@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from control_fixtures import DaemonSet, FakeAgent, Hmcd, clean_env, wait_until
+from control_fixtures import DaemonSet, FakeAgent, clean_env, wait_until
 
 from hmc.config import Config
 from hmc.control import Client
