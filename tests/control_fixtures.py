@@ -17,14 +17,19 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
+
 from hmc.config import Config
+from hmc.control._errors import rpc_errors
+from hmc.testing._etcd import EtcdServer, etcd_available
+from hmc.transport import RangeList
 from hmc.testing._hmcd import HmcdProcess
 from hmc.testing._hmcd import clean_env as hmcd_env
 from hmc.control import DaemonLink
 from hmc.control._inventory import transports
 from hmc.memory._machine import host_id
 from hmc.memory import DeviceKind
-from hmc.v1 import common_pb2, daemon_pb2
+from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 PEER_CHECK_INTERVAL_S = 0.25
@@ -172,3 +177,23 @@ def spawn_agent_child(hmcd: Hmcd, agent_id: str, name: str, buffer_id: str) -> s
         child.stdout.close()
         raise RuntimeError(f"agent child failed: {line}{rest}")
     return child
+
+
+def submit_as_forwarder(hmcd: Hmcd, src: str, dst: common_pb2.BufferDescriptor) -> daemon_pb2.TransferStatus:
+    """A Submit as a forwarding hmcd sends it: dst given as an explicit descriptor (4 KiB)."""
+    request = daemon_pb2.SubmitTransferRequest(
+        src=daemon_pb2.BufferRef(name=src), dst=daemon_pb2.BufferRef(id=dst.id), ranges=RangeList.build(0, 0, 4096).to_proto(), local_only=True, dst_descriptor=dst
+    )
+    with grpc.insecure_channel(hmcd.unix_address) as channel, rpc_errors(hmcd.unix_address):
+        return daemon_pb2_grpc.TransferServiceStub(channel).Submit(request, timeout=5)
+
+
+def etcd_server() -> Iterator[EtcdServer]:
+    """A real etcd for a module's tests (skips them, with the reason, where there is none)."""
+    import pytest
+
+    available, why = etcd_available()
+    if not available:
+        pytest.skip(why)
+    with EtcdServer() as server:
+        yield server

@@ -11,15 +11,12 @@ import time
 import uuid
 from collections.abc import Iterator
 
-import grpc
 import pytest
-from control_fixtures import DaemonSet, FakeAgent, Hmcd, wait_until
+from control_fixtures import DaemonSet, FakeAgent, Hmcd, etcd_server, submit_as_forwarder, wait_until
 
-from hmc.control._errors import rpc_errors
 from hmc.errors import BufferWithdrawnError, StaleDescriptorError, UnavailableError, UnknownBufferError
-from hmc.testing._etcd import EtcdServer, etcd_available
-from hmc.transport import RangeList
-from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
+from hmc.testing._etcd import EtcdServer
+from hmc.v1 import common_pb2, daemon_pb2
 
 TOKEN = "conformance-secret"
 TTL_S = 2
@@ -28,11 +25,7 @@ KINDS = ["static", "etcd"]
 
 @pytest.fixture(scope="module")
 def etcd() -> Iterator[EtcdServer]:
-    available, why = etcd_available()
-    if not available:
-        pytest.skip(why)
-    with EtcdServer() as server:
-        yield server
+    yield from etcd_server()
 
 
 def _port() -> int:
@@ -173,15 +166,6 @@ def test_a_dead_node_leaves_the_view_with_an_event(cluster: Cluster, nodes: tupl
         agent.close()
 
 
-def _submit(hmcd: Hmcd, src: str, dst: common_pb2.BufferDescriptor) -> daemon_pb2.TransferStatus:
-    """A Submit as a forwarding hmcd sends it: dst given as an explicit descriptor."""
-    request = daemon_pb2.SubmitTransferRequest(
-        src=daemon_pb2.BufferRef(name=src), dst=daemon_pb2.BufferRef(id=dst.id), ranges=RangeList.build(0, 0, 4096).to_proto(), local_only=True, dst_descriptor=dst
-    )
-    with grpc.insecure_channel(hmcd.unix_address) as channel, rpc_errors(hmcd.unix_address):
-        return daemon_pb2_grpc.TransferServiceStub(channel).Submit(request, timeout=5)
-
-
 def test_a_restarted_node_is_found_with_a_new_epoch_and_old_descriptors_are_refused(cluster: Cluster, nodes: tuple[Hmcd, Hmcd]) -> None:
     owner, viewer = nodes
     agent = FakeAgent(owner.config())
@@ -202,7 +186,7 @@ def test_a_restarted_node_is_found_with_a_new_epoch_and_old_descriptors_are_refu
             assert all(d.registry_epoch == epoch for d in client.buffers() if d.owner.node == "owner")
         wait_until(lambda: executor.link.registry_epoch == epoch, timeout=10, what="the executor to register again")
         with pytest.raises(StaleDescriptorError):
-            _submit(owner, "conf-src", old)
+            submit_as_forwarder(owner, "conf-src", old)
         assert isinstance(StaleDescriptorError(""), BufferWithdrawnError)  # callers that handle "withdrawn" handle it too
         assert executor.instructions == []
     finally:

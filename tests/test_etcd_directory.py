@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from control_fixtures import DaemonSet, FakeAgent, clean_env, wait_until
+from control_fixtures import DaemonSet, FakeAgent, clean_env, etcd_server, wait_until
 
 from hmc.config import Config
 from hmc.control import Client
@@ -24,11 +24,7 @@ TTL_S = 2
 
 @pytest.fixture(scope="module")
 def etcd() -> Iterator[EtcdServer]:
-    available, why = etcd_available()
-    if not available:
-        pytest.skip(why)
-    with EtcdServer() as server:
-        yield server
+    yield from etcd_server()
 
 
 @pytest.fixture

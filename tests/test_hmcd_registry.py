@@ -12,13 +12,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from control_fixtures import DaemonSet, FakeAgent, Hmcd, agent_info, daemon_set, descriptor, spawn_agent_child, wait_until
+from control_fixtures import DaemonSet, FakeAgent, Hmcd, agent_info, daemon_set, descriptor, spawn_agent_child, submit_as_forwarder, wait_until
 
 from hmc.config import Config
 from hmc.control import DaemonLink
-from hmc.control._errors import rpc_errors
 from hmc.errors import ArgumentError, BufferWithdrawnError, BusyResourceError, ClosedResourceError, StaleDescriptorError, UnavailableError, UnknownBufferError
-from hmc.transport import RangeList
 from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
 
@@ -221,15 +219,6 @@ def test_a_name_is_busy_for_other_agents_while_its_holder_lives(hmcd: Hmcd, agen
         other.close()
 
 
-def _submit(hmcd: Hmcd, src: str, dst: common_pb2.BufferDescriptor) -> daemon_pb2.TransferStatus:
-    """A Submit as a forwarding hmcd sends it: dst given as an explicit descriptor."""
-    request = daemon_pb2.SubmitTransferRequest(
-        src=daemon_pb2.BufferRef(name=src), dst=daemon_pb2.BufferRef(id=dst.id), ranges=RangeList.build(0, 0, 4096).to_proto(), local_only=True, dst_descriptor=dst
-    )
-    with grpc.insecure_channel(hmcd.unix_address) as channel, rpc_errors(hmcd.unix_address):
-        return daemon_pb2_grpc.TransferServiceStub(channel).Submit(request, timeout=5)
-
-
 def test_an_explicit_descriptor_of_an_older_epoch_is_refused_even_when_registered_again(hmcd: Hmcd) -> None:
     executor = FakeAgent(hmcd.config(), auto_report=common_pb2.TRANSFER_STATE_DONE)
     owner = FakeAgent(hmcd.config())
@@ -238,19 +227,19 @@ def test_an_explicit_descriptor_of_an_older_epoch_is_refused_even_when_registere
         owner.register("epoch-dst")
         with hmcd.client() as client:
             served = client.lookup("epoch-dst")
-        assert _submit(hmcd, "epoch-src", served).state in (common_pb2.TRANSFER_STATE_PENDING, common_pb2.TRANSFER_STATE_DONE)
+        assert submit_as_forwarder(hmcd, "epoch-src", served).state in (common_pb2.TRANSFER_STATE_PENDING, common_pb2.TRANSFER_STATE_DONE)
         wait_until(lambda: executor.instructions, what="the instruction")
         assert executor.instructions[-1].remote.registry_epoch == served.registry_epoch
         older = common_pb2.BufferDescriptor()
         older.CopyFrom(served)
         older.registry_epoch -= 1  # as served before a restart; its owner registered it again since
         with pytest.raises(StaleDescriptorError, match="stale descriptor.*epoch.*registered it again"):
-            _submit(hmcd, "epoch-src", older)
+            submit_as_forwarder(hmcd, "epoch-src", older)
         gone = common_pb2.BufferDescriptor()
         gone.CopyFrom(older)
         gone.id = uuid.uuid4().hex  # never registered again in this epoch
         with pytest.raises(StaleDescriptorError, match="stale descriptor.*not registered it again"):
-            _submit(hmcd, "epoch-src", gone)
+            submit_as_forwarder(hmcd, "epoch-src", gone)
         assert len(executor.instructions) == 1
     finally:
         executor.close()

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,18 +138,26 @@ class EtcdClient:
             if channel is not None:
                 await channel.close()
 
-    async def _call(self, name: str, request: Any, timeout: float) -> Any:
-        """One unary call: the current endpoint, then the others in turn, until one answers or `timeout` passes."""
+    def _attempts(self, timeout: float) -> Iterator[tuple[int, float]]:
+        """(endpoint index, seconds it may take) for the current endpoint, then the others in turn, within `timeout`:
+        one endpoint may not take the whole deadline while others remain to be tried."""
         deadline = time.monotonic() + timeout
-        failures: list[str] = []
         count = len(self._channels)
         for attempt in range(count):
-            index = (self._current + attempt) % count
             left = deadline - time.monotonic()
             if left <= 0:
-                break
-            # one endpoint may not take the whole deadline while others remain to be tried
-            share = left if attempt == count - 1 else max(left / (count - attempt), min(left, 0.5))
+                return
+            yield (self._current + attempt) % count, left if attempt == count - 1 else max(left / (count - attempt), min(left, 0.5))
+
+    def _answered(self, index: int) -> None:
+        if index != self._current:
+            log.info("etcd: now using endpoint %s", self._settings.endpoints[index])
+            self._current = index
+
+    async def _call(self, name: str, request: Any, timeout: float) -> Any:
+        """One unary call on the first endpoint that answers within `timeout` (UnavailableError: none did)."""
+        failures: list[str] = []
+        for index, share in self._attempts(timeout):
             try:
                 reply = await getattr(self._methods(index), name)(request, timeout=share)
             except grpc.RpcError as exc:
@@ -158,9 +166,7 @@ class EtcdClient:
                     raise ProtocolError(f"etcd at {self._settings.endpoints[index]} refused {name}: {_details(exc)}") from exc
                 failures.append(f"{self._settings.endpoints[index]}: {_details(exc)}")
                 continue
-            if index != self._current:
-                log.info("etcd: now using endpoint %s", self._settings.endpoints[index])
-                self._current = index
+            self._answered(index)
             return reply
         raise UnavailableError(f"etcd unreachable within {timeout:g}s ({'; '.join(failures) or 'no time left'})")
 
@@ -202,15 +208,9 @@ class EtcdClient:
 
     async def keepalive(self, lease: int, timeout: float) -> int:
         """Renew `lease` once: the TTL etcd granted again (0: the lease has expired)."""
-        deadline = time.monotonic() + timeout
         failures: list[str] = []
-        count = len(self._channels)
-        for attempt in range(count):
-            index = (self._current + attempt) % count
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            call = self._methods(index).keepalive(timeout=left if attempt == count - 1 else max(left / (count - attempt), min(left, 0.5)))
+        for index, share in self._attempts(timeout):
+            call = self._methods(index).keepalive(timeout=share)
             try:
                 await call.write(pb.LeaseKeepAliveRequest(ID=lease))
                 reply = await call.read()
@@ -222,7 +222,7 @@ class EtcdClient:
             if reply is grpc.aio.EOF:
                 failures.append(f"{self._settings.endpoints[index]}: stream ended")
                 continue
-            self._current = index
+            self._answered(index)
             return int(reply.TTL)
         raise UnavailableError(f"etcd unreachable within {timeout:g}s renewing lease {lease:x} ({'; '.join(failures) or 'no time left'})")
 
