@@ -154,14 +154,34 @@ def test_etcd_restarted_loses_nothing(cluster: NetnsCluster) -> None:
 
 
 def test_a_node_unplugged_then_plugged_back_in(cluster: NetnsCluster) -> None:
+    """Longer than the TTL: its lease runs out, the others drop it (their agents hear its buffer withdrawn);
+    back on the wire it joins again with the same epoch, and an agent that heard the withdrawal uses the
+    buffer again through its descriptor as found now."""
     a, b, c = cluster.nodes
-    owner = b.agent()
-    owner.register(1 << 20, name="kv-unplugged")
+    owner, writer = b.agent(), a.agent()
+    target = owner.register(1 << 20, name="kv-unplugged", fill=0x5A)
+    source = writer.register(1 << 20)
+    data = os.urandom(1 << 20)
+    writer.fill(source.id, data)
     with a.hmcd.client() as client:  # type: ignore[union-attr]
         _wait(lambda: _found(client, "kv-unplugged"), 10, "a to find kv-unplugged", cluster)
+        before = client.lookup("kv-unplugged")
+        assert writer.transfer("write", source.id, before, 0, 0, 4096) == "staged"
         with b.unplugged():
             _wait(lambda: not _found(client, "kv-unplugged"), TTL_S + 3, "b's lease to run out while it is cut off", cluster)
         _wait(lambda: _found(client, "kv-unplugged"), 15, "b back, with its buffers", cluster)
+        after = client.lookup("kv-unplugged")
+    assert after.registry_epoch == before.registry_epoch  # the same start of b's hmcd: nothing stale about it
+    _wait(lambda: _writes(writer, source.id, after), 10, "the writer to use the buffer again", cluster)
+    assert owner.contents(target.id) == data
+
+
+def _writes(writer: object, source_id: str, remote: object) -> bool:
+    """One whole-buffer write (False while the writer still refuses the buffer as withdrawn)."""
+    try:
+        return writer.transfer("write", source_id, remote, 0, 0, 1 << 20) == "staged"  # type: ignore[attr-defined]
+    except BufferWithdrawnError:
+        return False
 
 
 def test_a_256_mib_transfer_by_name_between_two_namespaced_nodes(cluster: NetnsCluster) -> None:

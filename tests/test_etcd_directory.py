@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from control_fixtures import DaemonSet, FakeAgent, clean_env, etcd_server, wait_until
+from control_fixtures import DaemonSet, FakeAgent, clean_env, descriptor, etcd_server, wait_until
 
 from hmc.config import Config
 from hmc.control import Client
@@ -190,6 +190,57 @@ def test_foreign_and_corrupt_keys_under_the_prefix_are_ignored(etcd: EtcdServer,
                 client.lookup("evil-name")
     finally:
         agent.close()
+
+
+def test_garbage_at_our_own_record_and_at_a_name_we_then_claim(etcd: EtcdServer, daemons: DaemonSet) -> None:
+    prefix = _prefix()
+
+    async def plant(client: EtcdClient) -> None:
+        await client.put(f"{prefix}/nodes/garbled".encode(), b"\xff" * 32, 5)  # our node record, unreadable, no lease
+        await client.put(f"{prefix}/names/poisoned".encode(), b"\xff\x01", 5)
+        await client.put(f"{prefix}/nodes/garbled/extra".encode(), b"?", 5)  # a foreign key shape
+
+    _etcd_call(etcd, plant)
+    node = daemons.start("garbled", extra_args=_args(etcd, prefix))
+    viewer = daemons.start("garbled-viewer", extra_args=_args(etcd, prefix))
+    agent = FakeAgent(node.config())
+    try:
+        with node.client() as client:
+            assert client.node_info().directory.connected
+        with pytest.raises(BusyResourceError, match="cannot read"):
+            agent.register("poisoned")
+        registered = agent.register("healthy")  # the writer lives on
+        with viewer.client() as client:
+            wait_until(lambda: _epoch_of(client, "healthy") > 0, what="the viewer to find the buffer after the garbage")
+            assert client.lookup("healthy").id == registered.id
+            assert [n.node for n in client.node_info().directory.nodes] == ["garbled"]
+    finally:
+        agent.close()
+
+
+def test_one_buffer_id_on_two_nodes_is_never_confused(etcd: EtcdServer, daemons: DaemonSet) -> None:
+    """Ids are each owner's to choose: a node reusing another's id cannot take its name or its lookups."""
+    prefix = _prefix()
+    v, m, viewer = (daemons.start(name, extra_args=_args(etcd, prefix)) for name in ("idv", "idm", "idviewer"))
+    on_v, on_m = FakeAgent(v.config()), FakeAgent(m.config())
+    try:
+        shared = uuid.uuid4().hex
+        on_v.link.register(descriptor("victim-kv", buffer_id=shared))
+        with viewer.client() as client:
+            wait_until(lambda: _epoch_of(client, "victim-kv") > 0, what="the victim's buffer")
+        on_m.link.register(descriptor("mallory-kv", buffer_id=shared))
+        with viewer.client() as client:
+            wait_until(lambda: _epoch_of(client, "mallory-kv") > 0, what="the second buffer")
+            assert client.lookup("victim-kv").owner.node == "idv" and client.lookup("mallory-kv").owner.node == "idm"
+            with pytest.raises(UnavailableError, match="several nodes"):
+                client.lookup(f"id:{shared}")
+        on_m.link.unregister(shared)
+        with viewer.client() as client:
+            wait_until(lambda: _epoch_of(client, "mallory-kv") == 0, what="the second buffer gone")
+            assert client.lookup("victim-kv").owner.node == "idv" and client.lookup(f"id:{shared}").owner.node == "idv"
+    finally:
+        on_v.close()
+        on_m.close()
 
 
 def test_tls_to_etcd(tmp_path: Path, daemons: DaemonSet) -> None:

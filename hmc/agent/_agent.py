@@ -502,6 +502,14 @@ class Agent:
         for transport in self._transports.values():
             transport.withdraw(buffer_id)
 
+    def _remote_added(self, buffer_id: str, epoch: int) -> None:
+        """A remote buffer is registered again at `epoch` (its node left the directory and came back): that epoch
+        is good again, older ones stay refused; one its owner withdrew for good stays withdrawn."""
+        with self._lock:
+            withdrawn = self._withdrawn_remote.get(buffer_id)
+            if withdrawn is not None and withdrawn != _FOREVER and 0 < epoch <= withdrawn:
+                self._withdrawn_remote[buffer_id] = epoch - 1
+
     def _peer_lost(self, agent: common_pb2.AgentInfo) -> None:
         for buffer in self._buffers.values():
             buffer.inline_routes.clear()
@@ -524,6 +532,8 @@ class Agent:
         if event.kind == daemon_pb2.EVENT_KIND_BUFFER_WITHDRAWN and event.buffer.owner.id != self.id:
             self._remote_withdrawn(event.agent_id, event.buffer.id, event.buffer.registry_epoch)
             self._events.deliver(AgentEvent(AgentEventKind.BUFFER_WITHDRAWN, event.buffer.id, event.agent_id, event.buffer.name, event.node))
+        elif event.kind == daemon_pb2.EVENT_KIND_BUFFER_ADDED and event.buffer.owner.id != self.id:
+            self._remote_added(event.buffer.id, event.buffer.registry_epoch)
         elif event.kind == daemon_pb2.EVENT_KIND_AGENT_DOWN and event.agent_id != self.id:
             self._peer_lost(event.agent if event.HasField("agent") else common_pb2.AgentInfo(id=event.agent_id))
             self._events.deliver(AgentEvent(AgentEventKind.AGENT_DOWN, agent_id=event.agent_id, node=event.node))

@@ -235,7 +235,8 @@ class EtcdClient:
         Created within `timeout` (UnavailableError otherwise); it ends (UnavailableError) when
         the stream breaks, and with ProtocolError when etcd cancels it (a compacted revision).
         """
-        call = self._methods(self._current).watch()
+        # "hasleader": etcd ends the watch when its member loses the cluster's leader, rather than leaving it open and silent
+        call = self._methods(self._current).watch(metadata=(("hasleader", "true"),))
         try:
             create = pb.WatchCreateRequest(key=prefix, range_end=prefix_end(prefix), start_revision=start_revision, prev_kv=True)
             try:

@@ -46,6 +46,9 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from google.protobuf.message import DecodeError, Message
 
 from hmc.config import Config
 from hmc.control._directory import Directory, Lookup, Peer
@@ -56,6 +59,8 @@ from hmc.control._registry import Registry
 from hmc.errors import ArgumentError, BusyResourceError, HMCError, ProtocolError, UnavailableError
 from hmc.v1 import common_pb2, daemon_pb2
 from hmc.v1 import etcd_pb2 as pb
+
+_Message = TypeVar("_Message", bound=Message)
 
 __all__ = ["EtcdDirectory"]
 
@@ -104,10 +109,12 @@ class EtcdDirectory(Directory):
         self._kvs: dict[bytes, pb.KeyValue] = {}
         self._nodes: dict[str, daemon_pb2.DirectoryNode] = {}
         self._seen: dict[str, float] = {}
-        self._buffers: dict[str, common_pb2.BufferDescriptor] = {}
-        self._names: dict[str, str] = {}
+        self._buffers: dict[str, dict[str, common_pb2.BufferDescriptor]] = {}
+        """node -> buffer id -> descriptor (ids are the owners' to choose: never trusted across nodes)"""
+        self._names: dict[str, tuple[str, str]] = {}
+        """name -> (node, buffer id), from the claims"""
         self._peers: dict[str, Peer] = {}
-        self._old_channels: list[Peer] = []
+        self._retiring: set[asyncio.Task[None]] = set()
         events.add_listener(self._follow_local)
 
     # -- keys -------------------------------------------------------------------------
@@ -119,7 +126,7 @@ class EtcdDirectory(Directory):
 
     async def start(self) -> None:
         """Join within the configured timeout (BusyResourceError: the node name is another host's);
-        an unreachable etcd only delays joining, which goes on in the background."""
+        an unreachable etcd only delays joining, which the writer goes on trying in the background."""
         try:
             await self._join(self._config.timeout_s)
         except UnavailableError as exc:
@@ -135,9 +142,9 @@ class EtcdDirectory(Directory):
         if self._closed:
             return
         self._closed = True
-        for task in self._tasks:
+        for task in [*self._tasks, *self._retiring]:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._retiring, return_exceptions=True)
         self._tasks.clear()
         if self._lease:
             try:
@@ -146,13 +153,15 @@ class EtcdDirectory(Directory):
                 log.info("etcd directory: could not revoke lease %x on leaving (it expires within %ds): %s", self._lease, self._ttl, exc)
         while not self._writes.empty():
             _fail(self._writes.get_nowait(), UnavailableError("hmcd is stopping"))
-        for peer in [*self._peers.values(), *self._old_channels]:
+        for peer in self._peers.values():
             await peer.channel.close()
         await self._client.close()
 
     # -- joining and the lease ------------------------------------------------------------
 
     async def _join(self, timeout: float) -> None:
+        """Take a lease, claim the node record, publish everything local. Only `start()` and the writer call it,
+        so no write of this node's keys runs meanwhile."""
         deadline = time.monotonic() + timeout
         grant = await self._client.grant(self._ttl, _left(deadline))
         try:
@@ -160,7 +169,7 @@ class EtcdDirectory(Directory):
             await self._publish_everything(grant.ID, deadline)
         except BaseException:
             try:
-                await self._client.revoke(grant.ID, max(_left(deadline), 0.5))
+                await self._client.revoke(grant.ID, max(deadline - time.monotonic(), 0.5))
             except HMCError:
                 pass  # it expires on its own
             raise
@@ -169,10 +178,11 @@ class EtcdDirectory(Directory):
         log.info("etcd directory: node %s joined at %s (lease %x, ttl %ds, epoch %d)", self._node, self._client.endpoint, grant.ID, self._ttl, self._registry.epoch)
 
     async def _claim_node(self, lease: int, deadline: float) -> None:
-        """Create this node's record; take over an older epoch's record of this very host."""
+        """Create this node's record; take over a record of this very host from an earlier start, or from this
+        start under a lease it lost track of (same epoch); refuse another host's or a newer start's."""
         key = self._key("nodes", self._node)
         record = self._record()
-        while True:
+        for _ in range(8):
             txn = pb.TxnRequest(
                 compare=[_absent(key)],
                 success=[pb.RequestOp(request_put=pb.PutRequest(key=key, value=record.SerializeToString(), lease=lease))],
@@ -184,16 +194,22 @@ class EtcdDirectory(Directory):
             kvs = reply.responses[0].response_range.kvs
             if not kvs:
                 continue  # expired meanwhile
-            held = daemon_pb2.DirectoryNode.FromString(kvs[0].value)
-            if held.host_id != record.host_id:
+            held = _parse(daemon_pb2.DirectoryNode, kvs[0].value)
+            if held is not None and held.host_id != record.host_id:
                 raise BusyResourceError(
                     f"node name {self._node!r} is held in etcd by an hmcd on host {held.host_id!r} (epoch {held.epoch}, {held.tcp_address or 'no TCP address'}); "
                     f"each node needs its own name (it frees within {self._ttl}s of that hmcd stopping)"
                 )
-            if held.epoch >= record.epoch:
-                raise BusyResourceError(f"node {self._node!r} is held in etcd by a newer start of hmcd on this host (epoch {held.epoch} >= {record.epoch})")
-            log.info("etcd directory: taking over node %s from its earlier start (epoch %d, lease %x)", self._node, held.epoch, kvs[0].lease)
+            if held is not None and held.epoch > record.epoch:
+                raise BusyResourceError(f"node {self._node!r} is held in etcd by a newer start of hmcd on this host (epoch {held.epoch} > {record.epoch})")
+            if held is None or not kvs[0].lease:  # unreadable, or not under a lease: not a live hmcd's; remove it as it is
+                log.warning("etcd directory: removing an unreadable or lease-less record at %r", key)
+                same = pb.Compare(key=key, target=pb.Compare.MOD, result=pb.Compare.EQUAL, mod_revision=kvs[0].mod_revision)
+                await self._client.txn(pb.TxnRequest(compare=[same], success=[pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=key))]), _left(deadline))
+                continue
+            log.info("etcd directory: taking over node %s from %s (epoch %d, lease %x)", self._node, "its earlier start" if held.epoch < record.epoch else "a lost lease", held.epoch, kvs[0].lease)
             await self._client.revoke(kvs[0].lease, _left(deadline))
+        raise UnavailableError(f"node record {key!r} kept changing in etcd while being claimed")
 
     async def _publish_everything(self, lease: int, deadline: float) -> None:
         for session in self._registry.sessions:
@@ -202,87 +218,119 @@ class EtcdDirectory(Directory):
             try:
                 await self._put_buffer(descriptor, lease, deadline)
             except BusyResourceError as exc:  # only after a partition longer than the TTL: another node took the name
-                log.error("etcd directory: %s; buffer %s stays registered here but cannot be found by that name", exc, descriptor.id)
+                log.error("etcd directory: %s; buffer %s is published without its name (found by id only)", exc, descriptor.id)
+                nameless = common_pb2.BufferDescriptor()
+                nameless.CopyFrom(descriptor)
+                nameless.name = ""
+                await self._put_buffer(nameless, lease, deadline)
 
     async def _keep_lease(self) -> None:
+        """Renew the lease every TTL/3, counted from the last renewal; after a failure, again at once (every
+        `_RETRY_S`), so a blip shorter than about 2/3 of the TTL never loses it. Only etcd saying it expired
+        does: then the writer joins again."""
         interval = self._ttl / 3
         while True:
-            if not self._lease:
-                try:
-                    await self._join(self._config.timeout_s)
-                except UnavailableError as exc:
-                    self._error = str(exc)
-                    await asyncio.sleep(_RETRY_S)
-                    continue
-                except (BusyResourceError, ProtocolError) as exc:
-                    self._error = str(exc)
-                    log.error("etcd directory: cannot join: %s", exc)
-                    await asyncio.sleep(interval)
-                    continue
-            await asyncio.sleep(interval)
+            lease = self._lease
+            if not lease:
+                await self._joined.wait()
+                continue
+            await asyncio.sleep(max(self._renewed + interval - time.monotonic(), 0.0))
+            left = self._renewed + self._ttl - time.monotonic()
             try:
-                ttl = await self._client.keepalive(self._lease, interval)
+                ttl = await self._client.keepalive(lease, max(min(interval, left), _RETRY_S))
             except UnavailableError as exc:
                 self._error = str(exc)
-                if time.monotonic() - self._renewed > self._ttl:
-                    self._lost_lease("it could not be renewed for longer than its TTL")
+                await asyncio.sleep(_RETRY_S)
+                continue
+            except Exception as exc:  # noqa: BLE001 - renewing is this node's membership: it must go on
+                log.exception("etcd directory: renewing the lease failed")
+                self._error = f"lease renewal failed: {exc!r}"
+                await asyncio.sleep(_RETRY_S)
+                continue
+            if lease != self._lease:
                 continue
             if ttl <= 0:
-                self._lost_lease("etcd says it expired")
+                log.warning("etcd directory: lease %x of node %s expired; joining again", lease, self._node)
+                self._lease = 0
+                self._joined.clear()
+                self._writes.put_nowait(_Write(_nothing))  # wake the writer: it joins
             else:
                 self._renewed = time.monotonic()
                 if self._watching:
                     self._last_in_sync = self._renewed
 
-    def _lost_lease(self, why: str) -> None:
-        log.warning("etcd directory: lease %x of node %s is lost (%s); joining again", self._lease, self._node, why)
-        self._lease = 0
-        self._joined.clear()
-
     # -- writes: one ordered queue ------------------------------------------------------
 
     async def publish(self, descriptor: common_pb2.BufferDescriptor, timeout: float) -> None:
-        """Queued behind earlier writes; waits for etcd at most the lease's TTL (longer, and this node's keys are gone anyway)."""
+        """Queued behind earlier writes; waits for etcd at most the lease's TTL (longer, and this node's keys are gone
+        anyway). Whatever fails, nothing of it stays in etcd: its record and claim are taken back (queued)."""
         done = asyncio.get_running_loop().create_future()
-        deadline = time.monotonic() + min(timeout, self._ttl)
+        timeout = min(timeout, self._ttl)
+        deadline = time.monotonic() + timeout
         self._writes.put_nowait(_Write(lambda lease: self._put_buffer(descriptor, lease, deadline), deadline, done))
         try:
-            await asyncio.wait_for(asyncio.shield(done), timeout + 1.0)  # the writer fails it at the deadline; never wait past
+            await asyncio.wait_for(asyncio.shield(done), timeout + 0.5)  # the writer fails it at the deadline, if it gets to it
         except asyncio.TimeoutError:
+            self.unpublish(descriptor)
             raise UnavailableError(f"the etcd directory could not record buffer {descriptor.id} in time: {self._error or 'etcd unreachable'}") from None
+        except BusyResourceError:
+            raise  # the transaction wrote nothing: the name is another buffer's
+        except BaseException:
+            self.unpublish(descriptor)  # it may have landed although the answer did not
+            raise
 
     def unpublish(self, descriptor: common_pb2.BufferDescriptor) -> None:
         self._queue_delete(descriptor)
 
     async def _write_forever(self) -> None:
+        """Join when not joined, then apply the queued writes in order; a write waits (across a rejoin) until etcd
+        has it or its deadline passes; writes without a deadline wait as long as it takes."""
+        write: _Write | None = None
         while True:
-            write = await self._writes.get()
-            while True:
-                if write.deadline is not None and time.monotonic() >= write.deadline:
-                    _fail(write, UnavailableError(f"the etcd directory could not record this within its deadline: {self._error or 'etcd unreachable'}"))
-                    break
-                lease = self._lease
-                if not lease:
-                    if write.done is None:
-                        break  # not joined: the join publishes the state as it is then, which this change is part of
-                    await _wait(self._joined, write.deadline)
-                    continue
-                try:
-                    await write.run(lease)
-                except (UnavailableError, ProtocolError) as exc:
-                    if isinstance(exc, ProtocolError) and "lease not found" not in str(exc):
-                        log.error("etcd directory: etcd refused a change of this node's keys: %s", exc)
-                        _fail(write, exc)
-                        break
-                    self._error = str(exc)  # unreachable, or the lease went away meanwhile: again, with the next lease
+            if write is not None and write.deadline is not None and time.monotonic() >= write.deadline:
+                _fail(write, UnavailableError(f"the etcd directory could not record this within its deadline: {self._error or 'etcd unreachable'}"))
+                write = None
+            if not self._lease:
+                if not await self._try_join():
                     await asyncio.sleep(_RETRY_S)
                     continue
-                except HMCError as exc:
+            if write is None:
+                write = await self._writes.get()
+                continue  # check its deadline and the lease first
+            lease = self._lease
+            try:
+                await write.run(lease)
+            except (UnavailableError, ProtocolError) as exc:
+                if isinstance(exc, ProtocolError) and "lease not found" not in str(exc):
+                    log.error("etcd directory: etcd refused a change of this node's keys: %s", exc)
                     _fail(write, exc)
-                    break
+                    write = None
+                    continue
+                self._error = str(exc)  # unreachable, or the lease went away meanwhile: again (after joining again)
+                await asyncio.sleep(_RETRY_S)
+                continue
+            except HMCError as exc:
+                _fail(write, exc)
+            except Exception as exc:  # noqa: BLE001 - one bad write must not stop this node's others
+                log.exception("etcd directory: a write failed")
+                _fail(write, HMCError(f"the etcd directory failed to record this: {exc!r}"))
+            else:
                 if write.done is not None and not write.done.done():
                     write.done.set_result(None)
-                break
+            write = None
+
+    async def _try_join(self) -> bool:
+        try:
+            await self._join(min(self._config.timeout_s, self._ttl))  # queued writes wait meanwhile: not longer than this
+        except UnavailableError as exc:
+            self._error = str(exc)
+            return False
+        except Exception as exc:  # noqa: BLE001 - BusyResourceError, ProtocolError, a bug: keep trying, say why
+            self._error = str(exc)
+            log.error("etcd directory: cannot join: %s", exc)
+            await asyncio.sleep(self._ttl / 3)
+            return False
+        return True
 
     async def _put_buffer(self, descriptor: common_pb2.BufferDescriptor, lease: int, deadline: float) -> None:
         """The buffer's record, and its name claimed in the same transaction."""
@@ -297,7 +345,9 @@ class EtcdDirectory(Directory):
         if reply.succeeded:
             return
         kvs = reply.responses[0].response_range.kvs
-        held = daemon_pb2.NameClaim.FromString(kvs[0].value) if kvs else None
+        held = _parse(daemon_pb2.NameClaim, kvs[0].value) if kvs else None
+        if kvs and held is None:
+            raise BusyResourceError(f"buffer name {descriptor.name!r} is held in etcd by a value HMC cannot read (at {name_key!r})")
         if held is not None and held.node == self._node and held.buffer_id == descriptor.id:
             same = pb.Compare(key=name_key, target=pb.Compare.VALUE, result=pb.Compare.EQUAL, value=kvs[0].value)
             if (await self._client.txn(pb.TxnRequest(compare=[same], success=[claim_op, put]), _left(deadline))).succeeded:
@@ -371,92 +421,131 @@ class EtcdDirectory(Directory):
                 self._apply(kv.key, kv)
 
     def _apply(self, key: bytes, kv: pb.KeyValue | None) -> None:
-        """One key changed (kv None: deleted): the cache and the relayed events."""
-        kind, _, rest = key[len(self._prefix) :].decode(errors="replace").partition("/")
-        node, _, item = rest.partition("/")
-        if kind != "names" and node == self._node:
+        """One key changed (kv None: deleted): the cache and the events. A key of another shape, or a value that
+        does not parse or does not match its key, is foreign: it is ignored (logged), and whatever the key held
+        before is dropped (never served stale)."""
+        parts = key[len(self._prefix) :].decode(errors="replace").split("/")
+        kind, fields = parts[0], parts[1:]
+        shapes = {"nodes": 1, "buffers": 2, "agents": 2}
+        if kind == "names":
+            shape_ok = len(fields) >= 1 and all(fields)  # a name may hold '/'
+        else:
+            shape_ok = kind in shapes and len(fields) == shapes[kind] and all(fields)
+        if not shape_ok:
+            if kv is not None:
+                log.warning("etcd directory: ignoring a foreign key %r under the prefix", key)
+            return
+        if kind != "names" and fields[0] == self._node:
             return
         old = self._kvs.pop(key, None)
         if kv is not None:
             self._kvs[key] = kv
-        try:
-            if kind == "names":
-                self._apply_name(rest, kv)
-            elif kind == "nodes":
-                self._apply_node(node, kv)
-            elif kind == "buffers":
-                self._apply_buffer(item, old, kv)
-            elif kind == "agents":
-                self._apply_agent(node, old, kv)
-        except Exception as exc:  # noqa: BLE001 - a foreign or corrupt value under our prefix must not stop the watch
-            log.warning("etcd directory: ignoring key %r: %s", key, exc)
+        if not self._apply_parsed(kind, fields, old, kv):
+            log.warning("etcd directory: ignoring key %r: its value is not what HMC keeps there", key)
             self._kvs.pop(key, None)
+            if old is not None:
+                self._apply_parsed(kind, fields, old, None)  # what it held before is gone
 
-    def _apply_name(self, name: str, kv: pb.KeyValue | None) -> None:
-        if kv is None:
-            self._names.pop(name, None)
-            return
-        claim = daemon_pb2.NameClaim.FromString(kv.value)
-        if claim.node != self._node:
-            self._names[name] = claim.buffer_id
-        else:
-            self._names.pop(name, None)
+    def _apply_parsed(self, kind: str, fields: list[str], old: pb.KeyValue | None, kv: pb.KeyValue | None) -> bool:
+        """False when `kv`'s value does not parse (or contradicts its key)."""
+        if kind == "names":
+            return self._apply_name("/".join(fields), kv)
+        if kind == "nodes":
+            return self._apply_node(fields[0], kv)
+        if kind == "buffers":
+            return self._apply_buffer(fields[0], fields[1], kv)
+        return self._apply_agent(fields[0], old, kv)
 
-    def _apply_node(self, node: str, kv: pb.KeyValue | None) -> None:
+    def _apply_name(self, name: str, kv: pb.KeyValue | None) -> bool:
+        claim = _parse(daemon_pb2.NameClaim, kv.value) if kv is not None else None
+        if kv is None or claim is None or claim.node == self._node or not claim.node:
+            self._names.pop(name, None)
+            return kv is None or claim is not None
+        self._names[name] = (claim.node, claim.buffer_id)
+        return True
+
+    def _apply_node(self, node: str, kv: pb.KeyValue | None) -> bool:
+        record = _parse(daemon_pb2.DirectoryNode, kv.value) if kv is not None else None
+        if kv is not None and (record is None or record.node != node):
+            return False
         old = self._nodes.pop(node, None)
-        if kv is None:
+        if record is None:
             self._seen.pop(node, None)
-            peer = self._peers.pop(node, None)
-            if peer is not None:
-                self._old_channels.append(peer)
-            for descriptor in [d for d in self._buffers.values() if d.owner.node == node]:
+            self._retire(node)
+            for descriptor in list(self._buffers.get(node, {}).values()):
                 self._drop_buffer(descriptor)
-            log.info("etcd directory: node %s left (epoch %d)", node, old.epoch if old else 0)
-            self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_PEER_DOWN, peer=old.tcp_address if old and old.tcp_address else node))
+            if old is not None:
+                log.info("etcd directory: node %s left (epoch %d)", node, old.epoch)
+                self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_PEER_DOWN, peer=old.tcp_address or node))
             self._metrics.peers_up.set(len(self._nodes))
-            return
-        record = daemon_pb2.DirectoryNode.FromString(kv.value)
+            return True
         self._nodes[node] = record
         self._seen[node] = time.monotonic()
         if old is not None and old.epoch != record.epoch:  # a new start: nothing of the old epoch may be served
-            for descriptor in [d for d in self._buffers.values() if d.owner.node == node and d.registry_epoch < record.epoch]:
+            for descriptor in [d for d in self._buffers.get(node, {}).values() if d.registry_epoch < record.epoch]:
                 self._drop_buffer(descriptor)
         peer = self._peers.get(node)
         if peer is not None and (peer.address != record.tcp_address or peer.epoch != record.epoch):
-            self._old_channels.append(self._peers.pop(node))
+            self._retire(node)
         if old is None or old.epoch != record.epoch:
             log.info("etcd directory: node %s is up (epoch %d, %s)", node, record.epoch, record.tcp_address or "no TCP address")
             self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_PEER_UP, peer=record.tcp_address or node))
         self._metrics.peers_up.set(len(self._nodes))
+        return True
 
-    def _apply_buffer(self, buffer_id: str, old: pb.KeyValue | None, kv: pb.KeyValue | None) -> None:
-        if kv is None:
-            descriptor = self._buffers.get(buffer_id)
-            if descriptor is not None:
-                self._drop_buffer(descriptor)
-            return
-        descriptor = common_pb2.BufferDescriptor.FromString(kv.value)
-        record = self._nodes.get(descriptor.owner.node)
+    def _apply_buffer(self, node: str, buffer_id: str, kv: pb.KeyValue | None) -> bool:
+        descriptor = _parse(common_pb2.BufferDescriptor, kv.value) if kv is not None else None
+        if kv is not None and (descriptor is None or descriptor.owner.node != node or descriptor.id != buffer_id):
+            return False
+        if descriptor is None:
+            cached = self._buffers.get(node, {}).get(buffer_id)
+            if cached is not None:
+                self._drop_buffer(cached)
+            return True
+        record = self._nodes.get(node)
         if record is not None and descriptor.registry_epoch < record.epoch:
-            return  # of an older epoch than its node's record: never served
-        self._buffers[buffer_id] = descriptor
-        self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_BUFFER_ADDED, node=descriptor.owner.node, buffer=descriptor, agent_id=descriptor.owner.id), relayed=True)
+            return True  # of an older epoch than its node's record: never served
+        self._buffers.setdefault(node, {})[buffer_id] = descriptor
+        self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_BUFFER_ADDED, node=node, buffer=descriptor, agent_id=descriptor.owner.id), relayed=True)
+        return True
 
     def _drop_buffer(self, descriptor: common_pb2.BufferDescriptor) -> None:
-        if self._buffers.get(descriptor.id) is descriptor:
-            del self._buffers[descriptor.id]
-            self._kvs.pop(self._key("buffers", descriptor.owner.node, descriptor.id), None)
-            node = descriptor.owner.node
+        node = descriptor.owner.node
+        held = self._buffers.get(node, {})
+        if held.get(descriptor.id) is descriptor:
+            del held[descriptor.id]
+            if not held:
+                del self._buffers[node]
+            self._kvs.pop(self._key("buffers", node, descriptor.id), None)
             self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_BUFFER_WITHDRAWN, node=node, buffer=descriptor, agent_id=descriptor.owner.id), relayed=True)
 
-    def _apply_agent(self, node: str, old: pb.KeyValue | None, kv: pb.KeyValue | None) -> None:
-        if kv is None:
-            if old is not None:
-                agent = common_pb2.AgentInfo.FromString(old.value)
-                self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_AGENT_DOWN, node=node, agent_id=agent.id, agent=agent), relayed=True)
-            return
-        agent = common_pb2.AgentInfo.FromString(kv.value)
+    def _apply_agent(self, node: str, old: pb.KeyValue | None, kv: pb.KeyValue | None) -> bool:
+        agent = _parse(common_pb2.AgentInfo, kv.value) if kv is not None else None
+        if kv is not None and agent is None:
+            return False
+        if agent is None:
+            gone = _parse(common_pb2.AgentInfo, old.value) if old is not None else None
+            if gone is not None:
+                self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_AGENT_DOWN, node=node, agent_id=gone.id, agent=gone), relayed=True)
+            return True
         self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_AGENT_UP, node=node, agent_id=agent.id, agent=agent), relayed=True)
+        return True
+
+    def _retire(self, node: str) -> None:
+        """Close the channel to `node`'s old hmcd once transfers forwarded through it had time to end."""
+        peer = self._peers.pop(node, None)
+        if peer is None or self._closed:
+            return
+
+        async def close_later() -> None:
+            try:
+                await asyncio.sleep(2 * self._config.timeout_s)
+            finally:
+                await peer.channel.close()
+
+        task = asyncio.get_running_loop().create_task(close_later(), name=f"hmc-etcd-retire:{node}")
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
 
     # -- what the directory answers -------------------------------------------------------
 
@@ -482,8 +571,14 @@ class EtcdDirectory(Directory):
         return [peer for node in self._nodes if (peer := self._peer(node)) is not None]
 
     async def lookup(self, ref: daemon_pb2.BufferRef, timeout: float) -> Lookup:
-        buffer_id = ref.id if ref.WhichOneof("ref") == "id" else self._names.get(ref.name, "")
-        descriptor = self._buffers.get(buffer_id)
+        if ref.WhichOneof("ref") == "id":
+            found = [held[ref.id] for held in self._buffers.values() if ref.id in held]
+            if len(found) > 1:
+                return None, [f"buffer id {ref.id!r} is claimed by several nodes ({', '.join(d.owner.node for d in found)}): look it up by name"]
+            descriptor = found[0] if found else None
+        else:
+            node, buffer_id = self._names.get(ref.name, ("", ""))
+            descriptor = self._buffers.get(node, {}).get(buffer_id)
         if descriptor is not None:
             node = descriptor.owner.node
             peer = self._peer(node)
@@ -495,7 +590,7 @@ class EtcdDirectory(Directory):
         return None, []
 
     async def list_buffers(self, timeout: float) -> tuple[list[common_pb2.BufferDescriptor], float]:
-        return list(self._buffers.values()), self.age()
+        return [d for held in self._buffers.values() for d in held.values()], self.age()
 
     def statuses(self) -> list[daemon_pb2.PeerStatus]:
         return [daemon_pb2.PeerStatus(address=record.tcp_address, node=node, up=True) for node, record in sorted(self._nodes.items())]
@@ -503,9 +598,7 @@ class EtcdDirectory(Directory):
     def status(self) -> daemon_pb2.DirectoryStatus:
         now = time.monotonic()
         age = self.age()
-        counts: dict[str, int] = {}
-        for descriptor in self._buffers.values():
-            counts[descriptor.owner.node] = counts.get(descriptor.owner.node, 0) + 1
+        counts = {node: len(held) for node, held in self._buffers.items()}
         nodes = []
         for node, record in sorted(self._nodes.items()):
             view = daemon_pb2.DirectoryNode()
@@ -537,13 +630,16 @@ def _left(deadline: float) -> float:
     return left
 
 
-async def _wait(event: asyncio.Event, deadline: float | None) -> None:
-    """Wait for `event` until `deadline` (None: without end); returns either way."""
-    timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+async def _nothing(lease: int) -> None:
+    """A write that writes nothing: wakes the writer."""
+
+
+def _parse(message: type[_Message], value: bytes) -> _Message | None:
+    """`value` as a `message`, or None when it is not one (a foreign or corrupt value under our prefix)."""
     try:
-        await asyncio.wait_for(event.wait(), timeout)
-    except asyncio.TimeoutError:
-        pass
+        return message.FromString(value)
+    except DecodeError:
+        return None
 
 
 def _fail(write: _Write, error: HMCError) -> None:

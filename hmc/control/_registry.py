@@ -29,7 +29,9 @@ agents registered again, so no descriptor of an earlier epoch is ever served;
 `current()` refuses an explicit descriptor of this node that is not registered now.
 
 Events. Every BUFFER_WITHDRAWN and AGENT_DOWN (local, or relayed from a peer
-daemon) is pushed down the other agents' streams so they drop what they opened.
+daemon) is pushed down the other agents' streams so they drop what they opened;
+relayed BUFFER_ADDED too, so that a buffer of another node that comes back (its
+node's lease lost and regained) is usable again.
 Recently withdrawn ids and names are remembered (bounded) so a lookup can say
 BufferWithdrawnError rather than UnknownBufferError.
 
@@ -451,7 +453,8 @@ class Registry:
     # -- events down agent streams ---------------------------------------------------
 
     def _forward_to_agents(self, event: daemon_pb2.Event, relayed: bool) -> None:
-        if event.kind not in _FORWARDED:
+        # another node's buffer (re)appearing tells agents that heard it withdrawn (a lease lost and regained)
+        if event.kind not in _FORWARDED and not (relayed and event.kind == daemon_pb2.EVENT_KIND_BUFFER_ADDED):
             return
         message = daemon_pb2.DaemonMessage(event=event)
         for session in self._sessions.values():

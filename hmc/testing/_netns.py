@@ -63,6 +63,18 @@ def netns_available() -> tuple[bool, str]:
     return True, ""
 
 
+def _free_subnet() -> str:
+    """A 10.x.y.0/24 that no route or address of this machine uses yet (the bridge's)."""
+    taken = subprocess.run(["ip", "-4", "route", "show", "table", "all"], capture_output=True, text=True, timeout=30).stdout
+    taken += subprocess.run(["ip", "-4", "addr", "show"], capture_output=True, text=True, timeout=30).stdout
+    for _ in range(100):
+        candidate = f"10.{100 + secrets.randbelow(150)}.{secrets.randbelow(250)}"
+        wider = ("10.0.0.0/8", f"10.{candidate.split('.')[1]}.0.0/16")
+        if f"{candidate}." not in taken and not any(route in taken for route in wider):
+            return candidate
+    raise HMCError("no free 10.x.y.0/24 subnet for the cluster's bridge")
+
+
 class NetnsNode:
     """One node: a network namespace with one address on the bridge, and its hmcd."""
 
@@ -151,7 +163,7 @@ class NetnsCluster:
         if not available:
             raise UnavailableError(why)
         self.tag = secrets.token_hex(2)
-        self.subnet = f"10.{100 + secrets.randbelow(150)}.{secrets.randbelow(250)}"
+        self.subnet = _free_subnet()
         self.bridge = f"hb{self.tag}"
         self.prefix = f"/hmc-netns-{self.tag}"
         self.ttl_s = ttl_s
