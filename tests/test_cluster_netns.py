@@ -96,6 +96,8 @@ def test_a_killed_node_vanishes_within_the_ttl_and_comes_back_with_a_new_epoch(c
         for client in clients:
             _wait(lambda: _found(client, "kv-on-b"), 10, "kv-on-b everywhere", cluster)
         old = clients[0].lookup("kv-on-b")
+        early = c.agent()  # hears b's buffer withdrawn and registered again
+        early_source = early.register(4096, fill=0x22)
         streams = [client.events(timeout=30, include_peers=True) for client in clients]
         b.kill_hmcd()
         killed = time.monotonic()
@@ -119,10 +121,12 @@ def test_a_killed_node_vanishes_within_the_ttl_and_comes_back_with_a_new_epoch(c
         for client in clients:
             _wait(lambda: _found(client, "kv-on-b") and client.lookup("kv-on-b").registry_epoch == epoch, 2.0, "b found again", cluster)
         assert time.monotonic() - started <= 2.0
-        # every use of the old descriptor is refused: by the owner's hmcd, and by an agent holding it
+        # every use of the old descriptor is refused: by an agent that heard it go (its own check), and by the
+        # owner agent for one that never did (the key proof names the old epoch)
+        _wait(lambda: _refuses_stale(early, early_source.id, old), 5, "the early agent to hear b's buffer back", cluster)
         writer = c.agent()
         source = writer.register(1 << 20, fill=0x11)
-        with pytest.raises((StaleDescriptorError, BufferWithdrawnError)):
+        with pytest.raises(StaleDescriptorError, match="epoch"):
             writer.transfer("write", source.id, old, 0, 0, 4096)
         assert owner.contents(held.id) == bytes([0x3C]) * (1 << 20)  # nothing written through it
         new = clients[1].lookup("kv-on-b")
@@ -131,6 +135,17 @@ def test_a_killed_node_vanishes_within_the_ttl_and_comes_back_with_a_new_epoch(c
     finally:
         for client in clients:
             client.close()
+
+
+def _refuses_stale(agent: object, source_id: str, old: object) -> bool:
+    """True once `agent` refuses `old` as stale (it says withdrawn until it hears the buffer registered again)."""
+    try:
+        agent.transfer("write", source_id, old, 0, 0, 4096)  # type: ignore[attr-defined]
+    except StaleDescriptorError:
+        return True
+    except BufferWithdrawnError:
+        return False
+    raise AssertionError("a stale descriptor was used")
 
 
 def test_etcd_restarted_loses_nothing(cluster: NetnsCluster) -> None:

@@ -54,6 +54,7 @@ from hmc.errors import (
     DeviceError,
     HMCError,
     NoPathError,
+    StaleDescriptorError,
     UnavailableError,
     UnknownBufferError,
 )
@@ -118,8 +119,9 @@ class Agent:
         self.info = common_pb2.AgentInfo(id=self.id)  # completed below, once the listener has its port
         self._lock = threading.Lock()  # guards _paths and _withdrawn_remote
         self._paths: dict[tuple[str, str, str, str | None], PathChoice] = {}
-        self._withdrawn_remote: dict[str, int] = {}
-        """Remote buffer id -> the newest registry epoch it was withdrawn at (_FOREVER: by its owner)."""
+        self._withdrawn_remote: dict[str, tuple[int, int]] = {}
+        """Remote buffer id -> (the newest registry epoch it was withdrawn at (_FOREVER: by its owner), the epoch
+        it was registered again at since (0: not))."""
         self._closed = False
         self._link: DaemonLink | None = None
         self._buffers = BufferTable(self._registry_epochs)
@@ -414,9 +416,14 @@ class Agent:
             raise ArgumentError(f"{local!r} belongs to another agent; pass it as the remote side")
         self._buffers.get(local.id)
         with self._lock:
-            known_gone = descriptor.registry_epoch <= self._withdrawn_remote.get(descriptor.id, -1)
-        if known_gone or (descriptor.owner.id == self.id and self._buffers.withdrawn(descriptor.id)):
-            raise BufferWithdrawnError(f"buffer {descriptor.id} was withdrawn by its owner")
+            withdrawn, back_at = self._withdrawn_remote.get(descriptor.id, (-1, 0))
+        if descriptor.registry_epoch < back_at:
+            raise StaleDescriptorError(
+                f"stale descriptor: buffer {descriptor.id} was served by registry epoch {descriptor.registry_epoch} of node {descriptor.owner.node!r}, "
+                f"and is registered again at epoch {back_at}: look it up again"
+            )
+        if descriptor.registry_epoch <= withdrawn or (descriptor.owner.id == self.id and self._buffers.withdrawn(descriptor.id)):
+            raise BufferWithdrawnError(f"buffer {descriptor.id} was withdrawn (by its owner, or with its node)")
 
     def _own_path(self, local: ConnBuffer, descriptor: common_pb2.BufferDescriptor) -> PathName | None:
         """The path the pair negotiates without `path=` (None when policy leaves it none)."""
@@ -497,7 +504,8 @@ class Agent:
         """A remote buffer was withdrawn: by its owner (epoch 0: for good), or at `epoch` of its node's registry
         (after its hmcd started again: a descriptor of a later epoch is good)."""
         with self._lock:
-            self._withdrawn_remote[buffer_id] = max(epoch or _FOREVER, self._withdrawn_remote.get(buffer_id, -1))
+            withdrawn, back_at = self._withdrawn_remote.get(buffer_id, (-1, 0))
+            self._withdrawn_remote[buffer_id] = (max(epoch or _FOREVER, withdrawn), back_at)
         self._drop_routes(buffer_id)
         for transport in self._transports.values():
             transport.withdraw(buffer_id)
@@ -506,9 +514,9 @@ class Agent:
         """A remote buffer is registered again at `epoch` (its node left the directory and came back): that epoch
         is good again, older ones stay refused; one its owner withdrew for good stays withdrawn."""
         with self._lock:
-            withdrawn = self._withdrawn_remote.get(buffer_id)
-            if withdrawn is not None and withdrawn != _FOREVER and 0 < epoch <= withdrawn:
-                self._withdrawn_remote[buffer_id] = epoch - 1
+            entry = self._withdrawn_remote.get(buffer_id)
+            if entry is not None and entry[0] != _FOREVER and epoch > 0:
+                self._withdrawn_remote[buffer_id] = (min(entry[0], epoch - 1), max(entry[1], epoch))
 
     def _peer_lost(self, agent: common_pb2.AgentInfo) -> None:
         for buffer in self._buffers.values():
