@@ -7,7 +7,8 @@ outcomes. `close()` ends it cleanly: hmcd withdraws the agent's buffers at once.
 
 The link outlives hmcd. When the stream breaks for any other reason (hmcd
 killed, restarted, stopped) the link re-attaches: it retries with exponential
-backoff (50 ms doubling to 2 s, each wait drawn between half and all of it),
+backoff (50 ms doubling to 0.5 s, each wait drawn between half and all of it: a failed
+connect to a unix socket costs microseconds, and a restarted hmcd has its agents back within that),
 sends the hello again with the same agent id, and registers again every buffer
 it holds, under the same id and name, before any newer request. While hmcd is
 down:
@@ -65,7 +66,7 @@ log = logging.getLogger("hmc.agent.link")
 
 PROTOCOL_VERSION = common_pb2.PROTOCOL_VERSION_1
 RETRY_MIN_S = 0.05
-RETRY_MAX_S = 2.0
+RETRY_MAX_S = 0.5
 _CHANNEL_OPTIONS = (
     # A stalled hmcd (stopped, wedged) ends the stream within ~15 s instead of never;
     # hmcd permits pings every 5 s (hmc.control._hmcd.SERVER_OPTIONS).
