@@ -8,35 +8,38 @@ Keys, under `Config.etcd_prefix` (P), every one attached to its hmcd's lease:
     P/names/<name>               NameClaim: the one buffer of the cluster holding the name
 
 Joining. hmcd takes a lease (`etcd_lease_ttl_s`) and creates its node record in a
-transaction (the key must not exist). A record left by an earlier start of the same
-node on the same host (same host id, an older epoch: a restart faster than the TTL)
-is taken over by revoking its lease, which drops every key of the old epoch at once;
-a record of another host is a BusyResourceError (two hmcd claim one node name).
-Then everything local is published, and the lease is renewed every TTL/3. A lease
-that expired meanwhile (a partition longer than the TTL) is replaced by joining again.
+transaction (the key must not exist). A record of this very host from an earlier start
+(an older epoch: a restart faster than the TTL), or from this start under a lease it lost
+track of (the same epoch), is taken over by revoking that lease, which drops all its keys
+at once; a record of another host, or of a newer start, is a BusyResourceError (two hmcd
+claim one node name); an unreadable or lease-less record is removed. Then everything
+local is published. The lease is renewed every TTL/3 counted from the last renewal, and
+at once again after a failure, so only etcd saying it expired loses it: then the writer
+joins again and republishes.
 
-Publishing. Every write goes through one ordered queue (`_Writer`), so a withdrawal
-and a later registration of the same buffer land in that order. A registration is
-accepted only once its record is in etcd (`publish`, awaited by the Attach handler);
-a name is claimed in the same transaction (cluster-wide unique: BusyResourceError
-naming the holder). Withdrawals and agents coming and going follow hmcd's own
-events.
+Publishing. Every write of this node's keys, joining included, is done by one task in
+queue order, so a withdrawal and a later registration of the same buffer land in that
+order and nothing queued around a rejoin is lost. A registration is accepted only once
+its record is in etcd (`publish`, awaited by the Attach handler, at most the TTL); its
+name is claimed in the same transaction (cluster-wide unique: BusyResourceError naming
+the holder); whatever fails, what it may have written is taken back. Withdrawals and
+agents coming and going follow hmcd's own events.
 
-Watching. One watch over P (from a consistent snapshot's revision) keeps a cache of
-the other nodes' keys and turns their changes into events: PEER_UP / PEER_DOWN for
-node records (this node's own events, as the static directory's health checks give),
-and relayed BUFFER_ADDED / BUFFER_WITHDRAWN, AGENT_UP / AGENT_DOWN.
-A node record with a new epoch drops every cached descriptor of the older one (a
-stale descriptor is never served). After the watch breaks, a fresh snapshot is
-diffed against the cache, so nothing that happened meanwhile is missed.
+Watching. One watch over P (from a consistent snapshot's revision) feeds the
+`ClusterView` of the other nodes (`_etcd_view`), which turns changes into events; after
+the watch breaks, a fresh snapshot is diffed against it, so nothing that happened
+meanwhile is missed. Lookups and listings answer from it; transfers whose source another
+node owns are forwarded to that node's hmcd (a channel per node, retired after a grace
+when the node leaves or starts again).
 
-Partition. While etcd cannot be reached (the watch broken or the lease not renewed),
-lookups and listings are served read-only from the cache, with its age (`age_s`), a
-lookup that misses says UnavailableError rather than "unknown", and registrations
-wait for etcd up to their deadline, then fail with UnavailableError.
+Partition. While etcd cannot be reached (the watch broken or the lease not renewed
+within the TTL), lookups and listings are served read-only from the view, with its age,
+a lookup that misses says UnavailableError rather than "unknown", and registrations
+wait for etcd up to the TTL, then fail with UnavailableError.
 
-Concurrency: owned by hmcd's event loop: tasks "hmc-etcd-lease" (join and renew),
-"hmc-etcd-watch" and "hmc-etcd-writer"; `close()` cancels them and revokes the lease.
+Concurrency: owned by hmcd's event loop: tasks "hmc-etcd-lease" (renewals),
+"hmc-etcd-watch" and "hmc-etcd-writer" (joins and writes); `close()` cancels them and
+revokes the lease.
 """
 
 from __future__ import annotations
@@ -46,13 +49,11 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
-
-from google.protobuf.message import DecodeError, Message
 
 from hmc.config import Config
 from hmc.control._directory import Directory, Lookup, Peer
 from hmc.control._etcd import EtcdClient, EtcdSettings
+from hmc.control._etcd_view import ClusterView, parse
 from hmc.control._events import EventBus
 from hmc.control._metrics import DaemonMetrics
 from hmc.control._registry import Registry
@@ -60,7 +61,6 @@ from hmc.errors import ArgumentError, BusyResourceError, HMCError, ProtocolError
 from hmc.v1 import common_pb2, daemon_pb2
 from hmc.v1 import etcd_pb2 as pb
 
-_Message = TypeVar("_Message", bound=Message)
 
 __all__ = ["EtcdDirectory"]
 
@@ -105,14 +105,7 @@ class EtcdDirectory(Directory):
         self._writes: asyncio.Queue[_Write] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
-        # the cache of the other nodes' keys, as of the watch
-        self._kvs: dict[bytes, pb.KeyValue] = {}
-        self._nodes: dict[str, daemon_pb2.DirectoryNode] = {}
-        self._seen: dict[str, float] = {}
-        self._buffers: dict[str, dict[str, common_pb2.BufferDescriptor]] = {}
-        """node -> buffer id -> descriptor (ids are the owners' to choose: never trusted across nodes)"""
-        self._names: dict[str, tuple[str, str]] = {}
-        """name -> (node, buffer id), from the claims"""
+        self._view = ClusterView(self._prefix, self._node, events, metrics, self._node_changed)
         self._peers: dict[str, Peer] = {}
         self._retiring: set[asyncio.Task[None]] = set()
         events.add_listener(self._follow_local)
@@ -194,7 +187,7 @@ class EtcdDirectory(Directory):
             kvs = reply.responses[0].response_range.kvs
             if not kvs:
                 continue  # expired meanwhile
-            held = _parse(daemon_pb2.DirectoryNode, kvs[0].value)
+            held = parse(daemon_pb2.DirectoryNode, kvs[0].value)
             if held is not None and held.host_id != record.host_id:
                 raise BusyResourceError(
                     f"node name {self._node!r} is held in etcd by an hmcd on host {held.host_id!r} (epoch {held.epoch}, {held.tcp_address or 'no TCP address'}); "
@@ -345,7 +338,7 @@ class EtcdDirectory(Directory):
         if reply.succeeded:
             return
         kvs = reply.responses[0].response_range.kvs
-        held = _parse(daemon_pb2.NameClaim, kvs[0].value) if kvs else None
+        held = parse(daemon_pb2.NameClaim, kvs[0].value) if kvs else None
         if kvs and held is None:
             raise BusyResourceError(f"buffer name {descriptor.name!r} is held in etcd by a value HMC cannot read (at {name_key!r})")
         if held is not None and held.node == self._node and held.buffer_id == descriptor.id:
@@ -390,14 +383,14 @@ class EtcdDirectory(Directory):
         while True:
             try:
                 snapshot = await self._client.get_prefix(self._prefix, self._config.timeout_s)
-                self._apply_snapshot(snapshot.kvs)
+                self._view.apply_snapshot(snapshot.kvs)
                 async with self._client.watch_prefix(self._prefix, snapshot.header.revision + 1, self._config.timeout_s) as responses:
                     self._watching = True
                     if self._lease:
                         self._last_in_sync = time.monotonic()
                     async for response in responses:
                         for event in response.events:
-                            self._apply(event.kv.key, event.kv if event.type == pb.Event.PUT else None)
+                            self._view.apply(event.kv.key, event.kv if event.type == pb.Event.PUT else None)
             except (UnavailableError, ProtocolError) as exc:
                 if self._watching:
                     log.warning("etcd directory: watch lost, serving the cache read-only: %s", exc)
@@ -409,127 +402,10 @@ class EtcdDirectory(Directory):
                 self._watching = False
             await asyncio.sleep(_RETRY_S)
 
-    def _apply_snapshot(self, kvs: list[pb.KeyValue]) -> None:
-        """Bring the cache to a full listing: what vanished is deleted, what is new or changed is put."""
-        current = {kv.key: kv for kv in kvs}
-        for key in [key for key in self._kvs if key not in current]:
-            self._apply(key, None)
-        # node records first, so that buffers are checked against their node's epoch
-        for kv in sorted(current.values(), key=lambda kv: not kv.key.startswith(self._key("nodes", ""))):
-            old = self._kvs.get(kv.key)
-            if old is None or old.mod_revision != kv.mod_revision:
-                self._apply(kv.key, kv)
-
-    def _apply(self, key: bytes, kv: pb.KeyValue | None) -> None:
-        """One key changed (kv None: deleted): the cache and the events. A key of another shape, or a value that
-        does not parse or does not match its key, is foreign: it is ignored (logged), and whatever the key held
-        before is dropped (never served stale)."""
-        parts = key[len(self._prefix) :].decode(errors="replace").split("/")
-        kind, fields = parts[0], parts[1:]
-        shapes = {"nodes": 1, "buffers": 2, "agents": 2}
-        if kind == "names":
-            shape_ok = len(fields) >= 1 and all(fields)  # a name may hold '/'
-        else:
-            shape_ok = kind in shapes and len(fields) == shapes[kind] and all(fields)
-        if not shape_ok:
-            if kv is not None:
-                log.warning("etcd directory: ignoring a foreign key %r under the prefix", key)
-            return
-        if kind != "names" and fields[0] == self._node:
-            return
-        old = self._kvs.pop(key, None)
-        if kv is not None:
-            self._kvs[key] = kv
-        if not self._apply_parsed(kind, fields, old, kv):
-            log.warning("etcd directory: ignoring key %r: its value is not what HMC keeps there", key)
-            self._kvs.pop(key, None)
-            if old is not None:
-                self._apply_parsed(kind, fields, old, None)  # what it held before is gone
-
-    def _apply_parsed(self, kind: str, fields: list[str], old: pb.KeyValue | None, kv: pb.KeyValue | None) -> bool:
-        """False when `kv`'s value does not parse (or contradicts its key)."""
-        if kind == "names":
-            return self._apply_name("/".join(fields), kv)
-        if kind == "nodes":
-            return self._apply_node(fields[0], kv)
-        if kind == "buffers":
-            return self._apply_buffer(fields[0], fields[1], kv)
-        return self._apply_agent(fields[0], old, kv)
-
-    def _apply_name(self, name: str, kv: pb.KeyValue | None) -> bool:
-        claim = _parse(daemon_pb2.NameClaim, kv.value) if kv is not None else None
-        if kv is None or claim is None or claim.node == self._node or not claim.node:
-            self._names.pop(name, None)
-            return kv is None or claim is not None
-        self._names[name] = (claim.node, claim.buffer_id)
-        return True
-
-    def _apply_node(self, node: str, kv: pb.KeyValue | None) -> bool:
-        record = _parse(daemon_pb2.DirectoryNode, kv.value) if kv is not None else None
-        if kv is not None and (record is None or record.node != node):
-            return False
-        old = self._nodes.pop(node, None)
-        if record is None:
-            self._seen.pop(node, None)
-            self._retire(node)
-            for descriptor in list(self._buffers.get(node, {}).values()):
-                self._drop_buffer(descriptor)
-            if old is not None:
-                log.info("etcd directory: node %s left (epoch %d)", node, old.epoch)
-                self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_PEER_DOWN, peer=old.tcp_address or node))
-            self._metrics.peers_up.set(len(self._nodes))
-            return True
-        self._nodes[node] = record
-        self._seen[node] = time.monotonic()
-        if old is not None and old.epoch != record.epoch:  # a new start: nothing of the old epoch may be served
-            for descriptor in [d for d in self._buffers.get(node, {}).values() if d.registry_epoch < record.epoch]:
-                self._drop_buffer(descriptor)
+    def _node_changed(self, node: str, record: daemon_pb2.DirectoryNode | None) -> None:
         peer = self._peers.get(node)
-        if peer is not None and (peer.address != record.tcp_address or peer.epoch != record.epoch):
+        if peer is not None and (record is None or peer.address != record.tcp_address or peer.epoch != record.epoch):
             self._retire(node)
-        if old is None or old.epoch != record.epoch:
-            log.info("etcd directory: node %s is up (epoch %d, %s)", node, record.epoch, record.tcp_address or "no TCP address")
-            self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_PEER_UP, peer=record.tcp_address or node))
-        self._metrics.peers_up.set(len(self._nodes))
-        return True
-
-    def _apply_buffer(self, node: str, buffer_id: str, kv: pb.KeyValue | None) -> bool:
-        descriptor = _parse(common_pb2.BufferDescriptor, kv.value) if kv is not None else None
-        if kv is not None and (descriptor is None or descriptor.owner.node != node or descriptor.id != buffer_id):
-            return False
-        if descriptor is None:
-            cached = self._buffers.get(node, {}).get(buffer_id)
-            if cached is not None:
-                self._drop_buffer(cached)
-            return True
-        record = self._nodes.get(node)
-        if record is not None and descriptor.registry_epoch < record.epoch:
-            return True  # of an older epoch than its node's record: never served
-        self._buffers.setdefault(node, {})[buffer_id] = descriptor
-        self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_BUFFER_ADDED, node=node, buffer=descriptor, agent_id=descriptor.owner.id), relayed=True)
-        return True
-
-    def _drop_buffer(self, descriptor: common_pb2.BufferDescriptor) -> None:
-        node = descriptor.owner.node
-        held = self._buffers.get(node, {})
-        if held.get(descriptor.id) is descriptor:
-            del held[descriptor.id]
-            if not held:
-                del self._buffers[node]
-            self._kvs.pop(self._key("buffers", node, descriptor.id), None)
-            self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_BUFFER_WITHDRAWN, node=node, buffer=descriptor, agent_id=descriptor.owner.id), relayed=True)
-
-    def _apply_agent(self, node: str, old: pb.KeyValue | None, kv: pb.KeyValue | None) -> bool:
-        agent = _parse(common_pb2.AgentInfo, kv.value) if kv is not None else None
-        if kv is not None and agent is None:
-            return False
-        if agent is None:
-            gone = _parse(common_pb2.AgentInfo, old.value) if old is not None else None
-            if gone is not None:
-                self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_AGENT_DOWN, node=node, agent_id=gone.id, agent=gone), relayed=True)
-            return True
-        self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_AGENT_UP, node=node, agent_id=agent.id, agent=agent), relayed=True)
-        return True
 
     def _retire(self, node: str) -> None:
         """Close the channel to `node`'s old hmcd once transfers forwarded through it had time to end."""
@@ -558,7 +434,7 @@ class EtcdDirectory(Directory):
         return 0.0 if self.connected else time.monotonic() - self._last_in_sync
 
     def _peer(self, node: str) -> Peer | None:
-        record = self._nodes.get(node)
+        record = self._view.nodes.get(node)
         if record is None or not record.tcp_address:
             return None
         peer = self._peers.get(node)
@@ -568,17 +444,12 @@ class EtcdDirectory(Directory):
 
     @property
     def peers(self) -> list[Peer]:
-        return [peer for node in self._nodes if (peer := self._peer(node)) is not None]
+        return [peer for node in self._view.nodes if (peer := self._peer(node)) is not None]
 
     async def lookup(self, ref: daemon_pb2.BufferRef, timeout: float) -> Lookup:
-        if ref.WhichOneof("ref") == "id":
-            found = [held[ref.id] for held in self._buffers.values() if ref.id in held]
-            if len(found) > 1:
-                return None, [f"buffer id {ref.id!r} is claimed by several nodes ({', '.join(d.owner.node for d in found)}): look it up by name"]
-            descriptor = found[0] if found else None
-        else:
-            node, buffer_id = self._names.get(ref.name, ("", ""))
-            descriptor = self._buffers.get(node, {}).get(buffer_id)
+        descriptor = self._view.find(ref)
+        if isinstance(descriptor, str):
+            return None, [descriptor]
         if descriptor is not None:
             node = descriptor.owner.node
             peer = self._peer(node)
@@ -590,17 +461,17 @@ class EtcdDirectory(Directory):
         return None, []
 
     async def list_buffers(self, timeout: float) -> tuple[list[common_pb2.BufferDescriptor], float]:
-        return [d for held in self._buffers.values() for d in held.values()], self.age()
+        return self._view.all_buffers(), self.age()
 
     def statuses(self) -> list[daemon_pb2.PeerStatus]:
-        return [daemon_pb2.PeerStatus(address=record.tcp_address, node=node, up=True) for node, record in sorted(self._nodes.items())]
+        return [daemon_pb2.PeerStatus(address=record.tcp_address, node=node, up=True) for node, record in sorted(self._view.nodes.items())]
 
     def status(self) -> daemon_pb2.DirectoryStatus:
         now = time.monotonic()
         age = self.age()
-        counts = {node: len(held) for node, held in self._buffers.items()}
+        counts = {node: len(held) for node, held in self._view.buffers.items()}
         nodes = []
-        for node, record in sorted(self._nodes.items()):
+        for node, record in sorted(self._view.nodes.items()):
             view = daemon_pb2.DirectoryNode()
             view.CopyFrom(record)
             view.up, view.age_s, view.buffers = True, age, counts.get(node, 0)
@@ -632,14 +503,6 @@ def _left(deadline: float) -> float:
 
 async def _nothing(lease: int) -> None:
     """A write that writes nothing: wakes the writer."""
-
-
-def _parse(message: type[_Message], value: bytes) -> _Message | None:
-    """`value` as a `message`, or None when it is not one (a foreign or corrupt value under our prefix)."""
-    try:
-        return message.FromString(value)
-    except DecodeError:
-        return None
 
 
 def _fail(write: _Write, error: HMCError) -> None:
