@@ -171,6 +171,23 @@ def test_without_etcd_hmcd_serves_locally_and_refuses_to_guess(daemons: DaemonSe
         agent.close()
 
 
+def test_a_registration_waiting_for_etcd_holds_up_nothing_else_on_its_stream(etcd: EtcdServer, daemons: DaemonSet) -> None:
+    node = daemons.start("waiting", extra_args=_args(etcd, _prefix()))
+    agent = FakeAgent(node.config())
+    try:
+        held = agent.register("registered-before")
+        with etcd.paused(), concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(agent.register, "registered-during")  # waits for etcd, at most the TTL
+            agent.link.unregister(held.id)  # answered meanwhile, on the same stream
+            assert not waiting.done()
+            with pytest.raises(UnavailableError, match="etcd"):
+                waiting.result(timeout=15)
+        with node.client() as client:
+            assert {d.name for d in client.buffers(local_only=True)} == set()  # neither the withdrawn nor the refused one
+    finally:
+        agent.close()
+
+
 def test_foreign_and_corrupt_keys_under_the_prefix_are_ignored(etcd: EtcdServer, daemons: DaemonSet) -> None:
     prefix = _prefix()
     node = daemons.start("hostile", extra_args=_args(etcd, prefix))

@@ -71,6 +71,7 @@ class RegistryServicer(daemon_pb2_grpc.RegistryServiceServicer):
         session = daemon.registry.attach(hello.agent)
         writer: asyncio.Task[None] | None = None
         clean = False  # the agent closed its stream (EOF): it is gone; otherwise it may come back (registry: "Sessions")
+        registering: dict[str, asyncio.Task[None]] = {}  # buffer id -> its registration, waiting for the directory
         try:
             greeting = daemon_pb2.DaemonHello(protocol_version=PROTOCOL_VERSION, node=daemon.config.node, host_id=daemon.inventory.host_id, registry_epoch=daemon.registry.epoch)
             await context.write(daemon_pb2.DaemonMessage(hello=greeting))
@@ -80,8 +81,11 @@ class RegistryServicer(daemon_pb2_grpc.RegistryServiceServicer):
                 if message is grpc.aio.EOF:
                     clean = True
                     break
-                await self._handle(session, message)
+                await self._handle(session, message, registering)
         finally:
+            for task in registering.values():
+                task.cancel()  # nothing of it stays published (see _register)
+            await asyncio.gather(*registering.values(), return_exceptions=True)
             if writer is not None:
                 writer.cancel()
             daemon.transfers.agent_lost(session)
@@ -104,19 +108,31 @@ class RegistryServicer(daemon_pb2_grpc.RegistryServiceServicer):
             )
         return first.hello
 
-    async def _handle(self, session: AgentSession, message: daemon_pb2.AgentMessage) -> None:
+    async def _handle(self, session: AgentSession, message: daemon_pb2.AgentMessage, registering: dict[str, asyncio.Task[None]]) -> None:
+        """One message of the agent's stream. A registration runs as a task of its own (it may wait for the
+        directory: etcd), so the agent's other messages (reports, other registrations) never wait behind it;
+        an unregister of a buffer still registering waits for that registration first."""
         kind = message.WhichOneof("kind")
         registry = self._daemon.registry
         if kind == "register":
-            error = await self._register(session, message.register.descriptor)
-            await session.outbox.put(daemon_pb2.DaemonMessage(ack=daemon_pb2.Ack(request_id=message.register.request_id, error=error)))
+            request = message.register
+            task = asyncio.create_task(self._register_and_ack(session, request), name=f"hmc-register:{request.descriptor.id}")
+            registering[request.descriptor.id] = task
+            task.add_done_callback(lambda done: registering.pop(request.descriptor.id, None) if registering.get(request.descriptor.id) is done else None)
         elif kind == "unregister":
+            earlier = registering.get(message.unregister.buffer_id)
+            if earlier is not None:
+                await asyncio.wait([earlier])
             error = _attempt(lambda: registry.unregister(session, message.unregister.buffer_id))
             await session.outbox.put(daemon_pb2.DaemonMessage(ack=daemon_pb2.Ack(request_id=message.unregister.request_id, error=error)))
         elif kind == "report":
             self._daemon.transfers.report(session, message.report)
         else:
             raise ProtocolError(f"unexpected {kind or 'empty'} message on the Attach stream of agent {session.agent_id!r}")
+
+    async def _register_and_ack(self, session: AgentSession, request: daemon_pb2.RegisterBuffer) -> None:
+        error = await self._register(session, request.descriptor)
+        await session.outbox.put(daemon_pb2.DaemonMessage(ack=daemon_pb2.Ack(request_id=request.request_id, error=error)))
 
     async def _register(self, session: AgentSession, descriptor: common_pb2.BufferDescriptor) -> common_pb2.Error | None:
         """Check, then publish in the directory (which may refuse a name another node holds, or wait for etcd), then register."""
