@@ -1,7 +1,10 @@
-"""Build hook: generate the control-plane code in hmc/v1/ from proto/hmc/v1/*.proto.
+"""Build hook: generate the control-plane code in hmc/v1/ from proto/hmc/v1/*.proto, and compile the UCP
+binding of the `ucx` path (hmc/transport/_ucx_c, see hmc/transport/_ucx_build.py).
 
-The generated modules are never edited or committed; every install (regular or
-editable) regenerates them with the pinned grpcio-tools from pyproject.toml.
+Neither is edited or committed; every install (regular or editable) regenerates them, with the pinned
+grpcio-tools, cffi and libucx-cu13 from pyproject.toml. The binding is optional: where it cannot be built
+(no libucx wheel for the platform, no C compiler) the install goes on and the `ucx` path says why it is
+unavailable.
 """
 
 from __future__ import annotations
@@ -38,7 +41,22 @@ def generate_protos() -> None:
     (OUT_PACKAGE / "__init__.py").write_text('"""Generated from proto/hmc/v1 at build time; do not edit."""\n')
 
 
+def build_ucx_binding() -> None:
+    """Compile hmc.transport._ucx_c against the libucx wheel; a warning, not a failure, where it cannot be."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_ucx_build", ROOT / "hmc" / "transport" / "_ucx_build.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        module.build(ROOT / "hmc" / "transport")
+    except Exception as exc:  # noqa: BLE001 - optional part: say why and go on
+        print(f"warning: the UCX binding was not built, the ucx path will be unavailable: {exc!r}")
+
+
 # Generate before setuptools discovers packages, so hmc.v1 is found by both
 # regular and editable installs.
 generate_protos()
-setup()
+build_ucx_binding()
+setup(package_data={"hmc.transport": ["_ucx_c*.so"]})

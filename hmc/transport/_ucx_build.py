@@ -1,0 +1,258 @@
+"""The UCP binding of the `ucx` path: a cffi module in API mode, compiled at install against the UCX of the
+`libucx-cu13` wheel (its headers and libraries; setup.py calls `build()`).
+
+Why our own (docs/decisions.md): ucxx exposes no one-sided RMA to Python, ucx-py has no CUDA 13 build, and
+a batch of ranges must be posted below Python. The C helpers here are the only code that loops over ranges:
+
+- `hmc_post_batch`: one `ucp_put_nbx`/`ucp_get_nbx` per range, requests released at once (an operation
+  released in flight still completes; a flush then says when all have);
+- `hmc_wait`, `hmc_flush_worker`, `hmc_flush_ep`, `hmc_ep_close`: progress the worker until the request
+  completes or a deadline passes (never without one);
+- `hmc_am_*`: an active-message handler per worker that copies each message's header into a bounded queue,
+  drained by Python (no call from C into Python anywhere).
+
+The module is `hmc.transport._ucx_c`; `hmc.transport._ucx_lib` loads it (after the wheel's libraries).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["CDEF", "SOURCE", "build"]
+
+CDEF = r"""
+typedef enum { UCS_OK, UCS_INPROGRESS, UCS_ERR_NO_ELEM, UCS_ERR_NO_MEMORY, UCS_ERR_TIMED_OUT, UCS_ERR_CANCELED,
+               UCS_ERR_UNREACHABLE, UCS_ERR_NO_RESOURCE, UCS_ERR_CONNECTION_RESET, UCS_ERR_ENDPOINT_TIMEOUT, ... } ucs_status_t;
+typedef void *ucs_status_ptr_t;
+typedef struct ucp_context *ucp_context_h;
+typedef struct ucp_worker *ucp_worker_h;
+typedef struct ucp_ep *ucp_ep_h;
+typedef struct ucp_mem *ucp_mem_h;
+typedef struct ucp_rkey *ucp_rkey_h;
+typedef struct ucp_address ucp_address_t;
+typedef struct ucp_config ucp_config_t;
+
+typedef struct { uint64_t field_mask; uint64_t features; ...; } ucp_params_t;
+typedef struct { uint64_t field_mask; int thread_mode; ...; } ucp_worker_params_t;
+typedef struct { uint64_t field_mask; const ucp_address_t *address; int err_mode; ...; } ucp_ep_params_t;
+typedef struct { uint64_t field_mask; void *address; size_t length; unsigned flags; int memory_type; ...; } ucp_mem_map_params_t;
+
+#define UCP_PARAM_FIELD_FEATURES ...
+#define UCP_FEATURE_RMA ...
+#define UCP_FEATURE_AM ...
+#define UCP_WORKER_PARAM_FIELD_THREAD_MODE ...
+#define UCS_THREAD_MODE_SINGLE ...
+#define UCS_THREAD_MODE_MULTI ...
+#define UCP_EP_PARAM_FIELD_REMOTE_ADDRESS ...
+#define UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE ...
+#define UCP_ERR_HANDLING_MODE_NONE ...
+#define UCP_MEM_MAP_PARAM_FIELD_ADDRESS ...
+#define UCP_MEM_MAP_PARAM_FIELD_LENGTH ...
+#define UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE ...
+#define UCS_MEMORY_TYPE_HOST ...
+#define UCS_MEMORY_TYPE_CUDA ...
+#define UCS_MEMORY_TYPE_ROCM ...
+
+ucs_status_t ucp_init(const ucp_params_t *, const ucp_config_t *, ucp_context_h *);
+void ucp_cleanup(ucp_context_h);
+void ucp_get_version(unsigned *, unsigned *, unsigned *);
+ucs_status_t ucp_worker_create(ucp_context_h, const ucp_worker_params_t *, ucp_worker_h *);
+void ucp_worker_destroy(ucp_worker_h);
+ucs_status_t ucp_worker_get_address(ucp_worker_h, ucp_address_t **, size_t *);
+void ucp_worker_release_address(ucp_worker_h, ucp_address_t *);
+unsigned ucp_worker_progress(ucp_worker_h);
+ucs_status_t ucp_ep_create(ucp_worker_h, const ucp_ep_params_t *, ucp_ep_h *);
+ucs_status_t ucp_mem_map(ucp_context_h, const ucp_mem_map_params_t *, ucp_mem_h *);
+ucs_status_t ucp_mem_unmap(ucp_context_h, ucp_mem_h);
+ucs_status_t ucp_rkey_pack(ucp_context_h, ucp_mem_h, void **, size_t *);
+void ucp_rkey_buffer_release(void *);
+ucs_status_t ucp_ep_rkey_unpack(ucp_ep_h, const void *, ucp_rkey_h *);
+void ucp_rkey_destroy(ucp_rkey_h);
+const char *ucs_status_string(ucs_status_t);
+
+typedef struct hmc_am_queue hmc_am_queue;
+int hmc_post_batch(ucp_ep_h ep, int is_get, size_t n, const uint64_t *local, const uint64_t *remote, const uint64_t *lengths,
+                   ucp_rkey_h rkey, ucp_mem_h memh, size_t *posted);
+int hmc_flush_worker(ucp_worker_h worker, double timeout_s);
+int hmc_flush_ep(ucp_worker_h worker, ucp_ep_h ep, double timeout_s);
+int hmc_ep_close(ucp_worker_h worker, ucp_ep_h ep, double timeout_s);
+int hmc_am_send(ucp_worker_h worker, ucp_ep_h ep, unsigned id, const void *header, size_t length, double timeout_s);
+hmc_am_queue *hmc_am_install(ucp_worker_h worker, unsigned id, size_t capacity, size_t message_bytes);
+int hmc_am_take(hmc_am_queue *queue, unsigned char *out, size_t capacity, size_t *length);
+size_t hmc_am_dropped(hmc_am_queue *queue);
+void hmc_am_free(hmc_am_queue *queue);
+"""
+
+SOURCE = r"""
+#include <ucp/api/ucp.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static double hmc_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+int hmc_post_batch(ucp_ep_h ep, int is_get, size_t n, const uint64_t *local, const uint64_t *remote, const uint64_t *lengths,
+                   ucp_rkey_h rkey, ucp_mem_h memh, size_t *posted) {
+    ucp_request_param_t param;
+    memset(&param, 0, sizeof(param));
+    if (memh != NULL) {
+        param.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
+        param.memh = memh;
+    }
+    for (size_t i = 0; i < n; i++) {
+        ucs_status_ptr_t request = is_get
+            ? ucp_get_nbx(ep, (void *)(uintptr_t)local[i], lengths[i], remote[i], rkey, &param)
+            : ucp_put_nbx(ep, (const void *)(uintptr_t)local[i], lengths[i], remote[i], rkey, &param);
+        if (UCS_PTR_IS_ERR(request)) {
+            *posted = i;
+            return UCS_PTR_STATUS(request);
+        }
+        if (request != NULL)
+            ucp_request_free(request);
+    }
+    *posted = n;
+    return UCS_OK;
+}
+
+/* Progress until `request` completes or the deadline passes; the request is freed either way. */
+static int hmc_wait(ucp_worker_h worker, ucs_status_ptr_t request, double timeout_s) {
+    if (request == NULL)
+        return UCS_OK;
+    if (UCS_PTR_IS_ERR(request))
+        return UCS_PTR_STATUS(request);
+    double deadline = hmc_now() + timeout_s;
+    ucs_status_t status;
+    while ((status = ucp_request_check_status(request)) == UCS_INPROGRESS) {
+        if (!ucp_worker_progress(worker) && hmc_now() > deadline) {
+            ucp_request_cancel(worker, request);
+            ucp_request_free(request);
+            return UCS_ERR_TIMED_OUT;
+        }
+    }
+    ucp_request_free(request);
+    return status;
+}
+
+int hmc_flush_worker(ucp_worker_h worker, double timeout_s) {
+    ucp_request_param_t param;
+    memset(&param, 0, sizeof(param));
+    return hmc_wait(worker, ucp_worker_flush_nbx(worker, &param), timeout_s);
+}
+
+int hmc_flush_ep(ucp_worker_h worker, ucp_ep_h ep, double timeout_s) {
+    ucp_request_param_t param;
+    memset(&param, 0, sizeof(param));
+    return hmc_wait(worker, ucp_ep_flush_nbx(ep, &param), timeout_s);
+}
+
+/* Flush and close; forced (what is still queued is dropped) when the flush does not finish in time. */
+int hmc_ep_close(ucp_worker_h worker, ucp_ep_h ep, double timeout_s) {
+    ucp_request_param_t param;
+    memset(&param, 0, sizeof(param));
+    int status = hmc_wait(worker, ucp_ep_close_nbx(ep, &param), timeout_s);
+    if (status == UCS_ERR_TIMED_OUT) {
+        param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+        param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+        hmc_wait(worker, ucp_ep_close_nbx(ep, &param), 1.0);
+    }
+    return status;
+}
+
+int hmc_am_send(ucp_worker_h worker, ucp_ep_h ep, unsigned id, const void *header, size_t length, double timeout_s) {
+    ucp_request_param_t param;
+    memset(&param, 0, sizeof(param));
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_AM_SEND_FLAG_EAGER;
+    return hmc_wait(worker, ucp_am_send_nbx(ep, id, header, length, NULL, 0, &param), timeout_s);
+}
+
+/* Active messages: the handler copies each header into a bounded ring (dropping, and counting, when full). */
+typedef struct hmc_am_queue hmc_am_queue;
+struct hmc_am_queue {
+    size_t capacity, message_bytes, head, tail, dropped;
+    size_t *lengths;
+    unsigned char *messages;
+};
+
+static ucs_status_t hmc_am_received(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                                    const ucp_am_recv_param_t *param) {
+    struct hmc_am_queue *queue = arg;
+    if (queue->tail - queue->head >= queue->capacity || header_length > queue->message_bytes) {
+        queue->dropped++;
+        return UCS_OK;
+    }
+    size_t slot = queue->tail % queue->capacity;
+    memcpy(queue->messages + slot * queue->message_bytes, header, header_length);
+    queue->lengths[slot] = header_length;
+    queue->tail++;
+    return UCS_OK;
+}
+
+hmc_am_queue *hmc_am_install(ucp_worker_h worker, unsigned id, size_t capacity, size_t message_bytes) {
+    struct hmc_am_queue *queue = calloc(1, sizeof(*queue));
+    if (queue == NULL)
+        return NULL;
+    queue->capacity = capacity;
+    queue->message_bytes = message_bytes;
+    queue->lengths = calloc(capacity, sizeof(size_t));
+    queue->messages = calloc(capacity, message_bytes);
+    ucp_am_handler_param_t param;
+    memset(&param, 0, sizeof(param));
+    param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    param.id = id;
+    param.cb = hmc_am_received;
+    param.arg = queue;
+    if (queue->lengths == NULL || queue->messages == NULL || ucp_worker_set_am_recv_handler(worker, &param) != UCS_OK) {
+        free(queue->lengths);
+        free(queue->messages);
+        free(queue);
+        return NULL;
+    }
+    return queue;
+}
+
+int hmc_am_take(hmc_am_queue *queue, unsigned char *out, size_t capacity, size_t *length) {
+    if (queue->head == queue->tail)
+        return 0;
+    size_t slot = queue->head % queue->capacity;
+    size_t n = queue->lengths[slot] < capacity ? queue->lengths[slot] : capacity;
+    memcpy(out, queue->messages + slot * queue->message_bytes, n);
+    *length = n;
+    queue->head++;
+    return 1;
+}
+
+size_t hmc_am_dropped(hmc_am_queue *queue) { return queue->dropped; }
+
+void hmc_am_free(hmc_am_queue *queue) {
+    free(queue->lengths);
+    free(queue->messages);
+    free(queue);
+}
+"""
+
+
+def build(package_dir: Path) -> Path:
+    """Compile `hmc.transport._ucx_c` into `package_dir` (hmc/transport) against the libucx wheel; its path."""
+    import cffi
+    import libucx
+
+    ucx = Path(libucx.__file__).parent
+    ffi = cffi.FFI()
+    ffi.cdef(CDEF)
+    ffi.set_source(
+        "hmc.transport._ucx_c",
+        SOURCE,
+        include_dirs=[str(ucx / "include")],
+        library_dirs=[str(ucx / "lib")],
+        libraries=["ucp", "ucs"],
+        extra_compile_args=["-O2"],
+    )
+    built = Path(ffi.compile(tmpdir=str(package_dir.parent.parent), verbose=False))
+    for leftover in (package_dir / "_ucx_c.c", package_dir / "_ucx_c.o"):
+        leftover.unlink(missing_ok=True)
+    return built

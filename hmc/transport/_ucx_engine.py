@@ -1,0 +1,266 @@
+"""UCP for the `ucx` path: one context and worker, memory mapped once, endpoints from worker addresses,
+batches of ranges posted as puts or gets below Python, completion by flush, header-only active messages.
+
+`load()` finds the binding (`hmc.transport._ucx_c`, built at install by `_ucx_build`) after the `libucx`
+wheel's libraries (the binding has no rpath: `libucx.load_library()` loads them by soname), or says why it
+cannot: UCX not installed, the binding not built. UCX statuses become `hmc.errors` (`check`).
+
+Endpoints are made with UCX's peer error handling off: with it on, UCX refuses shared memory and cma
+(measured: "no peer failure handler"), and HMC finds dead peers itself.
+
+Concurrency: a `Worker` is single-threaded (UCS_THREAD_MODE_SINGLE): one thread drives it and everything
+made from it (endpoints, keys, active messages); every wait in the binding progresses it up to a deadline.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+from hmc.errors import ArgumentError, BrokenResourceError, ClosedResourceError, HMCError, TimeoutError, UnavailableError, UnsupportedError
+
+__all__ = ["Endpoint", "Mapping", "RemoteKey", "Worker", "check", "load", "version"]
+
+_AM_CAPACITY = 4096
+_AM_MESSAGE_BYTES = 256
+
+
+@functools.cache
+def load() -> tuple[Any, Any]:
+    """(ffi, lib) of the UCP binding; UnsupportedError saying why UCX cannot be used in this process."""
+    try:
+        import libucx
+    except ImportError:
+        raise UnsupportedError("UCX is not installed (pip install 'hmc[ucx]': the libucx-cu13 wheel)") from None
+    try:
+        libucx.load_library()
+    except OSError as exc:
+        raise UnsupportedError(f"the UCX libraries of the libucx wheel do not load: {exc}") from exc
+    try:
+        from hmc.transport import _ucx_c  # type: ignore[attr-defined]
+    except ImportError as exc:
+        raise UnsupportedError(f"the UCX binding was not built when HMC was installed (it needs cffi, the libucx wheel and a C compiler): {exc}") from exc
+    return _ucx_c.ffi, _ucx_c.lib
+
+
+def version() -> str:
+    ffi, lib = load()
+    parts = [ffi.new("unsigned *") for _ in range(3)]
+    lib.ucp_get_version(*parts)
+    return ".".join(str(part[0]) for part in parts)
+
+
+def check(status: int, what: str) -> None:
+    """Raise the `hmc.errors` error for a UCX status (nothing for UCS_OK)."""
+    ffi, lib = load()
+    if status == lib.UCS_OK:
+        return
+    text = ffi.string(lib.ucs_status_string(status)).decode(errors="replace")
+    message = f"{what}: UCX says {text} ({status})"
+    if status == lib.UCS_ERR_TIMED_OUT:
+        raise TimeoutError(message)
+    if status == lib.UCS_ERR_UNREACHABLE:
+        raise UnavailableError(message)
+    if status in (lib.UCS_ERR_CANCELED, lib.UCS_ERR_CONNECTION_RESET, lib.UCS_ERR_ENDPOINT_TIMEOUT):
+        raise BrokenResourceError(message)
+    raise HMCError(message)
+
+
+class Worker:
+    """A UCP context with one worker: RMA and active messages."""
+
+    def __init__(self) -> None:
+        ffi, lib = self._ffi, self._lib = load()
+        params = ffi.new("ucp_params_t *")
+        params.field_mask = lib.UCP_PARAM_FIELD_FEATURES
+        params.features = lib.UCP_FEATURE_RMA | lib.UCP_FEATURE_AM
+        context = ffi.new("ucp_context_h *")
+        check(lib.ucp_init(params, ffi.NULL, context), "ucp_init")
+        self._context = context[0]
+        worker_params = ffi.new("ucp_worker_params_t *")
+        worker_params.field_mask = lib.UCP_WORKER_PARAM_FIELD_THREAD_MODE
+        worker_params.thread_mode = lib.UCS_THREAD_MODE_SINGLE
+        worker = ffi.new("ucp_worker_h *")
+        try:
+            check(lib.ucp_worker_create(self._context, worker_params, worker), "ucp_worker_create")
+        except HMCError:
+            lib.ucp_cleanup(self._context)
+            raise
+        self._worker = worker[0]
+        address, length = ffi.new("ucp_address_t **"), ffi.new("size_t *")
+        check(lib.ucp_worker_get_address(self._worker, address, length), "ucp_worker_get_address")
+        self.address = bytes(ffi.buffer(address[0], length[0]))
+        """What a peer needs to reach this worker (`connect`)."""
+        lib.ucp_worker_release_address(self._worker, address[0])
+        self._queues: list[Any] = []
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedResourceError("the UCX worker is closed")
+
+    def progress(self) -> int:
+        """One round of progress (the target of a put over tcp or shared memory must progress)."""
+        self._check_open()
+        return int(self._lib.ucp_worker_progress(self._worker))
+
+    def map(self, address: int, length: int, memory: str = "host") -> Mapping:
+        """Register `length` bytes at `address` (host, or "cuda"/"rocm" device memory) for RMA."""
+        self._check_open()
+        ffi, lib = self._ffi, self._lib
+        kinds = {"host": lib.UCS_MEMORY_TYPE_HOST, "cuda": lib.UCS_MEMORY_TYPE_CUDA, "rocm": lib.UCS_MEMORY_TYPE_ROCM}
+        if memory not in kinds:
+            raise ArgumentError(f"unknown memory kind {memory!r}; known: {', '.join(kinds)}")
+        if address <= 0 or length <= 0:
+            raise ArgumentError(f"cannot map {length} bytes at {address:#x}")
+        params = ffi.new("ucp_mem_map_params_t *")
+        params.field_mask = lib.UCP_MEM_MAP_PARAM_FIELD_ADDRESS | lib.UCP_MEM_MAP_PARAM_FIELD_LENGTH | lib.UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE
+        params.address, params.length, params.memory_type = ffi.cast("void *", address), length, kinds[memory]
+        handle = ffi.new("ucp_mem_h *")
+        check(lib.ucp_mem_map(self._context, params, handle), f"ucp_mem_map of {length} bytes")
+        packed, size = ffi.new("void **"), ffi.new("size_t *")
+        try:
+            check(lib.ucp_rkey_pack(self._context, handle[0], packed, size), "ucp_rkey_pack")
+        except HMCError:
+            lib.ucp_mem_unmap(self._context, handle[0])
+            raise
+        rkey = bytes(ffi.buffer(packed[0], size[0]))
+        lib.ucp_rkey_buffer_release(packed[0])
+        return Mapping(self, handle[0], address, length, rkey)
+
+    def connect(self, address: bytes) -> Endpoint:
+        """An endpoint to the worker whose `address` a peer handed over (peer error handling off)."""
+        self._check_open()
+        ffi, lib = self._ffi, self._lib
+        if not isinstance(address, bytes) or not address:
+            raise ArgumentError("a UCX worker address is non-empty bytes")
+        keep = ffi.from_buffer(address)
+        params = ffi.new("ucp_ep_params_t *")
+        params.field_mask = lib.UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | lib.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+        params.address = ffi.cast("const ucp_address_t *", keep)
+        params.err_mode = lib.UCP_ERR_HANDLING_MODE_NONE
+        endpoint = ffi.new("ucp_ep_h *")
+        check(lib.ucp_ep_create(self._worker, params, endpoint), "ucp_ep_create")
+        return Endpoint(self, endpoint[0])
+
+    def flush(self, timeout_s: float) -> None:
+        """Every operation posted on this worker has completed (TimeoutError at the deadline)."""
+        self._check_open()
+        check(self._lib.hmc_flush_worker(self._worker, timeout_s), "flushing the UCX worker")
+
+    def listen(self, message_id: int) -> Inbox:
+        """Receive header-only active messages with `message_id` into a bounded queue."""
+        self._check_open()
+        queue = self._lib.hmc_am_install(self._worker, message_id, _AM_CAPACITY, _AM_MESSAGE_BYTES)
+        if queue == self._ffi.NULL:
+            raise HMCError(f"cannot install the UCX active-message handler {message_id}")
+        self._queues.append(queue)
+        return Inbox(self, queue)
+
+    def close(self) -> None:
+        """Destroy the worker and the context (endpoints and mappings first); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._lib.ucp_worker_destroy(self._worker)
+        for queue in self._queues:
+            self._lib.hmc_am_free(queue)
+        self._lib.ucp_cleanup(self._context)
+
+
+class Mapping:
+    """Memory registered with a worker: its handle and the packed remote key peers unpack."""
+
+    def __init__(self, worker: Worker, handle: Any, address: int, length: int, rkey: bytes) -> None:
+        self._worker, self.handle, self.address, self.length, self.rkey = worker, handle, address, length, rkey
+        self._unmapped = False
+
+    def unmap(self) -> None:
+        if not self._unmapped and not self._worker._closed:
+            self._unmapped = True
+            self._worker._lib.ucp_mem_unmap(self._worker._context, self.handle)
+
+
+class RemoteKey:
+    """A peer's packed key, unpacked for one endpoint."""
+
+    def __init__(self, endpoint: Endpoint, handle: Any) -> None:
+        self._endpoint, self.handle = endpoint, handle
+        self._destroyed = False
+
+    def destroy(self) -> None:
+        if not self._destroyed:
+            self._destroyed = True
+            self._endpoint._worker._lib.ucp_rkey_destroy(self.handle)
+
+
+class Endpoint:
+    """A connection to one peer worker."""
+
+    def __init__(self, worker: Worker, handle: Any) -> None:
+        self._worker, self._handle = worker, handle
+        self._closed = False
+
+    def unpack(self, rkey: bytes) -> RemoteKey:
+        worker = self._worker
+        if not isinstance(rkey, bytes) or not rkey:
+            raise ArgumentError("a packed UCX remote key is non-empty bytes")
+        handle = worker._ffi.new("ucp_rkey_h *")
+        check(worker._lib.ucp_ep_rkey_unpack(self._handle, rkey, handle), "ucp_ep_rkey_unpack")
+        return RemoteKey(self, handle[0])
+
+    def post(self, op: str, local: Mapping, local_addresses: np.ndarray, remote_addresses: np.ndarray, lengths: np.ndarray, rkey: RemoteKey) -> None:
+        """Post every range as one put ("write") or get ("read") in one call; completion comes with `flush`.
+
+        The caller has checked the ranges against both registrations (nothing here bounds them)."""
+        ffi, lib = self._worker._ffi, self._worker._lib
+        if op not in ("write", "read"):
+            raise ArgumentError(f"op must be 'write' or 'read', got {op!r}")
+        arrays = [np.ascontiguousarray(a, dtype=np.uint64) for a in (local_addresses, remote_addresses, lengths)]
+        count = len(arrays[0])
+        if any(len(a) != count for a in arrays):
+            raise ArgumentError("local addresses, remote addresses and lengths must have one entry per range")
+        posted = ffi.new("size_t *")
+        pointers = [ffi.cast("const uint64_t *", a.ctypes.data) for a in arrays]
+        status = lib.hmc_post_batch(self._handle, 1 if op == "read" else 0, count, *pointers, rkey.handle, local.handle, posted)
+        check(status, f"posting range {posted[0]} of {count}")
+
+    def flush(self, timeout_s: float) -> None:
+        """Every operation posted on this endpoint has completed (TimeoutError at the deadline)."""
+        check(self._worker._lib.hmc_flush_ep(self._worker._worker, self._handle, timeout_s), "flushing the UCX endpoint")
+
+    def send(self, message_id: int, header: bytes, timeout_s: float) -> None:
+        """A header-only active message (after `flush`: it arrives after the data)."""
+        if len(header) > _AM_MESSAGE_BYTES:
+            raise ArgumentError(f"an active message header is at most {_AM_MESSAGE_BYTES} bytes, got {len(header)}")
+        check(self._worker._lib.hmc_am_send(self._worker._worker, self._handle, message_id, header, len(header), timeout_s), "sending an active message")
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Flush and close (forced after `timeout_s`); idempotent."""
+        if self._closed or self._worker._closed:
+            return
+        self._closed = True
+        self._worker._lib.hmc_ep_close(self._worker._worker, self._handle, timeout_s)
+
+
+class Inbox:
+    """Active messages received by a worker (drained by `take`, while the worker progresses)."""
+
+    def __init__(self, worker: Worker, queue: Any) -> None:
+        self._worker, self._queue = worker, queue
+        self._buffer = worker._ffi.new(f"unsigned char[{_AM_MESSAGE_BYTES}]")
+        self._length = worker._ffi.new("size_t *")
+
+    def take(self) -> list[bytes]:
+        lib, ffi = self._worker._lib, self._worker._ffi
+        taken = []
+        while lib.hmc_am_take(self._queue, self._buffer, _AM_MESSAGE_BYTES, self._length):
+            taken.append(bytes(ffi.buffer(self._buffer, self._length[0])))
+        return taken
+
+    @property
+    def dropped(self) -> int:
+        """Messages lost because the queue was full (the receiver fell behind)."""
+        return int(self._worker._lib.hmc_am_dropped(self._queue))

@@ -1,0 +1,175 @@
+"""HMC's UCP binding (`hmc.transport._ucx_engine`), for real: two processes, UCX from the libucx wheel, over tcp
+and over shared memory with cma; scattered ranges posted in one call, random bytes, poisoned destinations, every
+byte compared; a notification after the data; a dead peer fails within the deadline. Skipped, with the reason,
+where the binding is not built (UCX not installed)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import struct
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+
+import numpy as np
+import pytest
+
+from hmc.errors import ArgumentError, BrokenResourceError, ClosedResourceError, HMCError, TimeoutError, UnsupportedError
+
+try:
+    from hmc.transport import _ucx_engine as ucx
+
+    ucx.load()
+    WHY = ""
+except UnsupportedError as exc:
+    WHY = str(exc)
+
+pytestmark = pytest.mark.skipif(bool(WHY), reason=f"UCX binding: {WHY}")
+
+SIZE = 4 << 20
+NOTIFY = 7
+POISON = 0xA5
+TRANSPORTS = ["tcp", "sm,cma"]
+
+
+def _target(conn: Connection, tls: str, seed: int) -> None:
+    """The owner: map a poisoned buffer and a random one, hand over address and keys, progress until told."""
+    os.environ["UCX_TLS"] = tls
+    from hmc.transport import _ucx_engine as engine
+
+    worker = engine.Worker()
+    inbox = worker.listen(NOTIFY)
+    poisoned = np.full(SIZE, POISON, dtype=np.uint8)
+    pattern = np.random.default_rng(seed).integers(0, 256, SIZE, dtype=np.uint8)
+    maps = [worker.map(a.ctypes.data, SIZE) for a in (poisoned, pattern)]
+    conn.send((worker.address, [(m.address, m.rkey) for m in maps]))
+    while True:
+        worker.progress()
+        for message in inbox.take():
+            conn.send(("notified", message, poisoned.tobytes()))
+        if conn.poll():
+            command = conn.recv()
+            if command == "stop":
+                break
+    for m in maps:
+        m.unmap()
+    worker.close()
+    conn.send("closed")
+
+
+@pytest.fixture(params=TRANSPORTS)
+def peer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[object, Connection, multiprocessing.process.BaseProcess]]:
+    monkeypatch.setenv("UCX_TLS", request.param)
+    context = multiprocessing.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    process = context.Process(target=_target, args=(child_conn, request.param, 1234), daemon=True)
+    process.start()
+    assert conn.poll(60), "the UCX target did not start"
+    yield conn.recv(), conn, process
+    if process.is_alive():
+        conn.send("stop")
+        process.join(10)
+    if process.is_alive():
+        process.kill()
+        process.join(10)
+
+
+def test_scattered_puts_and_gets_in_one_call_then_a_notification(peer: tuple) -> None:
+    (address, keys), conn, _ = peer
+    (poisoned_base, poisoned_key), (pattern_base, pattern_key) = keys
+    worker = ucx.Worker()
+    try:
+        rng = np.random.default_rng(99)
+        source = rng.integers(0, 256, SIZE, dtype=np.uint8)
+        sink = np.full(SIZE, POISON ^ 0xFF, dtype=np.uint8)
+        local_src, local_sink = worker.map(source.ctypes.data, SIZE), worker.map(sink.ctypes.data, SIZE)
+        endpoint = worker.connect(address)
+        to_poisoned, from_pattern = endpoint.unpack(poisoned_key), endpoint.unpack(pattern_key)
+        # 512 ranges of 4 KiB, in random order, to random disjoint places
+        count, length = 512, 4096
+        src_slots = rng.permutation(SIZE // length)[:count].astype(np.uint64) * length
+        dst_slots = rng.permutation(SIZE // length)[:count].astype(np.uint64) * length
+        lengths = np.full(count, length, dtype=np.uint64)
+        endpoint.post("write", local_src, source.ctypes.data + src_slots, poisoned_base + dst_slots, lengths, to_poisoned)
+        endpoint.flush(10.0)
+        endpoint.send(NOTIFY, struct.pack("<Q", count), 10.0)
+        assert conn.poll(30), "no notification reached the target"
+        tag, message, landed = conn.recv()
+        assert (tag, message) == ("notified", struct.pack("<Q", count))
+        expected = np.full(SIZE, POISON, dtype=np.uint8)
+        for s, d in zip(src_slots.tolist(), dst_slots.tolist()):
+            expected[d : d + length] = source[s : s + length]
+        assert np.array_equal(np.frombuffer(landed, dtype=np.uint8), expected)  # every byte: written ones and untouched ones
+
+        endpoint.post("read", local_sink, sink.ctypes.data + dst_slots, pattern_base + src_slots, lengths, from_pattern)
+        endpoint.flush(10.0)
+        pattern = np.random.default_rng(1234).integers(0, 256, SIZE, dtype=np.uint8)
+        expected = np.full(SIZE, POISON ^ 0xFF, dtype=np.uint8)
+        for s, d in zip(src_slots.tolist(), dst_slots.tolist()):
+            expected[d : d + length] = pattern[s : s + length]
+        assert np.array_equal(sink, expected)
+        for key in (to_poisoned, from_pattern):
+            key.destroy()
+        endpoint.close()
+        local_src.unmap()
+        local_sink.unmap()
+    finally:
+        worker.close()
+
+
+def test_a_dead_peer_fails_the_flush_within_its_deadline(peer: tuple) -> None:
+    (address, keys), _, process = peer
+    (poisoned_base, poisoned_key), _ = keys
+    worker = ucx.Worker()
+    try:
+        source = np.random.default_rng(5).integers(0, 256, SIZE, dtype=np.uint8)
+        local = worker.map(source.ctypes.data, SIZE)
+        endpoint = worker.connect(address)
+        key = endpoint.unpack(poisoned_key)
+        endpoint.post("write", local, np.array([source.ctypes.data], dtype=np.uint64), np.array([poisoned_base], dtype=np.uint64), np.array([4096], dtype=np.uint64), key)
+        endpoint.flush(10.0)
+        process.kill()
+        process.join(10)
+        with pytest.raises((BrokenResourceError, TimeoutError)) as failed:  # the reset seen, or the deadline: never a hang
+            for _ in range(3):
+                endpoint.post("write", local, np.array([source.ctypes.data], dtype=np.uint64), np.array([poisoned_base], dtype=np.uint64), np.array([SIZE], dtype=np.uint64), key)
+                endpoint.flush(2.0)
+        assert "UCX says" in str(failed.value)
+        endpoint.close(0.5)
+    finally:
+        worker.close()
+
+
+def test_bad_arguments_are_refused_before_anything_is_posted() -> None:
+    worker = ucx.Worker()
+    try:
+        with pytest.raises(ArgumentError):
+            worker.map(0, 4096)
+        with pytest.raises(ArgumentError):
+            worker.map(4096, -1)
+        buffer = np.zeros(4096, dtype=np.uint8)
+        with pytest.raises(ArgumentError, match="memory kind"):
+            worker.map(buffer.ctypes.data, 4096, "tpu")
+        with pytest.raises(ArgumentError):
+            worker.connect(b"")
+        with pytest.raises(HMCError):
+            worker.connect(b"\x00" * 64)  # not a worker address
+        mapping = worker.map(buffer.ctypes.data, 4096)
+        endpoint = worker.connect(worker.address)  # a worker may reach itself
+        with pytest.raises(ArgumentError):
+            endpoint.unpack(b"")
+        key = endpoint.unpack(mapping.rkey)
+        with pytest.raises(ArgumentError, match="op"):
+            endpoint.post("copy", mapping, np.zeros(1), np.zeros(1), np.zeros(1), key)
+        with pytest.raises(ArgumentError, match="one entry per range"):
+            endpoint.post("write", mapping, np.zeros(2), np.zeros(1), np.zeros(1), key)
+        with pytest.raises(ArgumentError, match="at most"):
+            endpoint.send(NOTIFY, b"x" * 1000, 1.0)
+        key.destroy()
+        endpoint.close()
+        mapping.unmap()
+    finally:
+        worker.close()
+    with pytest.raises(ClosedResourceError):
+        worker.map(buffer.ctypes.data, 4096)
+    assert ucx.version().startswith("1.")
