@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Distribution, setup
 
 ROOT = Path(__file__).resolve().parent
 PROTO_ROOT = ROOT / "proto"
@@ -41,22 +41,31 @@ def generate_protos() -> None:
     (OUT_PACKAGE / "__init__.py").write_text('"""Generated from proto/hmc/v1 at build time; do not edit."""\n')
 
 
-def build_ucx_binding() -> None:
-    """Compile hmc.transport._ucx_c against the libucx wheel; a warning, not a failure, where it cannot be."""
-    import importlib.util
+def build_ucx_binding() -> bool:
+    """Compile hmc.transport._ucx_c against the libucx wheel; a warning, not a failure, where it cannot be
+    (False then).
 
-    spec = importlib.util.spec_from_file_location("_ucx_build", ROOT / "hmc" / "transport" / "_ucx_build.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    try:
-        module.build(ROOT / "hmc" / "transport")
-    except Exception as exc:  # noqa: BLE001 - optional part: say why and go on
-        print(f"warning: the UCX binding was not built, the ucx path will be unavailable: {exc!r}")
+    In a process of its own: cffi's compiler run would otherwise reset the distutils state setup() uses."""
+    import subprocess
+    import sys
+
+    script = ROOT / "hmc" / "transport" / "_ucx_build.py"
+    result = subprocess.run([sys.executable, str(script), str(ROOT / "hmc" / "transport")], capture_output=True, text=True)
+    if result.returncode != 0:
+        why = (result.stderr.strip().splitlines() or ["unknown"])[-1]
+        print(f"warning: the UCX binding was not built, the ucx path will be unavailable: {why}")
+    return result.returncode == 0
+
+
+class _Distribution(Distribution):
+    """A wheel that carries the compiled binding is a platform wheel, not a pure one."""
+
+    def has_ext_modules(self) -> bool:
+        return any((ROOT / "hmc" / "transport").glob("_ucx_c*.so"))
 
 
 # Generate before setuptools discovers packages, so hmc.v1 is found by both
 # regular and editable installs.
 generate_protos()
 build_ucx_binding()
-setup(package_data={"hmc.transport": ["_ucx_c*.so"]})
+setup(package_data={"hmc.transport": ["_ucx_c*.so"]}, distclass=_Distribution)

@@ -256,3 +256,9 @@ def build(package_dir: Path) -> Path:
     for leftover in (package_dir / "_ucx_c.c", package_dir / "_ucx_c.o"):
         leftover.unlink(missing_ok=True)
     return built
+
+
+if __name__ == "__main__":
+    import sys
+
+    build(Path(sys.argv[1]))
