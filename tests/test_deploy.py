@@ -103,11 +103,13 @@ def _image_tools() -> str:
     return f"no {', '.join(missing)} (Debian packages; .ci/run installs them)" if missing else ""
 
 
-def _run(*args: str, timeout: float = 900) -> str:
-    result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, env={**os.environ, **_BUILDAH_ENV})
-    if result.returncode != 0:
-        raise AssertionError(f"{' '.join(args[:3])} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return result.stdout.strip()
+def _run(*args: str, timeout: float = 900, attempts: int = 1) -> str:
+    """Run a command to its end; `attempts` > 1 for steps that fetch from the network (Debian, PyPI)."""
+    for attempt in range(attempts):
+        result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, env={**os.environ, **_BUILDAH_ENV})
+        if result.returncode == 0:
+            return result.stdout.strip()
+    raise AssertionError(f"{' '.join(args[:3])} failed ({result.returncode}, {attempts} attempt(s)):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
 
 
 _BUILDAH_ENV = {"STORAGE_DRIVER": "vfs", "BUILDAH_ISOLATION": "chroot"}
@@ -121,7 +123,7 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     work = tmp_path_factory.mktemp("image")
     tag = uuid.uuid4().hex[:8]
     base, built = f"localhost/hmc-base:{tag}", f"localhost/hmcd:{tag}"
-    _run("debootstrap", "--variant=minbase", "bookworm", str(work / "rootfs"), "http://deb.debian.org/debian")
+    _run("debootstrap", "--variant=minbase", "bookworm", str(work / "rootfs"), "http://deb.debian.org/debian", attempts=2)
     container = _run("buildah", "from", "scratch")
     try:
         _run("buildah", "copy", container, str(work / "rootfs") + "/", "/")
@@ -132,7 +134,8 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     # pip in the build trusts the host's CA bundle (this machine's network inspects TLS)
     certs = ["--volume", "/etc/ssl/certs:/etc/ssl/host-certs:ro", "--build-arg", "PIP_CERT=/etc/ssl/host-certs/ca-certificates.crt"]
     try:
-        _run("buildah", "bud", "-q", "--layers=false", *certs, "--build-arg", f"BASE={base}", "-f", str(ROOT / "deploy" / "container" / "Dockerfile"), "-t", built, str(ROOT))
+        dockerfile = str(ROOT / "deploy" / "container" / "Dockerfile")
+        _run("buildah", "bud", "-q", "--layers=false", *certs, "--build-arg", f"BASE={base}", "-f", dockerfile, "-t", built, str(ROOT), attempts=2)
         yield built
     finally:
         subprocess.run(["buildah", "rmi", "-f", built, base], capture_output=True, timeout=300, env={**os.environ, **_BUILDAH_ENV})
