@@ -123,7 +123,8 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     work = tmp_path_factory.mktemp("image")
     tag = uuid.uuid4().hex[:8]
     base, built = f"localhost/hmc-base:{tag}", f"localhost/hmcd:{tag}"
-    _run("debootstrap", "--variant=minbase", "bookworm", str(work / "rootfs"), "http://deb.debian.org/debian", attempts=2)
+    rootfs = work / "rootfs"
+    _run("sh", "-c", f"rm -rf '{rootfs}' && debootstrap --variant=minbase bookworm '{rootfs}' http://deb.debian.org/debian", attempts=2)  # afresh each time
     container = _run("buildah", "from", "scratch")
     try:
         _run("buildah", "copy", container, str(work / "rootfs") + "/", "/")
