@@ -165,11 +165,27 @@ def test_bad_arguments_are_refused_before_anything_is_posted() -> None:
             endpoint.post("write", mapping, np.zeros(2), np.zeros(1), np.zeros(1), key)
         with pytest.raises(ArgumentError, match="at most"):
             endpoint.send(NOTIFY, b"x" * 1000, 1.0)
+        for timeout in (float("nan"), float("inf"), -1.0, 0.0, "1"):
+            with pytest.raises(ArgumentError, match="timeout_s"):
+                endpoint.flush(timeout)  # type: ignore[arg-type]
+            with pytest.raises(ArgumentError, match="timeout_s"):
+                worker.flush(timeout)  # type: ignore[arg-type]
         key.destroy()
-        endpoint.close()
-        mapping.unmap()
+        with pytest.raises(ClosedResourceError, match="remote key"):
+            endpoint.post("write", mapping, np.zeros(1), np.zeros(1), np.zeros(1), key)
+        inbox = worker.listen(NOTIFY)
+        second = worker.connect(worker.address)
+        second_key = second.unpack(mapping.rkey)
     finally:
-        worker.close()
+        worker.close()  # releases the endpoints, keys and mappings still open
     with pytest.raises(ClosedResourceError):
         worker.map(buffer.ctypes.data, 4096)
+    for use in (lambda: second.flush(1.0), lambda: second.send(NOTIFY, b"x", 1.0), lambda: second.unpack(mapping.rkey), inbox.take):
+        with pytest.raises(ClosedResourceError):
+            use()
+    with pytest.raises(ClosedResourceError):
+        endpoint.post("write", mapping, np.zeros(1), np.zeros(1), np.zeros(1), second_key)
+    second_key.destroy()  # nothing left to release: a no-op, never a use of freed memory
+    mapping.unmap()
+    endpoint.close()
     assert ucx.version().startswith("1.")

@@ -260,7 +260,10 @@ class Agent:
         """Find a buffer by id or name through hmcd (UnavailableError in embedded mode, and at once while hmcd is down)."""
         if self._link is None:
             raise UnavailableError("this agent runs embedded (no hmcd): look buffers up by descriptor instead")
-        return self._link.lookup(ref)
+        found = self._link.lookup(ref)
+        if found.owner.id != self.id:
+            self._remote_added(found.id, found.registry_epoch)  # registered now, at that epoch, whatever this agent heard
+        return found
 
     # -- transfers ----------------------------------------------------------------
 
@@ -417,13 +420,16 @@ class Agent:
         self._buffers.get(local.id)
         with self._lock:
             withdrawn, back_at = self._withdrawn_remote.get(descriptor.id, (-1, 0))
-        if descriptor.registry_epoch < back_at:
+        epoch = descriptor.registry_epoch
+        if withdrawn == _FOREVER or (descriptor.owner.id == self.id and self._buffers.withdrawn(descriptor.id)):
+            raise BufferWithdrawnError(f"buffer {descriptor.id} was withdrawn by its owner")
+        if 0 < epoch < back_at:
             raise StaleDescriptorError(
-                f"stale descriptor: buffer {descriptor.id} was served by registry epoch {descriptor.registry_epoch} of node {descriptor.owner.node!r}, "
+                f"stale descriptor: buffer {descriptor.id} was served by registry epoch {epoch} of node {descriptor.owner.node!r}, "
                 f"and is registered again at epoch {back_at}: look it up again"
             )
-        if descriptor.registry_epoch <= withdrawn or (descriptor.owner.id == self.id and self._buffers.withdrawn(descriptor.id)):
-            raise BufferWithdrawnError(f"buffer {descriptor.id} was withdrawn (by its owner, or with its node)")
+        if (epoch and epoch <= withdrawn) or (not epoch and withdrawn >= 0 and not back_at):  # epoch 0: no hmcd served it
+            raise BufferWithdrawnError(f"buffer {descriptor.id} left the directory with its node (it may come back: look it up again)")
 
     def _own_path(self, local: ConnBuffer, descriptor: common_pb2.BufferDescriptor) -> PathName | None:
         """The path the pair negotiates without `path=` (None when policy leaves it none)."""

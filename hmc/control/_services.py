@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from hmc.control._errors import abort
 from hmc.control._registry import AgentSession, describe_ref
-from hmc.errors import HMCError, ProtocolError, TimeoutError, UnsupportedError, VersionMismatchError
+from hmc.errors import ErrorCode, HMCError, ProtocolError, TimeoutError, UnsupportedError, VersionMismatchError
 from hmc.transport._negotiate import Endpoint, negotiate
 from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
@@ -116,6 +116,10 @@ class RegistryServicer(daemon_pb2_grpc.RegistryServiceServicer):
         registry = self._daemon.registry
         if kind == "register":
             request = message.register
+            if request.descriptor.id in registering:  # two at once of one id: the second may not undo the first
+                error = common_pb2.Error(code=int(ErrorCode.INVALID_ARGUMENT), message=f"buffer id {request.descriptor.id!r} is being registered already")
+                await session.outbox.put(daemon_pb2.DaemonMessage(ack=daemon_pb2.Ack(request_id=request.request_id, error=error)))
+                return
             task = asyncio.create_task(self._register_and_ack(session, request), name=f"hmc-register:{request.descriptor.id}")
             registering[request.descriptor.id] = task
             task.add_done_callback(lambda done: registering.pop(request.descriptor.id, None) if registering.get(request.descriptor.id) is done else None)
@@ -131,7 +135,11 @@ class RegistryServicer(daemon_pb2_grpc.RegistryServiceServicer):
             raise ProtocolError(f"unexpected {kind or 'empty'} message on the Attach stream of agent {session.agent_id!r}")
 
     async def _register_and_ack(self, session: AgentSession, request: daemon_pb2.RegisterBuffer) -> None:
-        error = await self._register(session, request.descriptor)
+        try:
+            error = await self._register(session, request.descriptor)
+        except Exception as exc:  # noqa: BLE001 - a bug must still answer the agent, which waits for this ack
+            log.exception("registering buffer %s failed", request.descriptor.id)
+            error = common_pb2.Error(code=int(ErrorCode.INTERNAL), message=f"hmcd failed to register buffer {request.descriptor.id!r}: {exc!r}")
         await session.outbox.put(daemon_pb2.DaemonMessage(ack=daemon_pb2.Ack(request_id=request.request_id, error=error)))
 
     async def _register(self, session: AgentSession, descriptor: common_pb2.BufferDescriptor) -> common_pb2.Error | None:

@@ -7,7 +7,8 @@ a batch of ranges must be posted below Python. The C helpers here are the only c
 - `hmc_post_batch`: one `ucp_put_nbx`/`ucp_get_nbx` per range, requests released at once (an operation
   released in flight still completes; a flush then says when all have);
 - `hmc_wait`, `hmc_flush_worker`, `hmc_flush_ep`, `hmc_ep_close`: progress the worker until the request
-  completes or a deadline passes (never without one);
+  completes or a deadline passes (never without one). UCX cancels no RMA, flush or send: after a timeout
+  the operations go on, and memory they touch must stay until the worker is destroyed;
 - `hmc_am_*`: an active-message handler per worker that copies each message's header into a bounded queue,
   drained by Python (no call from C into Python anywhere).
 
@@ -118,7 +119,8 @@ int hmc_post_batch(ucp_ep_h ep, int is_get, size_t n, const uint64_t *local, con
     return UCS_OK;
 }
 
-/* Progress until `request` completes or the deadline passes; the request is freed either way. */
+/* Progress until `request` completes or the deadline passes; the request is released either way. A request
+ * that timed out still runs: what it reads or writes may land later, until the worker is destroyed. */
 static int hmc_wait(ucp_worker_h worker, ucs_status_ptr_t request, double timeout_s) {
     if (request == NULL)
         return UCS_OK;
@@ -127,9 +129,9 @@ static int hmc_wait(ucp_worker_h worker, ucs_status_ptr_t request, double timeou
     double deadline = hmc_now() + timeout_s;
     ucs_status_t status;
     while ((status = ucp_request_check_status(request)) == UCS_INPROGRESS) {
-        if (!ucp_worker_progress(worker) && hmc_now() > deadline) {
-            ucp_request_cancel(worker, request);
-            ucp_request_free(request);
+        ucp_worker_progress(worker);
+        if (!(hmc_now() <= deadline)) {  /* a NaN deadline ends it too */
+            ucp_request_free(request);  /* released when it completes; UCX cancels no RMA, flush or send */
             return UCS_ERR_TIMED_OUT;
         }
     }
@@ -149,24 +151,19 @@ int hmc_flush_ep(ucp_worker_h worker, ucp_ep_h ep, double timeout_s) {
     return hmc_wait(worker, ucp_ep_flush_nbx(ep, &param), timeout_s);
 }
 
-/* Flush and close; forced (what is still queued is dropped) when the flush does not finish in time. */
+/* Flush and close (UCX refuses a forced close without peer error handling: a close that times out goes on
+ * in the background, until the worker is destroyed). */
 int hmc_ep_close(ucp_worker_h worker, ucp_ep_h ep, double timeout_s) {
     ucp_request_param_t param;
     memset(&param, 0, sizeof(param));
-    int status = hmc_wait(worker, ucp_ep_close_nbx(ep, &param), timeout_s);
-    if (status == UCS_ERR_TIMED_OUT) {
-        param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-        param.flags = UCP_EP_CLOSE_FLAG_FORCE;
-        hmc_wait(worker, ucp_ep_close_nbx(ep, &param), 1.0);
-    }
-    return status;
+    return hmc_wait(worker, ucp_ep_close_nbx(ep, &param), timeout_s);
 }
 
 int hmc_am_send(ucp_worker_h worker, ucp_ep_h ep, unsigned id, const void *header, size_t length, double timeout_s) {
     ucp_request_param_t param;
     memset(&param, 0, sizeof(param));
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = UCP_AM_SEND_FLAG_EAGER;
+    param.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_COPY_HEADER;  /* the caller's bytes may go at once */
     return hmc_wait(worker, ucp_am_send_nbx(ep, id, header, length, NULL, 0, &param), timeout_s);
 }
 

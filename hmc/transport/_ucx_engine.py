@@ -8,20 +8,26 @@ cannot: UCX not installed, the binding not built. UCX statuses become `hmc.error
 Endpoints are made with UCX's peer error handling off: with it on, UCX refuses shared memory and cma
 (measured: "no peer failure handler"), and HMC finds dead peers itself.
 
+Lifetime: a `Worker` owns what is made from it (mappings, endpoints, remote keys, inboxes): each refuses use
+once it or its worker is closed (ClosedResourceError), and `Worker.close()` releases them all first. UCX
+cancels no put, get, flush or send: after a TimeoutError those go on, so memory they touch must stay until
+the worker is closed (destroying it is what ends them).
+
 Concurrency: a `Worker` is single-threaded (UCS_THREAD_MODE_SINGLE): one thread drives it and everything
-made from it (endpoints, keys, active messages); every wait in the binding progresses it up to a deadline.
+made from it; every wait in the binding progresses it up to a deadline.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from hmc.errors import ArgumentError, BrokenResourceError, ClosedResourceError, HMCError, TimeoutError, UnavailableError, UnsupportedError
+from hmc.transport._ranges import check_timeout
 
-__all__ = ["Endpoint", "Mapping", "RemoteKey", "Worker", "check", "load", "version"]
+__all__ = ["Endpoint", "Inbox", "Mapping", "RemoteKey", "Worker", "check", "load", "version"]
 
 _AM_CAPACITY = 4096
 _AM_MESSAGE_BYTES = 256
@@ -95,11 +101,17 @@ class Worker:
         """What a peer needs to reach this worker (`connect`)."""
         lib.ucp_worker_release_address(self._worker, address[0])
         self._queues: list[Any] = []
+        self._owned: list[_Owned] = []
+        """What was made from this worker, released (in reverse order) before it is destroyed."""
         self._closed = False
 
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedResourceError("the UCX worker is closed")
+
+    def _own(self, thing: _O) -> _O:
+        self._owned.append(thing)
+        return thing
 
     def progress(self) -> int:
         """One round of progress (the target of a put over tcp or shared memory must progress)."""
@@ -128,7 +140,7 @@ class Worker:
             raise
         rkey = bytes(ffi.buffer(packed[0], size[0]))
         lib.ucp_rkey_buffer_release(packed[0])
-        return Mapping(self, handle[0], address, length, rkey)
+        return self._own(Mapping(self, handle[0], address, length, rkey))
 
     def connect(self, address: bytes) -> Endpoint:
         """An endpoint to the worker whose `address` a peer handed over (peer error handling off)."""
@@ -143,12 +155,12 @@ class Worker:
         params.err_mode = lib.UCP_ERR_HANDLING_MODE_NONE
         endpoint = ffi.new("ucp_ep_h *")
         check(lib.ucp_ep_create(self._worker, params, endpoint), "ucp_ep_create")
-        return Endpoint(self, endpoint[0])
+        return self._own(Endpoint(self, endpoint[0]))
 
     def flush(self, timeout_s: float) -> None:
         """Every operation posted on this worker has completed (TimeoutError at the deadline)."""
         self._check_open()
-        check(self._lib.hmc_flush_worker(self._worker, timeout_s), "flushing the UCX worker")
+        check(self._lib.hmc_flush_worker(self._worker, check_timeout(timeout_s, "timeout_s")), "flushing the UCX worker")
 
     def listen(self, message_id: int) -> Inbox:
         """Receive header-only active messages with `message_id` into a bounded queue."""
@@ -160,9 +172,13 @@ class Worker:
         return Inbox(self, queue)
 
     def close(self) -> None:
-        """Destroy the worker and the context (endpoints and mappings first); idempotent."""
+        """Release what was made from the worker (keys, endpoints, mappings), then destroy it and the context;
+        idempotent."""
         if self._closed:
             return
+        for thing in reversed(self._owned):
+            thing.release()
+        self._owned.clear()
         self._closed = True
         self._lib.ucp_worker_destroy(self._worker)
         for queue in self._queues:
@@ -170,51 +186,81 @@ class Worker:
         self._lib.ucp_cleanup(self._context)
 
 
-class Mapping:
+class _Owned:
+    """Something made from a worker: refuses use once it or its worker is closed; released once."""
+
+    def __init__(self, worker: Worker, what: str) -> None:
+        self._worker, self._what = worker, what
+        self._released = False
+
+    def _check_open(self) -> None:
+        if self._released or self._worker._closed:
+            raise ClosedResourceError(f"the UCX {self._what} is closed")
+
+    def release(self) -> None:
+        if not self._released and not self._worker._closed:
+            self._released = True
+            self._release()
+
+    def _release(self) -> None:
+        raise NotImplementedError
+
+
+_O = TypeVar("_O", bound=_Owned)
+
+
+class Mapping(_Owned):
     """Memory registered with a worker: its handle and the packed remote key peers unpack."""
 
     def __init__(self, worker: Worker, handle: Any, address: int, length: int, rkey: bytes) -> None:
-        self._worker, self.handle, self.address, self.length, self.rkey = worker, handle, address, length, rkey
-        self._unmapped = False
+        super().__init__(worker, "mapping")
+        self.handle, self.address, self.length, self.rkey = handle, address, length, rkey
 
     def unmap(self) -> None:
-        if not self._unmapped and not self._worker._closed:
-            self._unmapped = True
-            self._worker._lib.ucp_mem_unmap(self._worker._context, self.handle)
+        self.release()
+
+    def _release(self) -> None:
+        self._worker._lib.ucp_mem_unmap(self._worker._context, self.handle)
 
 
-class RemoteKey:
+class RemoteKey(_Owned):
     """A peer's packed key, unpacked for one endpoint."""
 
-    def __init__(self, endpoint: Endpoint, handle: Any) -> None:
-        self._endpoint, self.handle = endpoint, handle
-        self._destroyed = False
+    def __init__(self, worker: Worker, handle: Any) -> None:
+        super().__init__(worker, "remote key")
+        self.handle = handle
 
     def destroy(self) -> None:
-        if not self._destroyed:
-            self._destroyed = True
-            self._endpoint._worker._lib.ucp_rkey_destroy(self.handle)
+        self.release()
+
+    def _release(self) -> None:
+        self._worker._lib.ucp_rkey_destroy(self.handle)
 
 
-class Endpoint:
+class Endpoint(_Owned):
     """A connection to one peer worker."""
 
     def __init__(self, worker: Worker, handle: Any) -> None:
-        self._worker, self._handle = worker, handle
-        self._closed = False
+        super().__init__(worker, "endpoint")
+        self._handle = handle
+        self._close_timeout_s = 1.0
 
     def unpack(self, rkey: bytes) -> RemoteKey:
+        self._check_open()
         worker = self._worker
         if not isinstance(rkey, bytes) or not rkey:
             raise ArgumentError("a packed UCX remote key is non-empty bytes")
         handle = worker._ffi.new("ucp_rkey_h *")
         check(worker._lib.ucp_ep_rkey_unpack(self._handle, rkey, handle), "ucp_ep_rkey_unpack")
-        return RemoteKey(self, handle[0])
+        return worker._own(RemoteKey(worker, handle[0]))
 
     def post(self, op: str, local: Mapping, local_addresses: np.ndarray, remote_addresses: np.ndarray, lengths: np.ndarray, rkey: RemoteKey) -> None:
         """Post every range as one put ("write") or get ("read") in one call; completion comes with `flush`.
 
         The caller has checked the ranges against both registrations (nothing here bounds them)."""
+        self._check_open()
+        local._check_open()
+        rkey._check_open()
         ffi, lib = self._worker._ffi, self._worker._lib
         if op not in ("write", "read"):
             raise ArgumentError(f"op must be 'write' or 'read', got {op!r}")
@@ -229,20 +275,25 @@ class Endpoint:
 
     def flush(self, timeout_s: float) -> None:
         """Every operation posted on this endpoint has completed (TimeoutError at the deadline)."""
+        self._check_open()
+        timeout_s = check_timeout(timeout_s, "timeout_s")
         check(self._worker._lib.hmc_flush_ep(self._worker._worker, self._handle, timeout_s), "flushing the UCX endpoint")
 
     def send(self, message_id: int, header: bytes, timeout_s: float) -> None:
-        """A header-only active message (after `flush`: it arrives after the data)."""
+        """A header-only active message (after `flush`: it arrives after the data). UCX copies the header."""
+        self._check_open()
         if len(header) > _AM_MESSAGE_BYTES:
             raise ArgumentError(f"an active message header is at most {_AM_MESSAGE_BYTES} bytes, got {len(header)}")
+        timeout_s = check_timeout(timeout_s, "timeout_s")
         check(self._worker._lib.hmc_am_send(self._worker._worker, self._handle, message_id, header, len(header), timeout_s), "sending an active message")
 
     def close(self, timeout_s: float = 1.0) -> None:
-        """Flush and close (forced after `timeout_s`); idempotent."""
-        if self._closed or self._worker._closed:
-            return
-        self._closed = True
-        self._worker._lib.hmc_ep_close(self._worker._worker, self._handle, timeout_s)
+        """Flush and close within `timeout_s` (after which it goes on in the background); idempotent."""
+        self._close_timeout_s = check_timeout(timeout_s, "timeout_s")
+        self.release()
+
+    def _release(self) -> None:
+        self._worker._lib.hmc_ep_close(self._worker._worker, self._handle, self._close_timeout_s)
 
 
 class Inbox:
@@ -254,6 +305,7 @@ class Inbox:
         self._length = worker._ffi.new("size_t *")
 
     def take(self) -> list[bytes]:
+        self._worker._check_open()
         lib, ffi = self._worker._lib, self._worker._ffi
         taken = []
         while lib.hmc_am_take(self._queue, self._buffer, _AM_MESSAGE_BYTES, self._length):
@@ -263,4 +315,5 @@ class Inbox:
     @property
     def dropped(self) -> int:
         """Messages lost because the queue was full (the receiver fell behind)."""
+        self._worker._check_open()
         return int(self._worker._lib.hmc_am_dropped(self._queue))
