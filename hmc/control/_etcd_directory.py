@@ -88,8 +88,6 @@ class EtcdDirectory(Directory):
         if "/" in config.node:
             raise ArgumentError(f"node name {config.node!r} may not contain '/' with the etcd directory (it is part of etcd keys)")
         self._config = config
-        self._events = events
-        self._metrics = metrics
         self._registry = registry
         self._record = record
         self._node = config.node

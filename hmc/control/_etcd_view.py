@@ -14,7 +14,6 @@ Concurrency: owned by hmcd's event loop (the directory's watch task); nothing he
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -47,7 +46,6 @@ class ClusterView:
         self._node_changed = node_changed
         self._kvs: dict[bytes, pb.KeyValue] = {}
         self.nodes: dict[str, daemon_pb2.DirectoryNode] = {}
-        self._seen: dict[str, float] = {}
         self.buffers: dict[str, dict[str, common_pb2.BufferDescriptor]] = {}
         """node -> buffer id -> descriptor"""
         self.names: dict[str, tuple[str, str]] = {}
@@ -126,7 +124,6 @@ class ClusterView:
             return False
         old = self.nodes.pop(node, None)
         if record is None:
-            self._seen.pop(node, None)
             self._node_changed(node, None)
             for descriptor in list(self.buffers.get(node, {}).values()):
                 self._drop_buffer(descriptor)
@@ -136,7 +133,6 @@ class ClusterView:
             self._metrics.peers_up.set(len(self.nodes))
             return True
         self.nodes[node] = record
-        self._seen[node] = time.monotonic()
         if old is not None and old.epoch != record.epoch:  # a new start: nothing of the old epoch may be served
             for descriptor in [d for d in self.buffers.get(node, {}).values() if d.registry_epoch < record.epoch]:
                 self._drop_buffer(descriptor)
