@@ -23,6 +23,9 @@ TOML layout (every key optional; each key has exactly one home)::
     chunk_bytes = 4194304               # HMC_STAGED_CHUNK_BYTES
     socket_buffer_bytes = 8388608       # HMC_SOCKET_BUFFER_BYTES
     ipc_threads = 2                     # HMC_IPC_THREADS
+    [ucx]
+    transports = ""                     # HMC_UCX_TRANSPORTS (UCX_TLS syntax, e.g. "tcp" or "sm,cma"; "": UCX's choice)
+    library = ""                        # HMC_UCX_LIBRARY (a system UCX's library directory; "": the libucx wheel)
     [paths]
     allow = ["ipc", "staged"]           # HMC_PATHS_ALLOW="ipc,staged" (and _DENY, _PREFER)
     deny = []
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tomllib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -90,6 +94,13 @@ def _host_port(text: str) -> str:
 def _etcd_prefix(text: str) -> str:
     if not text.startswith("/") or text.endswith("/") or "//" in text:
         raise ValueError(f"{text!r} must start with '/', not end with one, and have no empty part (e.g. '/hmc' or '/prod/hmc')")
+    return text
+
+
+def _ucx_transports(text: str) -> str:
+    names = text.split(",") if text else []
+    if any(not re.fullmatch(r"\^?[a-z][a-z0-9_]*", name) for name in names):
+        raise ValueError(f"{text!r} is not a UCX transport list (comma-separated names such as 'tcp' or 'sm,cma')")
     return text
 
 
@@ -186,6 +197,12 @@ class Config(_Frozen):
     """SO_SNDBUF / SO_RCVBUF of data sockets (a C int; 0 leaves the kernel's default)."""
     ipc_threads: Annotated[int, Field(ge=1, le=64)] = 2
     """Threads that split a large ipc (cross-memory attach) copy."""
+    ucx_transports: Annotated[str, AfterValidator(_ucx_transports)] = ""
+    """The UCX transports the `ucx` path may use (UCX_TLS syntax, e.g. "tcp" or "sm,cma"); empty: UCX_TLS, else
+    UCX's own choice. The `rdma` path always uses UCX's verbs transports (rc, dc, ud)."""
+    ucx_library: str = ""
+    """Directory of a UCX installation to load instead of the libucx wheel's (a verbs-enabled system UCX for
+    InfiniBand/RoCE, e.g. /usr/lib/x86_64-linux-gnu); empty: the wheel."""
     policy: PathPolicy = PathPolicy()
     """Which paths negotiation may choose."""
     vendor_override: Mapping[NonEmpty, VendorName] = Field(default_factory=dict)
@@ -255,6 +272,7 @@ def _optional(fields: Mapping[str, str], *metadata: Any, alias: str = "") -> dic
 
 _TABLES = {
     "transfer": {"timeout_s": "timeout_s", "streams": "staged_streams", "chunk_bytes": "staged_chunk_bytes", "socket_buffer_bytes": "socket_buffer_bytes", "ipc_threads": "ipc_threads"},
+    "ucx": {"transports": "ucx_transports", "library": "ucx_library"},
     "directory": {"kind": "directory", "endpoints": "etcd_endpoints", "prefix": "etcd_prefix", "lease_ttl_s": "etcd_lease_ttl_s", "ca": "etcd_ca", "cert": "etcd_cert", "key": "etcd_key"},
 }
 """[table] key -> Config field; every other scalar field is a top-level key of its own name."""

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from hmc.bench import COLUMNS, quick_workloads
+from hmc.bench._paths import PATHS
 from hmc.cli._main import main
 
 
@@ -29,7 +30,7 @@ def test_bench_quick_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
         assert row["gbps"] > 0 and row["iterations"] >= 5
         assert row["p50_lat_us"] <= row["p99_lat_us"]
     hmc = {(r["path"], r["op"], r["workload"]) for r in report["rows"] if r["system"] == "hmc"}
-    assert hmc == {(p, op, w) for p in ("local", "ipc", "staged") for op in ("WRITE", "READ") for w in bulk}
+    assert hmc == {(p, op, w) for p in PATHS for op in ("WRITE", "READ") for w in bulk}
     for system in ("memcpy", "socket"):
         assert {r["workload"] for r in report["rows"] if r["system"] == system} == set(bulk)
 

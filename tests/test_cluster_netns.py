@@ -20,13 +20,22 @@ import pytest
 
 from hmc.agent._peer_process import ranges_digest
 from hmc.control import Client
-from hmc.errors import BufferWithdrawnError, StaleDescriptorError, UnavailableError, UnknownBufferError
+from hmc.config import PathPolicy
+from hmc.errors import BufferWithdrawnError, StaleDescriptorError, UnavailableError, UnknownBufferError, UnsupportedError
 from hmc.testing import NetnsCluster, NetnsNode, netns_available
 from hmc.transport import PathName
+from hmc.transport import _ucx_engine
 from hmc.v1 import daemon_pb2
 
 AVAILABLE, WHY = netns_available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"namespaced nodes: {WHY}")
+try:
+    _ucx_engine.load()
+    UCX_WHY = ""
+except UnsupportedError as exc:
+    UCX_WHY = str(exc)
+CROSS_NODE = "staged" if UCX_WHY else "ucx"
+"""The path negotiation picks between two nodes: ucx (over tcp) where its binding is built, else staged."""
 
 TTL_S = 2
 
@@ -66,7 +75,7 @@ def test_three_nodes_find_each_other_through_etcd(cluster: NetnsCluster) -> None
             assert all(n.epoch > 0 and n.host_id.startswith("netns-") for n in status.nodes)
 
 
-def test_a_buffer_on_a_is_written_by_name_from_c_over_staged(cluster: NetnsCluster) -> None:
+def test_a_buffer_on_a_is_written_by_name_from_c_over_the_network(cluster: NetnsCluster) -> None:
     a, _, c = cluster.nodes
     owner, writer = a.agent(), c.agent()
     size = 4 << 20
@@ -79,9 +88,9 @@ def test_a_buffer_on_a_is_written_by_name_from_c_over_staged(cluster: NetnsClust
         found = client.lookup("kv-on-a")
         assert found.id == target.id and found.owner.node == "node-a"
         choice = client.path("src-on-c", "kv-on-a")
-    assert choice.path.value == "staged" and dict(choice.rejected)[PathName.IPC], choice  # ipc refused: two hosts
+    assert choice.path.value == CROSS_NODE and dict(choice.rejected)[PathName.IPC], choice  # ipc refused: two hosts
     offsets = np.arange(0, size, 64 << 10, dtype=np.int64)[::-1].copy()  # scattered ranges, in reverse order
-    assert writer.transfer("write", source.id, found, offsets, offsets, 64 << 10) == "staged"
+    assert writer.transfer("write", source.id, found, offsets, offsets, 64 << 10) == CROSS_NODE
     assert owner.contents(target.id) == data.tobytes()
     owner.unregister(target.id)
     writer.unregister(source.id)
@@ -130,7 +139,7 @@ def test_a_killed_node_vanishes_within_the_ttl_and_comes_back_with_a_new_epoch(c
             writer.transfer("write", source.id, old, 0, 0, 4096)
         assert owner.contents(held.id) == bytes([0x3C]) * (1 << 20)  # nothing written through it
         new = clients[1].lookup("kv-on-b")
-        assert writer.transfer("write", source.id, new, 0, 0, 4096) == "staged"
+        assert writer.transfer("write", source.id, new, 0, 0, 4096) == CROSS_NODE
         assert owner.contents(held.id)[:4096] == bytes([0x11]) * 4096
     finally:
         for client in clients:
@@ -181,7 +190,7 @@ def test_a_node_unplugged_then_plugged_back_in(cluster: NetnsCluster) -> None:
     with a.hmcd.client() as client:  # type: ignore[union-attr]
         _wait(lambda: _found(client, "kv-unplugged"), 10, "a to find kv-unplugged", cluster)
         before = client.lookup("kv-unplugged")
-        assert writer.transfer("write", source.id, before, 0, 0, 4096) == "staged"
+        assert writer.transfer("write", source.id, before, 0, 0, 4096) == CROSS_NODE
         with b.unplugged():
             _wait(lambda: not _found(client, "kv-unplugged"), TTL_S + 3, "b's lease to run out while it is cut off", cluster)
         _wait(lambda: _found(client, "kv-unplugged"), 15, "b back, with its buffers", cluster)
@@ -194,24 +203,29 @@ def test_a_node_unplugged_then_plugged_back_in(cluster: NetnsCluster) -> None:
 def _writes(writer: object, source_id: str, remote: object) -> bool:
     """One whole-buffer write (False while the writer still refuses the buffer as withdrawn)."""
     try:
-        return writer.transfer("write", source_id, remote, 0, 0, 1 << 20) == "staged"  # type: ignore[attr-defined]
+        return writer.transfer("write", source_id, remote, 0, 0, 1 << 20) == CROSS_NODE  # type: ignore[attr-defined]
     except BufferWithdrawnError:
         return False
 
 
-def test_a_256_mib_transfer_by_name_between_two_namespaced_nodes(cluster: NetnsCluster) -> None:
+@pytest.mark.parametrize("path", ["ucx", "staged"])
+def test_a_256_mib_transfer_by_name_between_two_namespaced_nodes(cluster: NetnsCluster, path: str) -> None:
+    """Over the nodes' network: ucx (UCX over tcp through the veth pairs) and staged, each forced by the writer's
+    policy."""
+    if path == "ucx" and UCX_WHY:
+        pytest.skip(f"UCX binding: {UCX_WHY}")
     a, _, c = cluster.nodes
-    owner, writer = a.agent(), c.agent()
+    owner, writer = a.agent(), c.agent(policy=PathPolicy(allow=(path,)))
     size = 256 << 20
-    target = owner.register(size, name="big-on-a", fill=0x5A)
-    source = writer.register(size, name="big-src-on-c")
+    target = owner.register(size, name=f"big-on-a-{path}", fill=0x5A)
+    source = writer.register(size, name=f"big-src-on-c-{path}")
     chunk = os.urandom(16 << 20)
     for offset in range(0, size, len(chunk)):
         writer.fill(source.id, chunk, offset)
     with c.hmcd.client(timeout=60.0) as client:  # type: ignore[union-attr]
-        _wait(lambda: _found(client, "big-on-a"), 10, "c to find big-on-a", cluster)
-        status = client.migrate("big-src-on-c", "big-on-a", ([0], [0], [size]), timeout=60.0)
-        assert status.path == "staged" and status.bytes_done == size
+        _wait(lambda: _found(client, f"big-on-a-{path}"), 10, "c to find big-on-a", cluster)
+        status = client.migrate(f"big-src-on-c-{path}", f"big-on-a-{path}", ([0], [0], [size]), timeout=60.0)
+        assert status.path == path and status.bytes_done == size
     expected = ranges_digest(np.frombuffer(chunk * (size // len(chunk)), dtype=np.uint8))
     assert owner.digest(target.id) == expected
 
@@ -243,8 +257,8 @@ def test_the_cli_shows_the_directorys_view_and_explains_a_path_across_nodes(clus
     assert mine["cli-dst-on-a"]["owner"]["node"] == "node-a" and int(mine["cli-dst-on-a"]["registry_epoch"]) > 0
     assert "cli-dst-on-a" in _hmc(c, "buffers") and "node-a" in _hmc(c, "buffers")
     path = json.loads(_hmc(c, "path", "cli-src-on-c", "cli-dst-on-a", "--json"))
-    assert path["path"] == "staged"
+    assert path["path"] == CROSS_NODE
     reasons = {r["path"]: r["reason"] for r in path["rejected"]}
     assert "host" in reasons["ipc"] and reasons["local"]  # different hosts: no ipc; different agents: no local
     table = _hmc(c, "path", "cli-src-on-c", "cli-dst-on-a")
-    assert "cli-src-on-c -> cli-dst-on-a: staged" in table and "rejected" in table
+    assert f"cli-src-on-c -> cli-dst-on-a: {CROSS_NODE}" in table and "rejected" in table

@@ -110,9 +110,9 @@ def test_migrate_between_agent_processes_verifies_every_byte(node_a: Hmcd) -> No
 
 
 def test_two_hmcd_find_by_name_and_forward_over_staged(node_a: Hmcd, node_b: Hmcd) -> None:
-    child, child_id = spawn_agent(node_b, "kv-on-b", seed=22, deny=("ipc",))
+    child, child_id = spawn_agent(node_b, "kv-on-b", seed=22, deny=("ipc", "ucx"))
     destination = np.full(SIZE, 0x5A, dtype=np.uint8)
-    config = node_a.config(policy=PathPolicy(deny=("ipc",)))
+    config = node_a.config(policy=PathPolicy(deny=("ipc", "ucx")))
     try:
         with Agent(config, daemon=True) as agent, node_a.client() as client:
             agent.register(destination, name="kv-on-a")

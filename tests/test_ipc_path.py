@@ -12,7 +12,6 @@ import pytest
 
 from hmc.agent import Agent
 from hmc.agent._buffers import ConnBuffer
-from hmc.agent._server import _grant_handles
 from hmc.config import Config
 from hmc.control._inventory import transports
 from hmc.errors import BrokenResourceError, UnsupportedError
@@ -162,12 +161,13 @@ def test_the_grant_of_device_memory_carries_its_cuda_ipc_handle() -> None:
     descriptor = common_pb2.BufferDescriptor(id="d", size=4096)
     descriptor.handles.cuda_ipc.CopyFrom(common_pb2.CudaIpcHandle(handle=bytes(64), offset=512, pid=7))
     gpu_buffer = ConnBuffer(MemoryRegion(device=GPU, address=0x7000, size=4096, kind=MemoryKind.DEVICE), descriptor)
-    handles = _grant_handles(gpu_buffer)
+    grant = IpcPath({}).grant
+    handles = grant(gpu_buffer)
     assert handles.cuda_ipc.offset == 512 and handles.cma.address == 0x7000
     bare = ConnBuffer(MemoryRegion(device=GPU, address=0x7000, size=4096, kind=MemoryKind.DEVICE), common_pb2.BufferDescriptor(id="v"))
     with pytest.raises(UnsupportedError, match="no IPC handle"):
-        _grant_handles(bare)
-    assert not _grant_handles(_local()).HasField("cuda_ipc")
+        grant(bare)
+    assert not grant(_local()).HasField("cuda_ipc")
 
 
 def test_staged_declares_device_memory_and_takes_it_to_another_host_over_the_tcp_ring() -> None:

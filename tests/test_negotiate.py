@@ -166,3 +166,45 @@ def test_ipc_needs_the_initiator_to_map_the_peers_device_memory() -> None:
 
 def test_ipc_between_host_memory_and_a_gpu_when_both_agents_map_both() -> None:
     assert negotiate(endpoint("a", "h1", kinds=GPU_AGENT), _gpu_endpoint("b", 0)).path is PathName.IPC
+
+
+def _nic_agent(agent: str, host: str, device: str = "host", vendor: int = common_pb2.VENDOR_HOST, *, nic: bool) -> Endpoint:
+    """An agent whose node does or does not report an RDMA NIC: the rdma path declared, or its reason given."""
+    paths = (PathName.LOCAL, PathName.IPC, PathName.UCX, PathName.STAGED) + ((PathName.RDMA,) if nic else ())
+    found = endpoint(agent, host, device, vendor, paths=paths, kinds=ALL)
+    if not nic:
+        found.agent.unavailable.add(path="rdma", reason="no RDMA device on this host (/sys/class/infiniband is empty)")
+    return found
+
+
+def test_rdma_between_nodes_whose_inventories_report_a_nic() -> None:
+    for device, vendor in (("host", common_pb2.VENDOR_HOST), ("cuda:0", common_pb2.VENDOR_NVIDIA)):
+        choice = negotiate(_nic_agent("a", "h1", device, vendor, nic=True), _nic_agent("b", "h2", device, vendor, nic=True))
+        assert choice.path is PathName.RDMA and "RDMA NIC" in choice.reason
+
+
+def test_rdma_refused_with_the_reason_where_one_node_has_no_nic() -> None:
+    choice = negotiate(_nic_agent("a", "h1", nic=True), _nic_agent("b", "h2", nic=False))
+    assert choice.path is PathName.UCX  # host memory: UCX over the network
+    assert dict(choice.rejected)[PathName.RDMA] == "agent b on node-h2 has no rdma transport: no RDMA device on this host (/sys/class/infiniband is empty)"
+
+
+def test_rdma_refused_for_device_memory_its_nic_cannot_reach() -> None:
+    host_only = _nic_agent("b", "h2", "cuda:0", common_pb2.VENDOR_NVIDIA, nic=True)
+    [rdma] = [t for t in host_only.agent.transports if t.path == "rdma"]
+    rdma.CopyFrom(Capabilities(PathName.RDMA, HOST).to_proto())  # a NIC, but no GPUDirect and no dmabuf
+    choice = negotiate(_nic_agent("a", "h1", "cuda:0", common_pb2.VENDOR_NVIDIA, nic=True), host_only)
+    assert choice.path is PathName.STAGED
+    assert "rdma on agent b cannot reach cuda memory" in dict(choice.rejected)[PathName.RDMA]
+    assert "device memory on two hosts" in dict(choice.rejected)[PathName.UCX]
+
+
+def test_ucx_takes_host_memory_between_hosts_and_leaves_cross_vendor_pairs_to_staged() -> None:
+    a, b = (_nic_agent(n, h, nic=False) for n, h in (("a", "h1"), ("b", "h2")))
+    assert negotiate(a, b).path is PathName.UCX
+    nvidia = _nic_agent("a", "h1", "cuda:0", common_pb2.VENDOR_NVIDIA, nic=True)
+    amd = _nic_agent("b", "h2", "cuda:1", common_pb2.VENDOR_AMD, nic=True)
+    choice = negotiate(nvidia, amd)
+    assert choice.path is PathName.STAGED
+    reasons = dict(choice.rejected)
+    assert reasons[PathName.RDMA].startswith("cross-vendor pair (amd vs nvidia)") and reasons[PathName.UCX].startswith("cross-vendor pair")

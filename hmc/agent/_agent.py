@@ -27,6 +27,7 @@ touches the link, so transfers go on while hmcd is down.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -57,6 +58,7 @@ from hmc.errors import (
     StaleDescriptorError,
     UnavailableError,
     UnknownBufferError,
+    UnsupportedError,
 )
 from hmc.memory import DeviceKind, MemoryRegion
 from hmc.memory import register as register_memory
@@ -64,6 +66,7 @@ from hmc.transport._base import InlineCopy, PathName, TransferOp, TransferReques
 from hmc.transport._gpu_ipc import GpuIpcTransport
 from hmc.transport._ipc import IpcTransport, allow_ptrace_peers
 from hmc.transport._ipc_path import IpcPath
+from hmc.transport._ucx import UcxTransport
 from hmc.transport._local import LocalTransport
 from hmc.transport._negotiate import Endpoint, PathChoice, negotiate
 from hmc.transport._ranges import MAX_TIMEOUT_S, RangeList, check_timeout
@@ -138,9 +141,11 @@ class Agent:
             buffer_bytes=cfg.socket_buffer_bytes, keepalive_s=cfg.keepalive_s, unacked_s=cfg.timeout_s,
         )
         self._server = PeerServer(
-            cfg.agent_host, info=lambda: self.info, buffers=self._buffers, inbox=self._inbox, buffer_bytes=cfg.socket_buffer_bytes,
+            cfg.agent_host, info=lambda: self.info, buffers=self._buffers, inbox=self._inbox, buffer_bytes=cfg.socket_buffer_bytes, grant=self._grant,
             max_connections=cfg.peer_max_connections, keepalive_s=cfg.keepalive_s, timeout_s=cfg.timeout_s,
         )
+        self._unavailable: dict[PathName, str] = {}
+        """Paths this agent does not offer, and why (carried to peers: negotiation names the reason)."""
         self._transports = self._usable(transports if transports is not None else self._default_transports())
         self.info = common_pb2.AgentInfo(
             id=self.id,
@@ -150,6 +155,7 @@ class Agent:
             endpoint=common_pb2.TcpEndpoint(host=self.config.agent_host, port=self._server.port),
             transports=[t.capabilities.to_proto() for t in self._transports.values()],
             protocol_version=PROTOCOL_VERSION,
+            unavailable=[common_pb2.RejectedPath(path=p.value, reason=r) for p, r in self._unavailable.items() if p not in self._transports],
         )
         self._link = self._attach(daemon, link_factory or self._default_link)
 
@@ -162,9 +168,14 @@ class Agent:
             mover = GpuIpcTransport.probe(kind, self._peers.open_grant, host=host_ipc, timeout_s=cfg.timeout_s)
             if mover is not None:
                 ipc_movers[kind] = mover
+        ucx = [
+            UcxTransport(functools.partial(self._peers.open_grant, path=path.value), path=path, transports=cfg.ucx_transports, library=cfg.ucx_library, timeout_s=cfg.timeout_s)
+            for path in (PathName.RDMA, PathName.UCX)
+        ]
         return [
             local,
             IpcPath(ipc_movers),
+            *ucx,
             StagedTransport(
                 self._peers.connect_data,
                 streams=cfg.staged_streams,
@@ -174,8 +185,14 @@ class Agent:
             ),
         ]
 
-    @staticmethod
-    def _usable(transports: Sequence[Transport]) -> dict[PathName, Transport]:
+    def _grant(self, path: str, buffer: ConnBuffer) -> common_pb2.TransportHandles:
+        """The owner side of OpenBuffer: what `path`'s transport grants to a peer that proved `buffer`'s key."""
+        transport = self._transports.get(PathName(path)) if path in _PATH_NAMES else None
+        if transport is None:
+            raise UnsupportedError(f"buffer {buffer.id} cannot be opened for path {path!r}: not offered by this agent")
+        return transport.grant(buffer)
+
+    def _usable(self, transports: Sequence[Transport]) -> dict[PathName, Transport]:
         usable: dict[PathName, Transport] = {}
         for transport in transports:
             reason = transport.unavailable_reason()
@@ -183,6 +200,7 @@ class Agent:
                 usable.setdefault(transport.capabilities.path, transport)
             else:
                 _log.info("path %s unavailable: %s", transport.capabilities.path.value, reason)
+                self._unavailable.setdefault(transport.capabilities.path, reason)
                 transport.close()
         return usable
 

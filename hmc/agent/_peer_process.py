@@ -53,16 +53,29 @@ def ranges_digest(data: np.ndarray, offsets: Any = None, lengths: Any = None) ->
     return digest.digest()
 
 
+_CLONE_NEWNET, _CLONE_NEWNS = 0x40000000, 0x00020000
+_MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 0x80000, 2
+
+
 def _enter_netns(name: str) -> None:
-    """Move this (single-threaded, just started) process into the named network namespace (`ip netns`)."""
+    """Move this (single-threaded, just started) process into the named network namespace, with /sys showing
+    that namespace's interfaces, as `ip netns exec` does (UCX reads them there)."""
+    libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
     try:
-        if hasattr(os, "setns"):  # Python 3.12
-            os.setns(fd, os.CLONE_NEWNET)
-        elif ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
             raise OSError(ctypes.get_errno(), f"setns into network namespace {name!r} failed")
     finally:
         os.close(fd)
+    steps = (
+        lambda: libc.unshare(_CLONE_NEWNS),
+        lambda: libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None),  # our mounts stay ours
+        lambda: libc.umount2(b"/sys", _MNT_DETACH),
+        lambda: libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None),
+    )
+    for step in steps:
+        if step() != 0:
+            raise OSError(ctypes.get_errno(), f"remounting /sys for network namespace {name!r} failed")
 
 
 def _serve(conn: Connection, config: Config, daemon: bool | None, netns: str | None) -> None:

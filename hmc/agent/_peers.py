@@ -135,10 +135,11 @@ class Peers:
         if not closing:
             self._on_lost(agent)
 
-    def open_grant(self, descriptor: common_pb2.BufferDescriptor, deadline: float) -> peer_pb2.BufferGrant:
-        """Ask the owner for one-sided (ipc) access to a buffer."""
+    def open_grant(self, descriptor: common_pb2.BufferDescriptor, deadline: float, path: str = "ipc") -> peer_pb2.BufferGrant:
+        """Ask the owner for one-sided access to a buffer over `path` (ipc, ucx, rdma)."""
         channel = self.control(descriptor, deadline)
-        frame = peer_pb2.PeerFrame(open=peer_pb2.OpenBuffer(buffer_id=descriptor.id, key_proof=channel.stream.proof(descriptor.access_key, descriptor.registry_epoch), path="ipc"))
+        proof = channel.stream.proof(descriptor.access_key, descriptor.registry_epoch)
+        frame = peer_pb2.PeerFrame(open=peer_pb2.OpenBuffer(buffer_id=descriptor.id, key_proof=proof, path=path))
         return channel.request(frame, deadline).grant
 
     def notify(self, descriptor: common_pb2.BufferDescriptor, transfer_id: str, payload: bytes, deadline: float, callback: ReplyCallback) -> None:

@@ -2,9 +2,9 @@
 
 Peers connect over TCP and say in their hello which channel they open:
 
-- control: OpenBuffer (grants one-sided ipc access after the access-key check;
-  the grant carries pid and address, for device memory the CUDA IPC handle too,
-  and says when the memory is read-only: initiators refuse to write it),
+- control: OpenBuffer (grants one-sided access, ipc or ucx, after the access-key
+  check; the grant carries what the path's `Transport.grant` hands out, and says
+  when the memory is read-only: initiators refuse to write it),
   Notify (deduplicated, queued for `Agent.notifications()`), and the replies to
   the Withdrawn frames this agent sends when a granted buffer is unregistered;
 - data: DataWrite and DataRead of the staged path, served on the connection's
@@ -49,8 +49,7 @@ from collections.abc import Callable
 
 from hmc.agent._buffers import BufferTable, ConnBuffer
 from hmc.agent._transfer import Notification, NotificationInbox
-from hmc.errors import AccessDeniedError, HMCError, ProtocolError, UnknownBufferError, UnsupportedError
-from hmc.memory import MemoryKind
+from hmc.errors import AccessDeniedError, HMCError, ProtocolError, UnknownBufferError
 from hmc.transport._channel import Channel
 from hmc.transport._staged_serve import DataConnections
 from hmc.transport._handshake import accept_handshake
@@ -82,11 +81,14 @@ class PeerServer:
         buffers: BufferTable,
         inbox: NotificationInbox,
         buffer_bytes: int,
+        grant: Callable[[str, ConnBuffer], common_pb2.TransportHandles],
         max_connections: int = 1024,
         keepalive_s: float = 5.0,
         timeout_s: float = 30.0,
     ) -> None:
         self._info = info
+        self._grant = grant
+        """The handles of a path's grant (the path's owner side: `Transport.grant`)."""
         self._buffers = buffers
         self._inbox = inbox
         self._keepalive_s = keepalive_s
@@ -218,9 +220,7 @@ class PeerServer:
 
     def _open(self, request: peer_pb2.OpenBuffer, channel: Channel) -> peer_pb2.PeerReply:
         buffer = self._buffers.get(request.buffer_id, prove=channel.stream.proof, proof=request.key_proof)
-        if request.path != "ipc":
-            raise UnsupportedError(f"buffer {buffer.id} cannot be opened for path {request.path!r}")
-        handles = _grant_handles(buffer)
+        handles = self._grant(request.path, buffer)
         with self._lock:
             self._opened.setdefault(buffer.id, set()).add(channel)
         grant = peer_pb2.BufferGrant(buffer_id=buffer.id, size=buffer.size, handles=handles, read_only=buffer.region.readonly)
@@ -282,16 +282,3 @@ def _open_spare() -> int | None:
 
 
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-
-
-def _grant_handles(buffer: ConnBuffer) -> common_pb2.TransportHandles:
-    """What an ipc initiator needs to reach `buffer`: pid and address (cross-memory attach, or direct
-    use by an agent of this very process), and for device memory its vendor's IPC handle (CUDA or HIP)."""
-    handles = common_pb2.TransportHandles(cma=common_pb2.CmaHandle(pid=os.getpid(), address=buffer.region.address))
-    if buffer.region.kind is MemoryKind.DEVICE:
-        exported = buffer.descriptor.handles
-        vendor = [field for field in ("cuda_ipc", "hip_ipc") if exported.HasField(field)]
-        if not vendor:
-            raise UnsupportedError(f"buffer {buffer.id} is {buffer.region.device.name} memory with no IPC handle this agent could export")
-        getattr(handles, vendor[0]).CopyFrom(getattr(exported, vendor[0]))
-    return handles

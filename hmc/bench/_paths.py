@@ -6,7 +6,11 @@ process (`hmc.agent._peer_process.PeerProcess`) holding one ConnBuffer of the sa
 
 - `local`: between the initiator's two buffers (WRITE source -> destination,
   READ pulls the source into the destination).
-- `ipc`, `staged`: between the initiator and the target process.
+- `ipc`, `ucx`, `staged`: between the initiator and the target process (`ucx`
+  with the transports UCX chooses, as NIXL's default row).
+- `ucx-tcp`: the `ucx` path with both agents' UCX restricted to tcp
+  (`ucx_transports = "tcp"`), against NIXL's UCX_TLS=tcp row; its own pair of
+  agents, measured after the others.
 
 A path the agent would negotiate for the pair anyway (local, ipc) is requested
 without `path=`, so the agent's hot path counts as a user would see it; any
@@ -40,7 +44,9 @@ from hmc.agent._peer_process import PeerProcess, ranges_digest
 
 __all__ = ["PATHS", "hmc_rows"]
 
-PATHS = ("local", "ipc", "staged")
+PATHS = ("local", "ipc", "ucx", "ucx-tcp", "staged")
+_VARIANTS = {"ucx-tcp": ("ucx", {"ucx_transports": "tcp"})}
+"""Bench path -> (the HMC path it takes, the config changes of its own pair of agents)."""
 _FILL_CHUNK = 32 << 20
 """Bytes per command when the target's buffer is filled over the pipe."""
 
@@ -93,7 +99,8 @@ class _Bench:
         return self.peer.digest(self.remote.id, so, ln) == ranges_digest(self.dst_array, do, ln)
 
 
-def _one(bench: _Bench, path: str, op: str, w: Workload, timing: Timing) -> Row:
+def _one(bench: _Bench, label: str, op: str, w: Workload, timing: Timing) -> Row:
+    path = _VARIANTS.get(label, (label, {}))[0]
     local, remote = bench.endpoints(path, op)
     natural = bench.agent.path_to(local, remote).path.value
     forced = None if natural == path else path
@@ -112,23 +119,27 @@ def _one(bench: _Bench, path: str, op: str, w: Workload, timing: Timing) -> Row:
         run(local, remote, *args, path=forced).wait()
 
     times = measure(step, timing)
-    return make_row("hmc", path, op, w, times, bench.verified(path, op, so, do, ln))
+    return make_row("hmc", label, op, w, times, bench.verified(path, op, so, do, ln))
 
 
 def hmc_rows(workloads: Sequence[Workload], paths: Sequence[str], ops: Sequence[str], config: Config, timing: Timing, on_row: Callable[[Row], None]) -> list[Row]:
     """Rows for every (op, path, workload), WRITE first; HMCError when a path fails."""
     rows: list[Row] = []
     size = max(w.total_size for w in workloads)
-    with contextlib.ExitStack() as stack:
-        bench = _Bench(stack, config, size, remote_paths=any(p != "local" for p in paths))
-        for op in sorted(ops, key=lambda o: o != "WRITE"):
-            if op == "READ":
-                bench.fill_remote_random()
-            for path in paths:
-                for w in workloads:
-                    try:
-                        rows.append(_one(bench, path, op, w, timing))
-                    except HMCError as exc:
-                        raise type(exc)(f"{path} {op} {w.name}: {exc}") from exc
-                    on_row(rows[-1])
+    plain = [p for p in paths if p not in _VARIANTS]
+    groups = [(config, plain)] if plain else []
+    groups += [(config.replace(**_VARIANTS[p][1]), [p]) for p in paths if p in _VARIANTS]
+    for group_config, group in groups:
+        with contextlib.ExitStack() as stack:
+            bench = _Bench(stack, group_config, size, remote_paths=any(p != "local" for p in group))
+            for op in sorted(ops, key=lambda o: o != "WRITE"):
+                if op == "READ":
+                    bench.fill_remote_random()
+                for path in group:
+                    for w in workloads:
+                        try:
+                            rows.append(_one(bench, path, op, w, timing))
+                        except HMCError as exc:
+                            raise type(exc)(f"{path} {op} {w.name}: {exc}") from exc
+                        on_row(rows[-1])
     return rows

@@ -64,9 +64,13 @@ def checks_for(workloads: Sequence[Workload]) -> list[Check]:
         Check(f"ipc {big} WRITE vs memcpy", ("hmc", "ipc", "WRITE", big), ("memcpy", "", "WRITE", big), 0.6),
         Check(f"ipc {big} WRITE vs NIXL", ("hmc", "ipc", "WRITE", big), ("nixl", "", "WRITE", big), 1.0),
     ]
+    checks.append(Check(f"ucx {big} WRITE vs NIXL", ("hmc", "ucx", "WRITE", big), ("nixl", "", "WRITE", big), 1.0))
+    checks.append(Check(f"ucx over tcp {big} WRITE vs NIXL over TCP", ("hmc", "ucx-tcp", "WRITE", big), ("nixl-tcp", "", "WRITE", big), 1.0))
     for kv in (w.name for w in workloads if w.kind == KIND_KV):
         checks.append(Check(f"ipc {kv} WRITE vs ipc {big}", ("hmc", "ipc", "WRITE", kv), ("hmc", "ipc", "WRITE", big), 0.8))
         checks.append(Check(f"ipc {kv} WRITE vs NIXL", ("hmc", "ipc", "WRITE", kv), ("nixl", "", "WRITE", kv), 2.0))
+        checks.append(Check(f"ucx {kv} WRITE vs NIXL", ("hmc", "ucx", "WRITE", kv), ("nixl", "", "WRITE", kv), 1.0))
+        checks.append(Check(f"ucx over tcp {kv} WRITE vs NIXL over TCP", ("hmc", "ucx-tcp", "WRITE", kv), ("nixl-tcp", "", "WRITE", kv), 1.0))
     checks.append(Check(f"ipc {small} WRITE p50 latency vs NIXL", ("hmc", "ipc", "WRITE", small), ("nixl", "", "WRITE", small), 2.0, "p50_lat_us"))
     return checks
 

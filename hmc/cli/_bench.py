@@ -20,7 +20,7 @@ from hmc.errors import ArgumentError
 __all__ = ["register"]
 
 DESCRIPTION = """\
-Measure HMC's host-memory paths (local, ipc, staged) WRITE and READ, and in the
+Measure HMC's host-memory paths (local, ipc, ucx, ucx over tcp only, staged) WRITE and READ, and in the
 same run the baselines on the same workloads: single-process memcpy, a plain
 Python TCP socket between two processes, and NIXL 1.5.1 (UCX backend, default
 settings, and forced onto TCP). Then print the issue's ratio checks, computed

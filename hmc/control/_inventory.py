@@ -17,7 +17,7 @@ from pathlib import Path
 
 from hmc.config import Config
 from hmc.memory import Device, DeviceKind, Vendor, absent_backends, devices
-from hmc.memory._machine import host_id
+from hmc.memory._machine import host_id, rdma_nics
 from hmc.transport._base import Capabilities, PathName
 from hmc.v1 import common_pb2, daemon_pb2
 
@@ -50,15 +50,7 @@ def apply_vendor_override(found: list[Device], override: Mapping[str, str]) -> l
 
 def rdma_devices(root: str = "/sys/class/infiniband") -> list[daemon_pb2.RdmaDevice]:
     """RDMA NICs and their ports, e.g. mlx5_0 with ports ["1"]."""
-    base = Path(root)
-    if not base.is_dir():
-        return []
-    out = []
-    for entry in sorted(base.iterdir()):
-        ports_dir = entry / "ports"
-        ports = sorted(p.name for p in ports_dir.iterdir()) if ports_dir.is_dir() else []
-        out.append(daemon_pb2.RdmaDevice(name=entry.name, ports=ports))
-    return out
+    return [daemon_pb2.RdmaDevice(name=name, ports=ports) for name, ports in rdma_nics(root)]
 
 
 def _ptrace_scope(path: str = "/proc/sys/kernel/yama/ptrace_scope") -> int:

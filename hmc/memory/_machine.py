@@ -1,5 +1,5 @@
 """Which physical host this process runs on (below both the transports, a shared ring needs the same host,
-and the control plane, hmcd announces it), and where its PCI devices sit."""
+and the control plane, hmcd announces it), where its PCI devices sit, and which RDMA NICs it has."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import socket
 from pathlib import Path
 
-__all__ = ["HOST_ID_ENV", "host_id", "pci_numa_node"]
+__all__ = ["HOST_ID_ENV", "host_id", "pci_numa_node", "rdma_nics"]
 
 HOST_ID_ENV = "HMC_HOST_ID"
 """Overrides the host id: agents that share a kernel but not /dev/shm or a PID namespace (containers) are told
@@ -31,3 +31,15 @@ def pci_numa_node(bus_id: str) -> int:
     except (OSError, ValueError):
         return -1
     return max(node, -1)
+
+
+def rdma_nics(root: str = "/sys/class/infiniband") -> list[tuple[str, list[str]]]:
+    """The RDMA NICs the kernel lists, each with its ports: e.g. [("mlx5_0", ["1"])]; none, none here."""
+    base = Path(root)
+    if not base.is_dir():
+        return []
+    out = []
+    for entry in sorted(base.iterdir()):
+        ports = entry / "ports"
+        out.append((entry.name, sorted(p.name for p in ports.iterdir()) if ports.is_dir() else []))
+    return out

@@ -131,7 +131,10 @@ class NetnsNode:
         self.hmcd.kill()
 
     def agent(self, **changes: object) -> PeerProcess:
-        """A real agent in this node's namespace, attached to its hmcd (closed with the cluster)."""
+        """A real agent in this node's namespace, attached to its hmcd (closed with the cluster). Its UCX uses tcp
+        only (`ucx_transports`, unless changed): namespaces share one kernel, and UCX would otherwise move bytes
+        between them through shared memory, not over the nodes' network."""
+        changes.setdefault("ucx_transports", "tcp")
         agent = PeerProcess(self.config(**changes), daemon=True, env={"HMC_HOST_ID": self.host_id}, netns=self.netns)
         self.agents.append(agent)
         return agent

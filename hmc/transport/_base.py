@@ -17,6 +17,7 @@ import enum
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from hmc.errors import UnsupportedError
 from hmc.memory._base import DeviceKind
 from hmc.v1 import common_pb2
 
@@ -156,6 +157,10 @@ class Transport(abc.ABC):
     def export(self, buffer: Any) -> dict[str, Any]:
         """Handles to put in the descriptor of a newly registered ConnBuffer."""
         return {}
+
+    def grant(self, buffer: Any) -> common_pb2.TransportHandles:
+        """Owner side of a one-sided path: the handles a peer that proved `buffer`'s key gets (OpenBuffer)."""
+        raise UnsupportedError(f"the {self.capabilities.path.value} path grants no access to buffer {buffer.id}")
 
     def withdraw(self, buffer_id: str) -> None:
         """Forget a ConnBuffer that was unregistered (local) or withdrawn (remote)."""

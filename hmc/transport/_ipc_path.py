@@ -16,11 +16,12 @@ agent calls once before first use; the movers guard their own state.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from hmc.errors import UnsupportedError
-from hmc.memory import DeviceKind
+from hmc.memory import DeviceKind, MemoryKind
 from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferRequest, Transport
 from hmc.v1 import common_pb2
 
@@ -88,6 +89,18 @@ class IpcPath(Transport):
         handles: dict[str, Any] = {}
         for mover in self._movers.values():
             handles.update(mover.export(buffer))
+        return handles
+
+    def grant(self, buffer: Any) -> common_pb2.TransportHandles:
+        """What an ipc initiator needs to reach `buffer`: pid and address (cross-memory attach, or direct use by an
+        agent of this very process), and for device memory its vendor's IPC handle (CUDA or HIP)."""
+        handles = common_pb2.TransportHandles(cma=common_pb2.CmaHandle(pid=os.getpid(), address=buffer.region.address))
+        if buffer.region.kind is MemoryKind.DEVICE:
+            exported = buffer.descriptor.handles
+            vendor = [field for field in ("cuda_ipc", "hip_ipc") if exported.HasField(field)]
+            if not vendor:
+                raise UnsupportedError(f"buffer {buffer.id} is {buffer.region.device.name} memory with no IPC handle this agent could export")
+            getattr(handles, vendor[0]).CopyFrom(getattr(exported, vendor[0]))
         return handles
 
     def withdraw(self, buffer_id: str) -> None:

@@ -80,7 +80,8 @@ def _check_caps(path: PathName, src: Endpoint, dst: Endpoint) -> str | None:
     for end in (src, dst):
         cap = end.capability(path)
         if cap is None:
-            return f"agent {end.agent.id or '?'} on {end.agent.node or '?'} has no {path.value} transport"
+            why = next((u.reason for u in end.agent.unavailable if u.path == path.value), "")
+            return f"agent {end.agent.id or '?'} on {end.agent.node or '?'} has no {path.value} transport" + (f": {why}" if why else "")
         kind = _kind_name(end.device)
         if kind not in {k.value for k in cap.memory_kinds}:
             return f"{path.value} on agent {end.agent.id} cannot reach {kind} memory ({end.device.name})"
@@ -127,11 +128,28 @@ def _ipc(src: Endpoint, dst: Endpoint) -> str | None:
     return None
 
 
+def _cross_vendor(src: Endpoint, dst: Endpoint) -> str | None:
+    """The two vendors of a pair of device buffers that differ (declared vendors count), as "amd vs nvidia"."""
+    vendors = {_vendor(e.device) for e in (src, dst) if not _is_host(e.device)}
+    return " vs ".join(sorted(vendors)) if len(vendors) > 1 else None
+
+
 def _rdma(src: Endpoint, dst: Endpoint) -> str | None:
+    """Both agents declare rdma (their node has an RDMA NIC and a UCX with verbs) for their memory's kind (device
+    memory: GPUDirect or a dmabuf registration)."""
+    if vendors := _cross_vendor(src, dst):
+        return f"cross-vendor pair ({vendors}): not verified over RDMA here; staged's pinned ring serves it"
     return _check_caps(PathName.RDMA, src, dst)
 
 
 def _ucx(src: Endpoint, dst: Endpoint) -> str | None:
+    """UCX on both ends for their memory; device memory between hosts only through rdma (over tcp, UCX bounces
+    device memory through host buffers one stream at a time, which staged's pipelined ring does faster)."""
+    if vendors := _cross_vendor(src, dst):
+        return f"cross-vendor pair ({vendors}): not verified over UCX; staged's pinned ring serves it"
+    different_hosts = not src.agent.host_id or src.agent.host_id != dst.agent.host_id
+    if different_hosts and not (_is_host(src.device) and _is_host(dst.device)):
+        return "device memory on two hosts: without an RDMA NIC (the rdma path) UCX would run it over tcp through host bounce buffers; staged pipelines that"
     return _check_caps(PathName.UCX, src, dst)
 
 
@@ -151,7 +169,7 @@ _WHY_CHOSEN = {
     PathName.LOCAL: "same agent: one copy",
     PathName.IPC: "same host: one-sided copy into the peer's mapped memory, no staging",
     PathName.RDMA: "both ends reach the memory through an RDMA NIC",
-    PathName.UCX: "UCX on both ends",
+    PathName.UCX: "UCX on both ends: one-sided puts and gets over the transports both have",
     PathName.STAGED: "works between any two agents: pipelined TCP streams",
 }
 

@@ -23,7 +23,8 @@ __all__ = ["CDEF", "SOURCE", "build"]
 
 CDEF = r"""
 typedef enum { UCS_OK, UCS_INPROGRESS, UCS_ERR_NO_ELEM, UCS_ERR_NO_MEMORY, UCS_ERR_TIMED_OUT, UCS_ERR_CANCELED,
-               UCS_ERR_UNREACHABLE, UCS_ERR_NO_RESOURCE, UCS_ERR_CONNECTION_RESET, UCS_ERR_ENDPOINT_TIMEOUT, ... } ucs_status_t;
+               UCS_ERR_UNREACHABLE, UCS_ERR_NO_RESOURCE, UCS_ERR_CONNECTION_RESET, UCS_ERR_ENDPOINT_TIMEOUT, UCS_ERR_BUSY,
+               ... } ucs_status_t;
 typedef void *ucs_status_ptr_t;
 typedef struct ucp_context *ucp_context_h;
 typedef struct ucp_worker *ucp_worker_h;
@@ -41,6 +42,7 @@ typedef struct { uint64_t field_mask; void *address; size_t length; unsigned fla
 #define UCP_PARAM_FIELD_FEATURES ...
 #define UCP_FEATURE_RMA ...
 #define UCP_FEATURE_AM ...
+#define UCP_FEATURE_WAKEUP ...
 #define UCP_WORKER_PARAM_FIELD_THREAD_MODE ...
 #define UCS_THREAD_MODE_SINGLE ...
 #define UCS_THREAD_MODE_MULTI ...
@@ -70,12 +72,22 @@ void ucp_rkey_buffer_release(void *);
 ucs_status_t ucp_ep_rkey_unpack(ucp_ep_h, const void *, ucp_rkey_h *);
 void ucp_rkey_destroy(ucp_rkey_h);
 const char *ucs_status_string(ucs_status_t);
+ucs_status_t ucp_config_read(const char *, const char *, ucp_config_t **);
+ucs_status_t ucp_config_modify(ucp_config_t *, const char *, const char *);
+void ucp_config_release(ucp_config_t *);
+ucs_status_t ucp_worker_get_efd(ucp_worker_h, int *);
+ucs_status_t ucp_worker_arm(ucp_worker_h);
 
 typedef struct hmc_am_queue hmc_am_queue;
 int hmc_post_batch(ucp_ep_h ep, int is_get, size_t n, const uint64_t *local, const uint64_t *remote, const uint64_t *lengths,
                    ucp_rkey_h rkey, ucp_mem_h memh, size_t *posted);
 int hmc_flush_worker(ucp_worker_h worker, double timeout_s);
 int hmc_flush_ep(ucp_worker_h worker, ucp_ep_h ep, double timeout_s);
+void *hmc_flush_ep_start(ucp_ep_h ep);
+int hmc_request_status(void *request);
+void hmc_request_free(void *request);
+unsigned hmc_progress(ucp_worker_h worker, unsigned rounds);
+uint64_t hmc_memory_types(ucp_context_h context);
 int hmc_ep_close(ucp_worker_h worker, ucp_ep_h ep, double timeout_s);
 int hmc_am_send(ucp_worker_h worker, ucp_ep_h ep, unsigned id, const void *header, size_t length, double timeout_s);
 hmc_am_queue *hmc_am_install(ucp_worker_h worker, unsigned id, size_t capacity, size_t message_bytes);
@@ -149,6 +161,46 @@ int hmc_flush_ep(ucp_worker_h worker, ucp_ep_h ep, double timeout_s) {
     ucp_request_param_t param;
     memset(&param, 0, sizeof(param));
     return hmc_wait(worker, ucp_ep_flush_nbx(ep, &param), timeout_s);
+}
+
+/* A flush of `ep` that the caller polls (`hmc_request_status`) and releases (`hmc_request_free`): NULL when
+ * everything had completed already, an error pointer when it could not start. */
+void *hmc_flush_ep_start(ucp_ep_h ep) {
+    ucp_request_param_t param;
+    memset(&param, 0, sizeof(param));
+    return ucp_ep_flush_nbx(ep, &param);
+}
+
+int hmc_request_status(void *request) {
+    if (request == NULL)
+        return UCS_OK;
+    if (UCS_PTR_IS_ERR(request))
+        return UCS_PTR_STATUS(request);
+    return ucp_request_check_status(request);
+}
+
+/* Release a request (one still running completes on its own: UCX cancels no RMA, flush or send). */
+void hmc_request_free(void *request) {
+    if (request != NULL && !UCS_PTR_IS_ERR(request))
+        ucp_request_free(request);
+}
+
+/* Progress until a round finds nothing to do, at most `rounds` rounds; the events handled. */
+unsigned hmc_progress(ucp_worker_h worker, unsigned rounds) {
+    unsigned total = 0, got;
+    for (unsigned i = 0; i < rounds && (got = ucp_worker_progress(worker)) != 0; i++)
+        total += got;
+    return total;
+}
+
+/* The memory types this context can register (bits of ucs_memory_type_t). */
+uint64_t hmc_memory_types(ucp_context_h context) {
+    ucp_context_attr_t attr;
+    memset(&attr, 0, sizeof(attr));
+    attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+    if (ucp_context_query(context, &attr) != UCS_OK)
+        return 0;
+    return attr.memory_types;
 }
 
 /* Flush and close (UCX refuses a forced close without peer error handling: a close that times out goes on

@@ -19,7 +19,9 @@ made from it; every wait in the binding progresses it up to a deadline.
 
 from __future__ import annotations
 
-import functools
+import ctypes
+import os
+import threading
 from typing import Any, TypeVar
 
 import numpy as np
@@ -27,40 +29,70 @@ import numpy as np
 from hmc.errors import ArgumentError, BrokenResourceError, ClosedResourceError, HMCError, TimeoutError, UnavailableError, UnsupportedError
 from hmc.transport._ranges import check_timeout
 
-__all__ = ["Endpoint", "Inbox", "Mapping", "RemoteKey", "Worker", "check", "load", "version"]
+__all__ = ["Endpoint", "Inbox", "Mapping", "RemoteKey", "Request", "Worker", "check", "load", "version"]
 
 _AM_CAPACITY = 4096
 _AM_MESSAGE_BYTES = 256
 
 
-@functools.cache
-def load() -> tuple[Any, Any]:
-    """(ffi, lib) of the UCP binding; UnsupportedError saying why UCX cannot be used in this process."""
-    try:
-        import libucx
-    except ImportError:
-        raise UnsupportedError("UCX is not installed (pip install 'hmc[ucx]': the libucx-cu13 wheel)") from None
-    try:
-        libucx.load_library()
-    except OSError as exc:
-        raise UnsupportedError(f"the UCX libraries of the libucx wheel do not load: {exc}") from exc
+_LIBRARIES = ("libucm.so.0", "libucs.so.0", "libuct.so.0", "libucp.so.0")
+"""A UCX installation's libraries, in the order they depend on each other."""
+
+
+_loaded: list[tuple[Any, Any, str]] = []
+"""The binding once loaded: (ffi, lib, the UCX directory it runs on ("": the wheel))."""
+_load_lock = threading.Lock()
+
+
+def load(library: str = "") -> tuple[Any, Any]:
+    """(ffi, lib) of the UCP binding; UnsupportedError saying why UCX cannot be used in this process.
+
+    `library`: the directory of a UCX installation to use instead of the libucx wheel (a verbs-enabled system
+    UCX, e.g. /usr/lib/x86_64-linux-gnu); its libraries are loaded by path before the binding, which finds
+    them by soname. One process has one UCX: asking for another after the first load is refused."""
+    with _load_lock:
+        if not _loaded:
+            _loaded.append(_load(library))
+        ffi, lib, used = _loaded[0]
+    if used != library:
+        raise UnsupportedError(f"this process already uses the UCX of {used or 'the libucx wheel'}; it cannot switch to {library or 'the wheel'}")
+    return ffi, lib
+
+
+def _load(library: str) -> tuple[Any, Any, str]:
+    if library:
+        for name in _LIBRARIES:
+            try:
+                ctypes.CDLL(os.path.join(library, name), mode=ctypes.RTLD_GLOBAL)
+            except OSError as exc:
+                raise UnsupportedError(f"the UCX library {name} does not load from {library}: {exc}") from exc
+    else:
+        try:
+            import libucx
+        except ImportError:
+            raise UnsupportedError("UCX is not installed (pip install 'hmc[ucx]': the libucx-cu13 wheel)") from None
+        try:
+            libucx.load_library()
+        except OSError as exc:
+            raise UnsupportedError(f"the UCX libraries of the libucx wheel do not load: {exc}") from exc
     try:
         from hmc.transport import _ucx_c  # type: ignore[attr-defined]
     except ImportError as exc:
         raise UnsupportedError(f"the UCX binding was not built when HMC was installed (it needs cffi, the libucx wheel and a C compiler): {exc}") from exc
-    return _ucx_c.ffi, _ucx_c.lib
+    return _ucx_c.ffi, _ucx_c.lib, library
 
 
 def version() -> str:
-    ffi, lib = load()
+    """The version of the UCX the binding runs on (loaded)."""
+    ffi, lib, _ = _loaded[0]
     parts = [ffi.new("unsigned *") for _ in range(3)]
     lib.ucp_get_version(*parts)
     return ".".join(str(part[0]) for part in parts)
 
 
 def check(status: int, what: str) -> None:
-    """Raise the `hmc.errors` error for a UCX status (nothing for UCS_OK)."""
-    ffi, lib = load()
+    """Raise the `hmc.errors` error for a UCX status (nothing for UCS_OK); the binding is loaded."""
+    ffi, lib, _ = _loaded[0]
     if status == lib.UCS_OK:
         return
     text = ffi.string(lib.ucs_status_string(status)).decode(errors="replace")
@@ -77,13 +109,23 @@ def check(status: int, what: str) -> None:
 class Worker:
     """A UCP context with one worker: RMA and active messages."""
 
-    def __init__(self) -> None:
-        ffi, lib = self._ffi, self._lib = load()
+    def __init__(self, *, wakeup: bool = False, transports: str = "", library: str = "") -> None:
+        """`wakeup`: the worker can be slept on (`fd`, `arm`); UCX then uses only transports that signal events.
+        `transports`: UCX's transport list for this context (UCX_TLS syntax; empty: UCX_TLS or UCX's choice).
+        `library`: as for `load`."""
+        ffi, lib = self._ffi, self._lib = load(library)
         params = ffi.new("ucp_params_t *")
         params.field_mask = lib.UCP_PARAM_FIELD_FEATURES
-        params.features = lib.UCP_FEATURE_RMA | lib.UCP_FEATURE_AM
+        params.features = lib.UCP_FEATURE_RMA | lib.UCP_FEATURE_AM | (lib.UCP_FEATURE_WAKEUP if wakeup else 0)
+        config = ffi.new("ucp_config_t **")
+        check(lib.ucp_config_read(ffi.NULL, ffi.NULL, config), "ucp_config_read")
         context = ffi.new("ucp_context_h *")
-        check(lib.ucp_init(params, ffi.NULL, context), "ucp_init")
+        try:
+            if transports:
+                check(lib.ucp_config_modify(config[0], b"TLS", transports.encode()), f"UCX transports {transports!r}")
+            check(lib.ucp_init(params, config[0], context), "ucp_init")
+        finally:
+            lib.ucp_config_release(config[0])
         self._context = context[0]
         worker_params = ffi.new("ucp_worker_params_t *")
         worker_params.field_mask = lib.UCP_WORKER_PARAM_FIELD_THREAD_MODE
@@ -113,10 +155,34 @@ class Worker:
         self._owned.append(thing)
         return thing
 
-    def progress(self) -> int:
-        """One round of progress (the target of a put over tcp or shared memory must progress)."""
+    def progress(self, rounds: int = 1) -> int:
+        """Up to `rounds` rounds of progress, ending at the first that finds nothing; the events handled (the
+        target of a put over tcp or shared memory must progress)."""
         self._check_open()
-        return int(self._lib.ucp_worker_progress(self._worker))
+        return int(self._lib.hmc_progress(self._worker, rounds))
+
+    def fd(self) -> int:
+        """The file descriptor that becomes readable when an armed worker has events (a `wakeup` worker)."""
+        self._check_open()
+        fd = self._ffi.new("int *")
+        check(self._lib.ucp_worker_get_efd(self._worker, fd), "ucp_worker_get_efd")
+        return int(fd[0])
+
+    def arm(self) -> bool:
+        """Arm the worker's `fd`: True when it may be slept on, False when events are pending (progress first)."""
+        self._check_open()
+        status = self._lib.ucp_worker_arm(self._worker)
+        if status == self._lib.UCS_ERR_BUSY:
+            return False
+        check(status, "ucp_worker_arm")
+        return True
+
+    def memory_kinds(self) -> frozenset[str]:
+        """The memory this context can register: "host", and "cuda" or "rocm" where UCX found their transports."""
+        self._check_open()
+        mask, lib = int(self._lib.hmc_memory_types(self._context)), self._lib
+        named = {"host": lib.UCS_MEMORY_TYPE_HOST, "cuda": lib.UCS_MEMORY_TYPE_CUDA, "rocm": lib.UCS_MEMORY_TYPE_ROCM}
+        return frozenset(name for name, bit in named.items() if mask >> bit & 1)
 
     def map(self, address: int, length: int, memory: str = "host") -> Mapping:
         """Register `length` bytes at `address` (host, or "cuda"/"rocm" device memory) for RMA."""
@@ -279,6 +345,11 @@ class Endpoint(_Owned):
         timeout_s = check_timeout(timeout_s, "timeout_s")
         check(self._worker._lib.hmc_flush_ep(self._worker._worker, self._handle, timeout_s), "flushing the UCX endpoint")
 
+    def flush_start(self) -> Request:
+        """A flush of every operation posted so far on this endpoint, polled with `Request.done`."""
+        self._check_open()
+        return Request(self._worker, self._worker._lib.hmc_flush_ep_start(self._handle), "flushing the UCX endpoint")
+
     def send(self, message_id: int, header: bytes, timeout_s: float) -> None:
         """A header-only active message (after `flush`: it arrives after the data). UCX copies the header."""
         self._check_open()
@@ -294,6 +365,28 @@ class Endpoint(_Owned):
 
     def _release(self) -> None:
         self._worker._lib.hmc_ep_close(self._worker._worker, self._handle, self._close_timeout_s)
+
+
+class Request:
+    """An operation UCX runs in the background (a flush): poll `done`, then `release`."""
+
+    def __init__(self, worker: Worker, handle: Any, what: str) -> None:
+        self._worker, self._handle, self._what = worker, handle, what
+
+    def done(self) -> bool:
+        """True once it completed; the `hmc.errors` error if it failed (the worker must progress meanwhile)."""
+        self._worker._check_open()
+        status = self._worker._lib.hmc_request_status(self._handle)
+        if status == self._worker._lib.UCS_INPROGRESS:
+            return False
+        check(status, self._what)
+        return True
+
+    def release(self) -> None:
+        """Let UCX free it (at once if it completed, else when it does); idempotent."""
+        if self._handle is not None and not self._worker._closed:
+            self._worker._lib.hmc_request_free(self._handle)
+        self._handle = None
 
 
 class Inbox:

@@ -1,0 +1,179 @@
+"""The thread that drives a UCX worker: every UCX call of the `ucx` and `rdma` paths runs on it.
+
+A UCP worker is single-threaded (`hmc.transport._ucx_engine.Worker`), and the owner of remote memory must
+progress it for puts and gets over tcp or shared memory to land. So each path's worker has one named thread
+("hmc-ucx-<path>") that runs the commands other threads queue (`call` waits for the result, `submit` does
+not), progresses the worker, polls the background requests it was asked to `watch` (flushes), and sleeps on
+the worker's event file descriptor when there is nothing to do (`ucp_worker_arm`), woken by an eventfd when
+a command is queued. While requests are outstanding it sleeps at most `_POLL_S` at a time, so a transport
+that signals no events still completes.
+
+Concurrency: `_lock` guards the command queue and `_closed`; everything else belongs to the thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from hmc.errors import ClosedResourceError, HMCError, TimeoutError
+from hmc.transport._ucx_engine import Request, Worker
+
+__all__ = ["Progress"]
+
+_log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+_POLL_S = 0.001
+"""Longest sleep while requests are outstanding (a transport without events is polled this often)."""
+_SPIN_S = 20e-6
+"""How long the thread keeps progressing without events before it sleeps, while requests are outstanding."""
+_JOIN_S = 5.0
+
+Done = Callable[[BaseException | None], None]
+"""Called on the progress thread once a watched request ended: None, or the `hmc.errors` error."""
+
+
+class _Watch:
+    __slots__ = ("deadline", "done", "request")
+
+    def __init__(self, request: Request, deadline: float, done: Done) -> None:
+        self.request, self.deadline, self.done = request, deadline, done
+
+    def __lt__(self, other: _Watch) -> bool:
+        return self.deadline < other.deadline
+
+
+class Progress:
+    """Runs `worker` on a thread of its own until `close()`; owns the worker from then on."""
+
+    def __init__(self, worker: Worker, name: str) -> None:
+        self.worker = worker
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._lock = threading.Lock()  # guards _commands and _closed
+        self._commands: collections.deque[Callable[[], None]] = collections.deque()
+        self._closed = False
+        self._watched: list[_Watch] = []
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, command: Callable[[], None]) -> None:
+        """Run `command` on the progress thread soon (it must not raise: errors go where it sends them)."""
+        with self._lock:
+            if self._closed:
+                raise ClosedResourceError("the UCX progress thread is closed")
+            self._commands.append(command)
+        os.eventfd_write(self._wake, 1)
+
+    def on_thread(self) -> bool:
+        """Whether the caller is the progress thread."""
+        return threading.current_thread() is self._thread
+
+    def call(self, command: Callable[[], _T], deadline: float) -> _T:
+        """Run `command` on the progress thread and return its result (or raise its error), by `deadline`."""
+        if self.on_thread():
+            return command()
+        finished = threading.Event()
+        result: list[Any] = []
+
+        def run() -> None:
+            try:
+                result.append((True, command()))
+            except BaseException as exc:  # handed to the caller, whatever it is
+                result.append((False, exc))
+            finished.set()
+
+        self.submit(run)
+        if not finished.wait(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError("the UCX progress thread did not answer in time")
+        ok, value = result[0]
+        if not ok:
+            raise value
+        return value  # type: ignore[no-any-return]
+
+    def watch(self, request: Request, deadline: float, done: Done) -> None:
+        """Poll `request` until it ends or `deadline` passes (TimeoutError), then call `done` once; called on the
+        progress thread (from a command)."""
+        heapq.heappush(self._watched, _Watch(request, deadline, done))
+
+    def _run(self) -> None:
+        worker, fd = self.worker, self.worker.fd()
+        idle_since = time.monotonic()
+        while True:
+            ran = self._run_commands()
+            if ran is None:
+                break
+            events = worker.progress(64)
+            if self._watched:
+                self._poll()
+            if ran or events:
+                idle_since = time.monotonic()
+                continue
+            now = time.monotonic()
+            if self._watched and now - idle_since < _SPIN_S:
+                continue
+            timeout = min(_POLL_S, max(0.0, self._watched[0].deadline - now)) if self._watched else None
+            if worker.arm():
+                select.select([fd, self._wake], [], [], timeout)
+            idle_since = time.monotonic()
+        self._fail_all(ClosedResourceError("the UCX path was closed"))
+        worker.close()
+        os.close(self._wake)
+
+    def _run_commands(self) -> int | None:
+        """Run the queued commands; how many (None: closed)."""
+        try:
+            os.eventfd_read(self._wake)
+        except BlockingIOError:
+            pass
+        ran = 0
+        while True:
+            with self._lock:
+                if not self._commands:
+                    return None if self._closed else ran
+                command = self._commands.popleft()
+            try:
+                command()
+            except Exception:  # a command must report its own errors; one that does not is a bug, not a reason to stop
+                _log.exception("UCX command failed")
+            ran += 1
+
+    def _poll(self) -> None:
+        now, keep = time.monotonic(), []
+        for watch in self._watched:
+            try:
+                finished = watch.request.done()
+                error: BaseException | None = None
+            except HMCError as exc:
+                finished, error = True, exc
+            if not finished and now > watch.deadline:
+                finished, error = True, TimeoutError("the UCX operation missed its deadline")
+            if finished:
+                watch.request.release()
+                watch.done(error)
+            else:
+                keep.append(watch)
+        heapq.heapify(keep)
+        self._watched = keep
+
+    def _fail_all(self, error: HMCError) -> None:
+        watched, self._watched = self._watched, []
+        for watch in watched:
+            watch.request.release()
+            watch.done(error)
+
+    def close(self) -> None:
+        """Fail what is still watched, destroy the worker (ending what UCX still runs), join; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        os.eventfd_write(self._wake, 1)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(_JOIN_S)

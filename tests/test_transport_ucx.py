@@ -1,0 +1,178 @@
+"""The `ucx` path between real agents in two processes, with the UCX of the libucx wheel: over tcp and over
+shared memory with cma (what UCX has on a machine without RDMA or GPU). Skipped, with the reason, where the
+UCP binding is not built."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from hmc.agent import Agent, TransferState
+from hmc.config import Config, PathPolicy
+from hmc.errors import AccessDeniedError, BrokenResourceError, BufferWithdrawnError, CancelledError, TimeoutError, UnsupportedError
+from hmc.memory import DeviceKind
+from hmc.testing import PeerProcess, TransportPair, check_transport
+from hmc.transport._base import PathName
+from hmc.transport._ucx import UcxTransport
+
+try:
+    from hmc.transport import _ucx_engine
+
+    _ucx_engine.load()
+    WHY = ""
+except UnsupportedError as exc:
+    WHY = str(exc)
+
+pytestmark = pytest.mark.skipif(bool(WHY), reason=f"UCX binding: {WHY}")
+
+POISON = 0xA5
+TRANSPORTS = ["tcp", "sm,cma"]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def ucx_config(request: pytest.FixtureRequest, config: Config) -> Config:
+    return config.replace(ucx_transports=request.param)
+
+
+@pytest.fixture
+def ucx_peer(ucx_config: Config, make_peer: Callable[..., PeerProcess]) -> PeerProcess:
+    return make_peer(("ucx",), ucx_transports=ucx_config.ucx_transports)
+
+
+@pytest.fixture
+def ucx_agent(ucx_config: Config, make_agent: Callable[..., Agent]) -> Agent:
+    return make_agent(("ucx",), ucx_transports=ucx_config.ucx_transports)
+
+
+def test_ucx_conforms(ucx_config: Config, make_peer: Callable[..., PeerProcess]) -> None:
+    @contextlib.contextmanager
+    def pair() -> Iterator[TransportPair]:
+        peer = make_peer(("ucx",), ucx_transports=ucx_config.ucx_transports)
+        with Agent(ucx_config.replace(policy=PathPolicy(allow=("ucx",))), daemon=False) as a:
+            yield TransportPair(a, peer, "ucx", stalled=peer.stalled)
+
+    check_transport(pair)
+
+
+def test_the_agent_declares_what_ucx_reaches(ucx_agent: Agent) -> None:
+    [ucx] = [t for t in ucx_agent.info.transports if t.path == "ucx"]
+    assert ucx.one_sided and "UCX 1." in ucx.detail and ucx_agent.config.ucx_transports in ucx.detail
+    assert "rdma" not in [t.path for t in ucx_agent.info.transports]  # no RDMA device here
+
+
+def test_scattered_kv_ranges_both_ways(ucx_agent: Agent, ucx_peer: PeerProcess, rng: np.random.Generator) -> None:
+    size, block = 32 << 20, 16 << 10
+    theirs = ucx_peer.register(size, fill=POISON)
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    mine = ucx_agent.register(data)
+    count = 1500
+    src = rng.permutation(size // block)[:count] * block
+    dst = rng.permutation(size // block)[:count] * block
+    handle = ucx_agent.write(mine, theirs, src, dst, block)
+    handle.wait()
+    assert handle.path == "ucx"
+    expected = np.full(size, POISON, np.uint8)
+    for s, d in zip(src.tolist(), dst.tolist()):
+        expected[d : d + block] = data[s : s + block]
+    assert np.array_equal(np.frombuffer(ucx_peer.contents(theirs.id), np.uint8), expected)
+    sink = ucx_agent.register(np.full(size, POISON ^ 0xFF, np.uint8))
+    ucx_agent.read(sink, theirs, dst, src, block).wait()  # back where they came from
+    back = np.full(size, POISON ^ 0xFF, np.uint8)
+    for s in src.tolist():
+        back[s : s + block] = data[s : s + block]
+    assert np.array_equal(sink.numpy(), back)
+
+
+def test_a_peer_killed_mid_transfer_fails_it_within_the_deadline(ucx_agent: Agent, ucx_peer: PeerProcess, rng: np.random.Generator) -> None:
+    size = 64 << 20
+    theirs = ucx_peer.register(size, fill=POISON)
+    mine = ucx_agent.register(rng.integers(0, 256, size, dtype=np.uint8))
+    ucx_agent.write(mine, theirs, 0, 0, 4096).wait()  # connected and granted
+    with ucx_peer.stalled():  # frozen: the transfer cannot finish before the kill
+        handle = ucx_agent.write(mine, theirs, np.arange(64) * (1 << 20), np.arange(64) * (1 << 20), 1 << 20, notify=b"x", timeout=8.0)
+        ucx_peer.kill()
+    with pytest.raises((BrokenResourceError, TimeoutError)):
+        handle.wait()
+    assert handle.state is TransferState.FAILED
+    with pytest.raises((BrokenResourceError, TimeoutError)):
+        ucx_agent.write(mine, theirs, 0, 0, 4096, timeout=2.0).wait()
+
+
+def test_a_withdrawn_buffer_is_refused_and_nothing_lands(ucx_agent: Agent, ucx_peer: PeerProcess, rng: np.random.Generator) -> None:
+    theirs = ucx_peer.register(1 << 20, fill=POISON)
+    mine = ucx_agent.register(rng.integers(0, 256, 1 << 20, dtype=np.uint8))
+    ucx_agent.write(mine, theirs, 0, 0, 1 << 20).wait()
+    ucx_peer.unregister(theirs.id)
+    for _ in range(2):
+        with pytest.raises(BufferWithdrawnError):
+            ucx_agent.write(mine, theirs, 0, 0, 4096).wait()
+
+
+def test_read_only_memory_is_read_never_written(ucx_config: Config, make_agent: Callable[..., Agent], rng: np.random.Generator) -> None:
+    owner, initiator = make_agent(("ucx",), ucx_transports=ucx_config.ucx_transports), make_agent(("ucx",), ucx_transports=ucx_config.ucx_transports)
+    content = rng.integers(0, 256, 8192, dtype=np.uint8).tobytes()
+    frozen = owner.register(content)  # bytes: read-only memory
+    source = initiator.register(rng.integers(0, 256, 8192, dtype=np.uint8))
+    sink = initiator.register(np.zeros(8192, np.uint8))
+    initiator.read(sink, frozen.descriptor, 0, 0, 8192).wait()
+    assert sink.numpy().tobytes() == content
+    for args in ((0, 0, 16), ([0, 100], [0, 1000], [8, 8]), (0, 0, 8192)):
+        handle = initiator.write(source, frozen.descriptor, *args)
+        with pytest.raises(AccessDeniedError, match="read-only"):
+            handle.wait()
+        assert handle.path == "ucx"
+    assert frozen.numpy().tobytes() == content
+
+
+def test_many_threads_submit_at_once(ucx_agent: Agent, ucx_peer: PeerProcess, rng: np.random.Generator) -> None:
+    size, threads = 8 << 20, 6
+    theirs = ucx_peer.register(size * threads, fill=POISON)
+    data = rng.integers(0, 256, size * threads, dtype=np.uint8)
+    mine = ucx_agent.register(data)
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            for _ in range(5):
+                ucx_agent.write(mine, theirs, i * size, i * size, size).wait()
+        except BaseException as exc:  # collected for the assertion below
+            errors.append(exc)
+
+    workers = [threading.Thread(target=one, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    assert not errors
+    assert ucx_peer.contents(theirs.id) == data.tobytes()
+
+
+def test_cancel_waits_for_what_is_in_flight(ucx_agent: Agent, ucx_peer: PeerProcess, rng: np.random.Generator) -> None:
+    size = 128 << 20
+    theirs = ucx_peer.register(size, fill=POISON)
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    mine = ucx_agent.register(data)
+    ucx_agent.write(mine, theirs, 0, 0, 4096).wait()
+    handle = ucx_agent.write(mine, theirs, 0, 0, size)
+    handle.cancel()
+    with pytest.raises(CancelledError):
+        handle.wait()
+    first = np.frombuffer(ucx_peer.contents(theirs.id), np.uint8)
+    assert bool(np.all((first == POISON) | (first == data)))
+    assert np.array_equal(np.frombuffer(ucx_peer.contents(theirs.id), np.uint8), first), "bytes landed after the cancel returned"
+
+
+def test_bad_construction_and_use_after_close() -> None:
+    with pytest.raises(Exception, match="ucx and rdma"):
+        UcxTransport(lambda d, t: None, path=PathName.STAGED)  # type: ignore[arg-type,return-value]
+    transport = UcxTransport(lambda d, t: None)  # type: ignore[arg-type,return-value]
+    assert transport.unavailable_reason() is None
+    assert DeviceKind.HOST in transport.capabilities.memory_kinds
+    transport.close()
+    transport.close()
+    rdma = UcxTransport(lambda d, t: None, path=PathName.RDMA)  # type: ignore[arg-type,return-value]
+    assert "no RDMA device" in (rdma.unavailable_reason() or "")
