@@ -26,6 +26,7 @@ TOML layout (every key optional; each key has exactly one home)::
     [ucx]
     transports = ""                     # HMC_UCX_TRANSPORTS (UCX_TLS syntax, e.g. "tcp" or "sm,cma"; "": UCX's choice)
     library = ""                        # HMC_UCX_LIBRARY (a system UCX's library directory; "": the libucx wheel)
+    workers = 2                         # HMC_UCX_WORKERS
     [paths]
     allow = ["ipc", "staged"]           # HMC_PATHS_ALLOW="ipc,staged" (and _DENY, _PREFER)
     deny = []
@@ -42,7 +43,7 @@ TOML layout (every key optional; each key has exactly one home)::
 Validation (pydantic models; the environment is read by pydantic-settings): types are strict
 in the file and in `Config(...)` (`timeout_s = "30"` is refused), environment strings are
 parsed; values are range-checked (seconds finite, > 0 and <= 1e6; 1..64 staged streams and
-ipc threads; chunks >= 4096 bytes; 1..65536 peer connections); unknown keys are refused in
+ipc threads; 1..64 UCX workers; chunks >= 4096 bytes; 1..65536 peer connections); unknown keys are refused in
 every table, unknown `HMC_*` variables are left alone (other parts read a few, e.g.
 HMC_HOST_ID). Every refusal is an `ArgumentError` naming the key (`transfer.streams`,
 `HMC_TIMEOUT_S`); no pydantic error leaves this module.
@@ -200,6 +201,8 @@ class Config(_Frozen):
     ucx_transports: Annotated[str, AfterValidator(_ucx_transports)] = ""
     """The UCX transports the `ucx` path may use (UCX_TLS syntax, e.g. "tcp" or "sm,cma"); empty: UCX_TLS, else
     UCX's own choice. The `rdma` path always uses UCX's verbs transports (rc, dc, ud)."""
+    ucx_workers: Annotated[int, Field(ge=1, le=64)] = 2
+    """UCX workers per path, each on its own progress thread: a large transfer is split across them."""
     ucx_library: str = ""
     """Directory of a UCX installation to load instead of the libucx wheel's (a verbs-enabled system UCX for
     InfiniBand/RoCE, e.g. /usr/lib/x86_64-linux-gnu); empty: the wheel."""
@@ -272,7 +275,7 @@ def _optional(fields: Mapping[str, str], *metadata: Any, alias: str = "") -> dic
 
 _TABLES = {
     "transfer": {"timeout_s": "timeout_s", "streams": "staged_streams", "chunk_bytes": "staged_chunk_bytes", "socket_buffer_bytes": "socket_buffer_bytes", "ipc_threads": "ipc_threads"},
-    "ucx": {"transports": "ucx_transports", "library": "ucx_library"},
+    "ucx": {"transports": "ucx_transports", "library": "ucx_library", "workers": "ucx_workers"},
     "directory": {"kind": "directory", "endpoints": "etcd_endpoints", "prefix": "etcd_prefix", "lease_ttl_s": "etcd_lease_ttl_s", "ca": "etcd_ca", "cert": "etcd_cert", "key": "etcd_key"},
 }
 """[table] key -> Config field; every other scalar field is a top-level key of its own name."""

@@ -169,7 +169,10 @@ class Agent:
             if mover is not None:
                 ipc_movers[kind] = mover
         ucx = [
-            UcxTransport(functools.partial(self._peers.open_grant, path=path.value), path=path, transports=cfg.ucx_transports, library=cfg.ucx_library, timeout_s=cfg.timeout_s)
+            UcxTransport(
+                functools.partial(self._peers.open_grant, path=path.value), path=path,
+                transports=cfg.ucx_transports, library=cfg.ucx_library, workers=cfg.ucx_workers,
+            )  # fmt: skip
             for path in (PathName.RDMA, PathName.UCX)
         ]
         return [

@@ -1,35 +1,43 @@
 """The `ucx` and `rdma` paths: one-sided UCX puts and gets between registered ConnBuffers, both ends.
 
-Owner side. Every ConnBuffer is registered with the path's worker once, when it is registered with the agent
+Engine. One UCP context per path and agent, with `workers` workers ("lanes"), each driven by its own progress
+thread (`hmc.transport._ucx_progress`). Several lanes because UCX moves cma and tcp bytes on the thread that
+posts or progresses them: one worker moves at most one core's worth, so a large transfer is split across the
+lanes (NIXL's UCX backend has `num_workers` for the same reason).
+
+Owner side. Every ConnBuffer is registered with the context once, when it is registered with the agent
 (`export`: `ucp_mem_map`, device memory included where UCX found its transports), and unregistered when it is
-withdrawn. The packed key, the buffer's address and the worker's address are handed out only in a
+withdrawn. The packed key, the buffer's address and the workers' addresses are handed out only in a
 BufferGrant (`grant`), to a peer that proved the buffer's access key over its control channel: whoever holds
-them can write the memory (as with `ipc`'s grants). The owner's progress thread is what lands puts and gets
-that UCX emulates (tcp, shared memory); cma and cuda_ipc land without it.
+them can write the memory (as with `ipc`'s grants). The owner's progress threads are what land puts and gets
+that UCX emulates (tcp, shared memory); cma and cuda_ipc land without them.
 
-Initiator side. `post` asks the owner for a grant once per (buffer, key) on the caller's thread, then hands
-the transfer to the progress thread (`hmc.transport._ucx_progress`), which connects an endpoint per owner
-worker (peer error handling off: HMC learns that a peer died from its control channel, `forget_peer`),
-unpacks the key once per grant, and posts the ranges window by window (`_WINDOW_BYTES`, `_WINDOWS` in
-flight), each window one call below Python (`Endpoint.post`) followed by a flush whose completion says the
-window has landed. The notification that may follow is sent by the agent after the last flush.
+Initiator side. `post` asks the owner for a grant once per (buffer, key) on the caller's thread, then splits
+the transfer into one part per lane (above `_PART_MIN` bytes each) and hands each to its lane, which connects
+an endpoint to the owner's worker of the same index (peer error handling off: HMC learns that a peer died
+from its control channel, `forget_peer`), unpacks the key once, and posts the part's ranges window by window
+(`_WINDOW_BYTES`, `_WINDOWS` in flight), each window one call below Python (`Endpoint.post`) followed by a
+flush whose completion says the window has landed. The notification that may follow is sent by the agent
+after the transfer ended.
 
-Ends. A failed, expired or revoked transfer stops posting at once. UCX cancels no put or get, so a cancel
-(the handle's `on_cancel`) and a withdrawal wait, bounded by `_STOP_WAIT_S`, for the windows in flight to
-land; an expiry reports at the deadline. A window in flight to an owner that has stopped progressing (a
-frozen process, over tcp) can land when that owner resumes, after its transfer ended: at most `_WINDOWS`
-windows of that transfer's own bytes, into the same buffer (docs/decisions.md, "The ucx path").
+Ends. A transfer ends when all its parts have: a failed part stops the others from posting, and the end is
+reported once nothing of the transfer is in flight, with the first error. A dead peer ends it at once (nothing
+of it can land any more); an expiry at the deadline. UCX cancels no put or get, so a cancel (the handle's
+`on_cancel`) and a withdrawal wait, bounded by `_STOP_WAIT_S`, for the windows in flight to land. A window in
+flight to an owner that has stopped progressing (a frozen process, over tcp) can land when that owner
+resumes, after its transfer ended: at most `_WINDOWS` windows per lane of that transfer's own bytes, into the
+same buffer (docs/decisions.md, "The ucx and rdma paths").
 
-Concurrency: `_lock` guards the grant table; flights, endpoints and keys belong to the progress thread; a
-grant's `flights` count is changed on the progress thread and waited for under `_drained`.
+Concurrency: `_lock` guards the grant table and each grant's `flights` (waited for under `_drained`); a
+lane's endpoints and parts belong to its progress thread; a transfer's own counters to `_Transfer.lock`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -52,9 +60,12 @@ OpenGrant = Callable[[common_pb2.BufferDescriptor, float], peer_pb2.BufferGrant]
 
 RDMA_TRANSPORTS = "rc,dc,ud"
 """UCX's verbs transports: what the `rdma` path restricts its context to."""
-_WINDOW_BYTES = 16 << 20
-"""Bytes of a transfer posted before its flush; with `_WINDOWS` in flight, what a stopped owner may still get."""
+_WINDOW_BYTES = 64 << 20
+"""Bytes of a part posted before its flush. Each flush costs a round of both progress threads (about 0.1 ms
+on the 2-core VM), so windows are large; with `_WINDOWS` in flight, what a stopped owner may still get."""
 _WINDOWS = 2
+_PART_MIN = 4 << 20
+"""Smallest share of a transfer worth a lane of its own (as for ipc's threads)."""
 _STOP_WAIT_S = 5.0
 """How long a cancel or a withdrawal waits for windows in flight to land."""
 _MAX_WORKER_ADDRESS = 1 << 16
@@ -63,105 +74,153 @@ _UCX_MEMORY = {DeviceKind.HOST: "host", DeviceKind.CUDA: "cuda", DeviceKind.HIP:
 
 
 class _Grant:
-    """The right to put into / get from one remote buffer, with the UCX objects that reach it."""
+    """The right to put into / get from one remote buffer, with the keys each lane unpacked for it."""
 
-    __slots__ = ("address", "buffer_id", "flights", "key", "owner", "read_only", "revoked", "rkey", "rkey_bytes", "size", "worker")
+    __slots__ = ("address", "buffer_id", "flights", "key", "owner", "read_only", "revoked", "rkey", "rkeys", "size", "workers")
 
-    def __init__(self, message: peer_pb2.BufferGrant, key: bytes, owner: str) -> None:
+    def __init__(self, message: peer_pb2.BufferGrant, key: bytes, owner: str, lanes: int) -> None:
         handle = message.handles.ucx
-        if not handle.rkey or not handle.worker or len(handle.worker) > _MAX_WORKER_ADDRESS:
+        workers = [bytes(w) for w in handle.workers]
+        if not handle.rkey or not workers or any(not 0 < len(w) <= _MAX_WORKER_ADDRESS for w in workers):
             raise UnsupportedError(f"agent {owner} granted buffer {message.buffer_id} without a usable UCX key and worker address")
         self.key, self.owner, self.buffer_id = key, owner, message.buffer_id
         self.address, self.size, self.read_only = handle.address, message.size, message.read_only
-        self.worker = bytes(handle.worker)
-        self.rkey_bytes = bytes(handle.rkey)
-        self.rkey: engine.RemoteKey | None = None
+        self.workers = workers
+        self.rkey = bytes(handle.rkey)
+        self.rkeys: list[engine.RemoteKey | None] = [None] * lanes
+        """Per lane, unpacked on that lane's thread."""
         self.flights = 0
         self.revoked: HMCError | None = None
 
+    def worker(self, lane: int) -> bytes:
+        return self.workers[lane % len(self.workers)]
+
+
+class _Transfer:
+    """One request, split into parts that run on lanes; reported once when every part has ended."""
+
+    def __init__(self, request: TransferRequest, grant: _Grant, parts: int, on_end: Callable[[], None]) -> None:
+        self.request, self.grant, self._on_end = request, grant, on_end
+        self.lock = threading.Lock()  # guards remaining and error
+        self.remaining = parts
+        self.error: BaseException | None = None
+        self.failed = False
+        """A part failed: the others post nothing more."""
+        self.cancelled = False
+        self.ended = threading.Event()
+        """Set once no part has anything in flight any more."""
+
+    def part_ended(self, error: BaseException | None) -> None:
+        with self.lock:
+            self.remaining -= 1
+            if error is not None and self.error is None:
+                self.error = error
+                self.failed = True
+            last = self.remaining == 0
+        if last:
+            self._on_end()
+            self.ended.set()
+            if not self.cancelled:
+                self.request.completion.finish(self.error)
+
 
 @dataclasses.dataclass(eq=False)
-class _Flight:
-    """One transfer on the progress thread: its windows, how many are in flight, whether it ended."""
+class _Part:
+    """A transfer's share on one lane: its windows and how many are in flight."""
 
-    request: TransferRequest
-    grant: _Grant
+    transfer: _Transfer
+    lane: _Lane
     windows: list[RangeList]
     next: int = 0
     in_flight: int = 0
-    ended: bool = False
-    stopped: bool = False
-    landed: threading.Event = dataclasses.field(default_factory=threading.Event)
-    """Set once no window of the transfer is in flight any more and none will be posted."""
+    stopping: bool = False
+    reported: bool = False
+    error: BaseException | None = None
+
+
+class _Lane:
+    """One worker with its progress thread, and the endpoints and parts it drives (its thread only)."""
+
+    def __init__(self, context: engine.Context, name: str) -> None:
+        self.progress = Progress(engine.Worker(context), name)
+        self.endpoints: dict[bytes, engine.Endpoint] = {}
+        self.parts: set[_Part] = set()
 
 
 class UcxTransport(Transport):
     """One path (`ucx`, or `rdma`: the same engine on verbs transports) of one agent."""
 
-    def __init__(self, open_grant: OpenGrant, *, path: PathName = PathName.UCX, transports: str = "", library: str = "", timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, open_grant: OpenGrant, *, path: PathName = PathName.UCX, transports: str = "", library: str = "", workers: int = 2
+    ) -> None:
         if path not in (PathName.UCX, PathName.RDMA):
             raise ArgumentError(f"the UCX engine serves the ucx and rdma paths, not {path.value}")
+        if not 1 <= workers <= 64:
+            raise ArgumentError(f"workers must be 1..64, got {workers}")
         self._open_grant = open_grant
         self._path = path
         self._transports = RDMA_TRANSPORTS if path is PathName.RDMA else transports
         self._library = library
-        self._timeout_s = timeout_s
+        self._workers = workers
         self._capabilities = Capabilities(path=path, memory_kinds=frozenset(), one_sided=True)
-        self._progress: Progress | None = None
-        self._lock = threading.Lock()  # guards _grants
-        self._drained = threading.Condition(self._lock)  # a grant's last flight ended
+        self._context: engine.Context | None = None
+        self._lanes: list[_Lane] = []
+        self._next_lane = itertools.count()
+        self._lock = threading.Lock()  # guards _grants and every grant's flights
+        self._drained = threading.Condition(self._lock)  # a grant's last transfer ended
         self._grants: dict[str, _Grant] = {}
+        self._map_lock = threading.Lock()  # guards _mappings
         self._mappings: dict[str, engine.Mapping] = {}
-        """Local buffer id -> its registration (progress thread)."""
-        self._endpoints: dict[bytes, engine.Endpoint] = {}
-        """Owner worker address -> endpoint (progress thread)."""
-        self._flights: set[_Flight] = set()
+        """Local buffer id -> its registration."""
 
     @property  # type: ignore[override]
     def capabilities(self) -> Capabilities:
         return self._capabilities
 
     def unavailable_reason(self) -> str | None:
-        """Load UCX and start the worker; why not, when it cannot (no UCX, no RDMA device for `rdma`)."""
-        if self._path is PathName.RDMA and not rdma_nics():
+        """Load UCX and start the lanes; why not, when it cannot (no UCX; for `rdma`, no NIC or no verbs)."""
+        nics = [name for name, _ in rdma_nics()]
+        if self._path is PathName.RDMA and not nics:
             return "no RDMA device on this host (/sys/class/infiniband is empty)"
         try:
-            worker = engine.Worker(wakeup=True, transports=self._transports, library=self._library)
+            context = engine.Context(wakeup=True, transports=self._transports, library=self._library)
         except HMCError as exc:
+            if self._path is PathName.RDMA:
+                return f"UCX has no verbs transport for {', '.join(nics)} ({exc}); the libucx wheel has none: set [ucx] library to a verbs-enabled UCX"
             return str(exc)
-        kinds = frozenset(_KINDS[name] for name in worker.memory_kinds())
-        detail = f"UCX {engine.version()}" + (f", transports {self._transports}" if self._transports else "")
+        kinds = frozenset(_KINDS[name] for name in context.memory_kinds())
+        detail = f"UCX {engine.version()}, {self._workers} workers" + (f", transports {self._transports}" if self._transports else "")
         self._capabilities = Capabilities(path=self._path, memory_kinds=kinds, one_sided=True, detail=detail)
-        self._progress = Progress(worker, f"hmc-{self._path.value}")
+        self._context = context
+        self._lanes = [_Lane(context, f"hmc-{self._path.value}-{i}") for i in range(self._workers)]
         return None
 
-    def _run(self) -> Progress:
-        if self._progress is None:
+    def _running(self) -> list[_Lane]:
+        if not self._lanes:
             raise UnsupportedError(f"the {self._path.value} path is not running")
-        return self._progress
+        return self._lanes
 
     # -- owner side ---------------------------------------------------------------
 
     def export(self, buffer: Any) -> dict[str, Any]:
-        """Register the buffer's memory with the worker (handles go out in grants only)."""
-        kind = buffer.region.device.kind if buffer.region.kind is MemoryKind.DEVICE else DeviceKind.HOST
-        if self._progress is None or kind not in self._capabilities.memory_kinds:
+        """Register the buffer's memory with the context (handles go out in grants only)."""
+        kind = _kind(buffer)
+        if self._context is None or kind not in self._capabilities.memory_kinds:
             return {}
-        worker = self._progress.worker
-
-        def register() -> None:
-            self._mappings[buffer.id] = worker.map(buffer.region.address, buffer.size, _UCX_MEMORY[kind])
-
-        self._progress.call(register, time.monotonic() + self._timeout_s)
+        mapping = self._context.map(buffer.region.address, buffer.size, _UCX_MEMORY[kind])
+        with self._map_lock:
+            self._mappings[buffer.id] = mapping
         return {}
 
     def grant(self, buffer: Any) -> common_pb2.TransportHandles:
-        """What a peer that proved `buffer`'s key gets: the packed key, the address and this worker's address."""
-        progress = self._run()
-        mapping = progress.call(lambda: self._mappings.get(buffer.id), time.monotonic() + self._timeout_s)
+        """What a peer that proved `buffer`'s key gets: the packed key, the address and the workers' addresses."""
+        lanes = self._running()
+        with self._map_lock:
+            mapping = self._mappings.get(buffer.id)
         if mapping is None:
             raise UnsupportedError(f"buffer {buffer.id} ({buffer.region.device.name}) is not registered with {self._path.value}")
-        handle = common_pb2.UcxHandle(rkey=mapping.rkey, address=mapping.address, worker=progress.worker.address, ucx_version=engine.version())
+        workers = [lane.progress.worker.address for lane in lanes]
+        handle = common_pb2.UcxHandle(rkey=mapping.rkey, address=mapping.address, workers=workers, ucx_version=engine.version())
         return common_pb2.TransportHandles(ucx=handle)
 
     # -- initiator side -------------------------------------------------------------
@@ -170,15 +229,20 @@ class UcxTransport(Transport):
         with self._lock:
             grant = self._grants.get(remote.id)
         if grant is None or grant.key != remote.access_key or grant.revoked is not None:
-            grant = _Grant(self._open_grant(remote, deadline), remote.access_key, remote.owner.id)
+            grant = _Grant(self._open_grant(remote, deadline), remote.access_key, remote.owner.id, len(self._lanes))
             with self._lock:
                 self._grants[remote.id] = grant
         return grant
 
     def post(self, request: TransferRequest) -> None:
         try:
-            progress = self._run()
-            self._local_kind(request.local)
+            lanes = self._running()
+            if _kind(request.local) not in self._capabilities.memory_kinds:
+                raise UnsupportedError(f"{self._path.value} on this agent cannot reach {_kind(request.local).value} memory")
+            with self._map_lock:
+                mapping = self._mappings.get(request.local.id)
+            if mapping is None:
+                raise UnsupportedError(f"buffer {request.local.id} is not registered with {self._path.value}")
             grant = self._grant(request.remote, request.deadline)
             if grant.read_only and request.op is TransferOp.WRITE:
                 raise AccessDeniedError(f"buffer {grant.buffer_id} is read-only: its owner grants reads only")
@@ -188,127 +252,125 @@ class UcxTransport(Transport):
         except HMCError as exc:
             request.completion.finish(exc)
             return
-        flight = _Flight(request, grant, request.ranges.chunks(_WINDOW_BYTES))
-        request.completion.set_running()
-        request.completion.on_cancel = lambda: self._stop(flight)
-        try:
-            progress.submit(lambda: self._start(flight))
-        except HMCError as exc:
-            flight.landed.set()
-            request.completion.finish(exc)
-
-    def _local_kind(self, local: Any) -> DeviceKind:
-        kind = local.region.device.kind if local.region.kind is MemoryKind.DEVICE else DeviceKind.HOST
-        if kind not in self._capabilities.memory_kinds:
-            raise UnsupportedError(f"{self._path.value} on this agent cannot reach {kind.value} memory")
-        return kind
-
-    def _start(self, flight: _Flight) -> None:
-        """Progress thread: connect, unpack the key, post the first windows."""
-        grant = flight.grant
-        if flight.ended:  # cancelled before it started
-            return
+        total = request.ranges.total
+        count = max(1, min(len(lanes), total // _PART_MIN))
+        shares = request.ranges.chunks(-(-total // count)) if count > 1 else [request.ranges]
+        transfer = _Transfer(request, grant, len(shares), lambda: self._release(grant))
         with self._lock:
             grant.flights += 1
-        self._flights.add(flight)
+        first = next(self._next_lane)
+        parts = []
+        for i, share in enumerate(shares):
+            index = (first + i) % len(lanes)
+            parts.append((index, _Part(transfer, lanes[index], share.chunks(_WINDOW_BYTES))))
+        request.completion.set_running()
+        request.completion.on_cancel = lambda: self._stop(transfer, [part for _, part in parts])
+        for index, part in parts:
+            try:
+                part.lane.progress.submit(lambda index=index, part=part: self._start(index, part, mapping))
+            except HMCError as exc:
+                self._report(part, exc)
+
+    def _release(self, grant: _Grant) -> None:
+        """A transfer of `grant` has nothing in flight any more (a withdrawal waits for all of them)."""
+        with self._lock:
+            grant.flights -= 1
+            self._drained.notify_all()
+
+    def _start(self, index: int, part: _Part, mapping: engine.Mapping) -> None:
+        """Lane thread: connect, unpack the key, post the first windows."""
+        grant, transfer, lane = part.transfer.grant, part.transfer, part.lane
+        if transfer.cancelled or transfer.failed:
+            self._report(part, None)
+            return
+        lane.parts.add(part)
         try:
             if grant.revoked is not None:
                 raise grant.revoked
-            if flight.request.local.id not in self._mappings:
-                raise UnsupportedError(f"buffer {flight.request.local.id} is not registered with {self._path.value}")
-            endpoint = self._endpoints.get(grant.worker)
+            address = grant.worker(index)
+            endpoint = lane.endpoints.get(address)
             if endpoint is None:
-                endpoint = self._endpoints[grant.worker] = self._run().worker.connect(grant.worker)
-            if grant.rkey is None:
-                grant.rkey = endpoint.unpack(grant.rkey_bytes)
+                endpoint = lane.endpoints[address] = lane.progress.worker.connect(address)
+            if grant.rkeys[index] is None:
+                grant.rkeys[index] = endpoint.unpack(grant.rkey)
         except HMCError as exc:
-            self._end(flight, exc)
+            self._end(part, exc)
             return
-        self._pump(flight, endpoint)
+        self._pump(index, part, endpoint, mapping)
 
-    def _pump(self, flight: _Flight, endpoint: engine.Endpoint) -> None:
-        """Post windows until `_WINDOWS` are in flight (or none is left); end the transfer when all landed."""
-        request, grant = flight.request, flight.grant
-        while not flight.ended and flight.in_flight < _WINDOWS and flight.next < len(flight.windows):
-            window = flight.windows[flight.next]
-            flight.next += 1
-            if request.op is TransferOp.WRITE:
-                local_offsets, remote_offsets, op = window.src, window.dst, "write"
-            else:
-                local_offsets, remote_offsets, op = window.dst, window.src, "read"
-            base = np.uint64(request.local.region.address)
+    def _pump(self, index: int, part: _Part, endpoint: engine.Endpoint, mapping: engine.Mapping) -> None:
+        """Post windows until `_WINDOWS` are in flight (or none is left); end the part when all landed."""
+        transfer = part.transfer
+        request, grant = transfer.request, transfer.grant
+        base, remote_base = np.uint64(request.local.region.address), np.uint64(grant.address)
+        while not part.stopping and part.in_flight < _WINDOWS and part.next < len(part.windows):
+            if transfer.cancelled or transfer.failed or grant.revoked is not None:
+                self._end(part, grant.revoked)
+                return
+            window = part.windows[part.next]
+            part.next += 1
+            local, remote = (window.src, window.dst) if request.op is TransferOp.WRITE else (window.dst, window.src)
+            op = "write" if request.op is TransferOp.WRITE else "read"
             try:
-                endpoint.post(op, self._mappings[request.local.id], local_offsets.astype(np.uint64) + base,
-                              remote_offsets.astype(np.uint64) + np.uint64(grant.address), window.lengths, grant.rkey)  # type: ignore[arg-type]
+                endpoint.post(op, mapping, local.astype(np.uint64) + base, remote.astype(np.uint64) + remote_base, window.lengths, grant.rkeys[index])  # type: ignore[arg-type]
                 flush = endpoint.flush_start()
             except HMCError as exc:
-                self._end(flight, exc)
+                self._end(part, exc)
                 return
-            flight.in_flight += 1
+            part.in_flight += 1
             nbytes = window.total
-            self._run().watch(flush, request.deadline, lambda error, n=nbytes: self._landed(flight, endpoint, n, error))
-        if flight.in_flight == 0 and not flight.ended:
-            self._end(flight, None)
+            part.lane.progress.watch(flush, request.deadline, lambda error, n=nbytes: self._landed(index, part, endpoint, mapping, n, error))
+        if part.in_flight == 0:
+            self._end(part, None)
 
-    def _landed(self, flight: _Flight, endpoint: engine.Endpoint, nbytes: int, error: BaseException | None) -> None:
-        flight.in_flight -= 1
-        if error is None and not flight.ended:
-            flight.request.completion.add_bytes(nbytes)
-            if flight.grant.revoked is not None or flight.stopped:
-                error = flight.grant.revoked
-            else:
-                self._pump(flight, endpoint)
-                return
-        self._end(flight, error)
+    def _landed(self, index: int, part: _Part, endpoint: engine.Endpoint, mapping: engine.Mapping, nbytes: int, error: BaseException | None) -> None:
+        part.in_flight -= 1
+        if error is not None:
+            self._end(part, error)
+            return
+        part.transfer.request.completion.add_bytes(nbytes)
+        if part.stopping:
+            self._end(part, None)
+        else:
+            self._pump(index, part, endpoint, mapping)
 
-    def _end(self, flight: _Flight, error: BaseException | None) -> None:
-        """Progress thread: report the end once; release the grant's count once nothing is in flight."""
-        if not flight.ended:
-            flight.ended = True
-            if not flight.stopped:
-                flight.request.completion.finish(error)
-        if flight.in_flight == 0:
-            if flight in self._flights:
-                self._flights.discard(flight)
-                with self._lock:
-                    flight.grant.flights -= 1
-                    self._drained.notify_all()
-            flight.landed.set()
+    def _end(self, part: _Part, error: BaseException | None, *, now: bool = False) -> None:
+        """Lane thread: post nothing more; report the part once nothing of it is in flight (`now`: at once, its
+        peer is gone and nothing can land)."""
+        part.stopping = True
+        if error is not None and part.error is None:
+            part.error = error
+        if part.in_flight == 0 or now:
+            self._report(part, part.error)
 
-    def _stop(self, flight: _Flight) -> None:
+    def _report(self, part: _Part, error: BaseException | None) -> None:
+        if not part.reported:
+            part.reported = True
+            part.lane.parts.discard(part)
+            part.transfer.part_ended(error)
+
+    def _stop(self, transfer: _Transfer, parts: list[_Part]) -> None:
         """The handle's cancel hook: post no more, wait (bounded) until what is in flight has landed."""
-        flight.stopped = True
-        progress = self._progress
-        if progress is None:
-            return
-        try:
-            progress.submit(lambda: self._end(flight, None))
-        except HMCError:
-            return
-        if not progress.on_thread():
-            flight.landed.wait(_STOP_WAIT_S)
+        transfer.cancelled = True
+        for part in parts:
+            try:
+                part.lane.progress.submit(lambda part=part: self._end(part, None))
+            except HMCError:
+                self._report(part, None)
+        if not any(lane.progress.on_thread() for lane in self._lanes):
+            transfer.ended.wait(_STOP_WAIT_S)
 
     def withdraw(self, buffer_id: str) -> None:
         """A local buffer: unregister its memory. A remote one: revoke the grant, wait (bounded) for its transfers."""
-        progress = self._progress
-        if progress is None:
-            return
+        with self._map_lock:
+            mapping = self._mappings.pop(buffer_id, None)
+        if mapping is not None:
+            mapping.unmap()
         with self._lock:
             grant = self._grants.pop(buffer_id, None)
             if grant is not None:
                 grant.revoked = BufferWithdrawnError("the buffer's owner withdrew it")
                 self._drained.wait_for(lambda: grant.flights == 0, _STOP_WAIT_S)
-        try:
-            progress.submit(lambda: self._forget(buffer_id, grant))
-        except HMCError:
-            pass
-
-    def _forget(self, buffer_id: str, grant: _Grant | None) -> None:
-        mapping = self._mappings.pop(buffer_id, None)
-        if mapping is not None:
-            mapping.unmap()
-        if grant is not None and grant.rkey is not None and grant.flights == 0:
-            grant.rkey.destroy()
 
     def forget_peer(self, agent: common_pb2.AgentInfo) -> None:
         """A peer agent went away: its grants are void and the transfers to it fail now."""
@@ -318,23 +380,30 @@ class UcxTransport(Transport):
             for grant in grants:
                 del self._grants[grant.buffer_id]
                 grant.revoked = gone
-        if grants and self._progress is not None:
+        for lane in self._lanes if grants else ():
             try:
-                self._progress.submit(lambda: self._fail_peer(grants, gone))
+                lane.progress.submit(lambda lane=lane: self._fail_peer(lane, grants, gone))
             except HMCError:
                 pass
 
-    def _fail_peer(self, grants: list[_Grant], error: HMCError) -> None:
-        workers = {grant.worker for grant in grants}
-        for flight in list(self._flights):
-            if flight.grant in grants:
-                self._end(flight, error)
-        for address in workers:
-            endpoint = self._endpoints.pop(address, None)
-            if endpoint is not None:
-                endpoint.close(1e-6)  # without waiting: nobody answers a flush any more
+    def _fail_peer(self, lane: _Lane, grants: list[_Grant], error: HMCError) -> None:
+        for part in list(lane.parts):
+            if part.transfer.grant in grants:
+                self._end(part, error, now=True)
+        for grant in grants:
+            for address in grant.workers:
+                endpoint = lane.endpoints.pop(address, None)
+                if endpoint is not None:
+                    endpoint.close(1e-6)  # without waiting: nobody answers a flush any more
 
     def close(self) -> None:
-        progress, self._progress = self._progress, None
-        if progress is not None:
-            progress.close()
+        lanes, self._lanes = self._lanes, []
+        for lane in lanes:
+            lane.progress.close()
+        if self._context is not None:
+            self._context.close()
+            self._context = None
+
+
+def _kind(buffer: Any) -> DeviceKind:
+    return buffer.region.device.kind if buffer.region.kind is MemoryKind.DEVICE else DeviceKind.HOST

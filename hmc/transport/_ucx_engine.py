@@ -8,13 +8,15 @@ cannot: UCX not installed, the binding not built. UCX statuses become `hmc.error
 Endpoints are made with UCX's peer error handling off: with it on, UCX refuses shared memory and cma
 (measured: "no peer failure handler"), and HMC finds dead peers itself.
 
-Lifetime: a `Worker` owns what is made from it (mappings, endpoints, remote keys, inboxes): each refuses use
-once it or its worker is closed (ClosedResourceError), and `Worker.close()` releases them all first. UCX
+Lifetime: a `Context` owns its registrations (mappings), a `Worker` what is made from it (endpoints, remote
+keys, inboxes): each refuses use once it or its parent is closed (ClosedResourceError), and `close()` releases
+them first. Workers of one context are closed before it. UCX
 cancels no put, get, flush or send: after a TimeoutError those go on, so memory they touch must stay until
 the worker is closed (destroying it is what ends them).
 
 Concurrency: a `Worker` is single-threaded (UCS_THREAD_MODE_SINGLE): one thread drives it and everything
-made from it; every wait in the binding progresses it up to a deadline.
+made from it; every wait in the binding progresses it up to a deadline. A `Context` is made for workers on
+several threads (`mt_workers_shared`): registering memory is safe from any thread.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import numpy as np
 from hmc.errors import ArgumentError, BrokenResourceError, ClosedResourceError, HMCError, TimeoutError, UnavailableError, UnsupportedError
 from hmc.transport._ranges import check_timeout
 
-__all__ = ["Endpoint", "Inbox", "Mapping", "RemoteKey", "Request", "Worker", "check", "load", "version"]
+__all__ = ["Context", "Endpoint", "Inbox", "Mapping", "RemoteKey", "Request", "Worker", "check", "load", "version"]
 
 _AM_CAPACITY = 4096
 _AM_MESSAGE_BYTES = 256
@@ -106,17 +108,45 @@ def check(status: int, what: str) -> None:
     raise HMCError(message)
 
 
-class Worker:
-    """A UCP context with one worker: RMA and active messages."""
+class _Parent:
+    """What UCX objects are made from (a context or a worker): it releases them, in reverse order, first."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._owned: list[_Owned] = []
+        self._closed = False
+        self._lock = threading.Lock()  # guards _owned: a shared context is used from several threads
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedResourceError(f"the UCX {self._what} is closed")
+
+    def _own(self, thing: _O) -> _O:
+        with self._lock:
+            self._owned.append(thing)
+        return thing
+
+    def _release_owned(self) -> None:
+        with self._lock:
+            owned, self._owned = self._owned, []
+        for thing in reversed(owned):
+            thing.release()
+
+
+class Context(_Parent):
+    """A UCP context: the transports, the memory registrations and their keys; shared by its workers (each used
+    by one thread), so its own calls may come from any thread."""
 
     def __init__(self, *, wakeup: bool = False, transports: str = "", library: str = "") -> None:
-        """`wakeup`: the worker can be slept on (`fd`, `arm`); UCX then uses only transports that signal events.
-        `transports`: UCX's transport list for this context (UCX_TLS syntax; empty: UCX_TLS or UCX's choice).
-        `library`: as for `load`."""
+        """`wakeup`: its workers can be slept on (`fd`, `arm`); UCX then uses only transports that signal events.
+        `transports`: UCX's transport list (UCX_TLS syntax; empty: UCX_TLS or UCX's choice). `library`: as for
+        `load`."""
+        super().__init__("context")
         ffi, lib = self._ffi, self._lib = load(library)
         params = ffi.new("ucp_params_t *")
-        params.field_mask = lib.UCP_PARAM_FIELD_FEATURES
+        params.field_mask = lib.UCP_PARAM_FIELD_FEATURES | lib.UCP_PARAM_FIELD_MT_WORKERS_SHARED
         params.features = lib.UCP_FEATURE_RMA | lib.UCP_FEATURE_AM | (lib.UCP_FEATURE_WAKEUP if wakeup else 0)
+        params.mt_workers_shared = 1
         config = ffi.new("ucp_config_t **")
         check(lib.ucp_config_read(ffi.NULL, ffi.NULL, config), "ucp_config_read")
         context = ffi.new("ucp_context_h *")
@@ -127,55 +157,6 @@ class Worker:
         finally:
             lib.ucp_config_release(config[0])
         self._context = context[0]
-        worker_params = ffi.new("ucp_worker_params_t *")
-        worker_params.field_mask = lib.UCP_WORKER_PARAM_FIELD_THREAD_MODE
-        worker_params.thread_mode = lib.UCS_THREAD_MODE_SINGLE
-        worker = ffi.new("ucp_worker_h *")
-        try:
-            check(lib.ucp_worker_create(self._context, worker_params, worker), "ucp_worker_create")
-        except HMCError:
-            lib.ucp_cleanup(self._context)
-            raise
-        self._worker = worker[0]
-        address, length = ffi.new("ucp_address_t **"), ffi.new("size_t *")
-        check(lib.ucp_worker_get_address(self._worker, address, length), "ucp_worker_get_address")
-        self.address = bytes(ffi.buffer(address[0], length[0]))
-        """What a peer needs to reach this worker (`connect`)."""
-        lib.ucp_worker_release_address(self._worker, address[0])
-        self._queues: list[Any] = []
-        self._owned: list[_Owned] = []
-        """What was made from this worker, released (in reverse order) before it is destroyed."""
-        self._closed = False
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedResourceError("the UCX worker is closed")
-
-    def _own(self, thing: _O) -> _O:
-        self._owned.append(thing)
-        return thing
-
-    def progress(self, rounds: int = 1) -> int:
-        """Up to `rounds` rounds of progress, ending at the first that finds nothing; the events handled (the
-        target of a put over tcp or shared memory must progress)."""
-        self._check_open()
-        return int(self._lib.hmc_progress(self._worker, rounds))
-
-    def fd(self) -> int:
-        """The file descriptor that becomes readable when an armed worker has events (a `wakeup` worker)."""
-        self._check_open()
-        fd = self._ffi.new("int *")
-        check(self._lib.ucp_worker_get_efd(self._worker, fd), "ucp_worker_get_efd")
-        return int(fd[0])
-
-    def arm(self) -> bool:
-        """Arm the worker's `fd`: True when it may be slept on, False when events are pending (progress first)."""
-        self._check_open()
-        status = self._lib.ucp_worker_arm(self._worker)
-        if status == self._lib.UCS_ERR_BUSY:
-            return False
-        check(status, "ucp_worker_arm")
-        return True
 
     def memory_kinds(self) -> frozenset[str]:
         """The memory this context can register: "host", and "cuda" or "rocm" where UCX found their transports."""
@@ -208,6 +189,71 @@ class Worker:
         lib.ucp_rkey_buffer_release(packed[0])
         return self._own(Mapping(self, handle[0], address, length, rkey))
 
+    def close(self) -> None:
+        """Release its registrations, then the context (its workers are closed first); idempotent."""
+        if self._closed:
+            return
+        self._release_owned()
+        self._closed = True
+        self._lib.ucp_cleanup(self._context)
+
+
+class Worker(_Parent):
+    """A UCP worker (on its own context unless given one): RMA and active messages."""
+
+    def __init__(self, context: Context | None = None, *, wakeup: bool = False, transports: str = "", library: str = "") -> None:
+        """`context`: the context to make it on (shared with other workers); None: a context of its own, made
+        with `wakeup`, `transports` and `library`, closed with the worker."""
+        super().__init__("worker")
+        self._own_context = context is None
+        self.context = context if context is not None else Context(wakeup=wakeup, transports=transports, library=library)
+        self.context._check_open()
+        ffi, lib = self._ffi, self._lib = self.context._ffi, self.context._lib
+        worker_params = ffi.new("ucp_worker_params_t *")
+        worker_params.field_mask = lib.UCP_WORKER_PARAM_FIELD_THREAD_MODE
+        worker_params.thread_mode = lib.UCS_THREAD_MODE_SINGLE
+        worker = ffi.new("ucp_worker_h *")
+        try:
+            check(lib.ucp_worker_create(self.context._context, worker_params, worker), "ucp_worker_create")
+        except HMCError:
+            if self._own_context:
+                self.context.close()
+            raise
+        self._worker = worker[0]
+        address, length = ffi.new("ucp_address_t **"), ffi.new("size_t *")
+        check(lib.ucp_worker_get_address(self._worker, address, length), "ucp_worker_get_address")
+        self.address = bytes(ffi.buffer(address[0], length[0]))
+        """What a peer needs to reach this worker (`connect`)."""
+        lib.ucp_worker_release_address(self._worker, address[0])
+        self._queues: list[Any] = []
+
+    def progress(self, rounds: int = 1) -> int:
+        """Up to `rounds` rounds of progress, ending at the first that finds nothing; the events handled (the
+        target of a put over tcp or shared memory must progress)."""
+        self._check_open()
+        return int(self._lib.hmc_progress(self._worker, rounds))
+
+    def fd(self) -> int:
+        """The file descriptor that becomes readable when an armed worker has events (a `wakeup` worker)."""
+        self._check_open()
+        fd = self._ffi.new("int *")
+        check(self._lib.ucp_worker_get_efd(self._worker, fd), "ucp_worker_get_efd")
+        return int(fd[0])
+
+    def arm(self) -> bool:
+        """Arm the worker's `fd`: True when it may be slept on, False when events are pending (progress first)."""
+        self._check_open()
+        status = self._lib.ucp_worker_arm(self._worker)
+        if status == self._lib.UCS_ERR_BUSY:
+            return False
+        check(status, "ucp_worker_arm")
+        return True
+
+    def map(self, address: int, length: int, memory: str = "host") -> Mapping:
+        """`Context.map` on this worker's context."""
+        self._check_open()
+        return self.context.map(address, length, memory)
+
     def connect(self, address: bytes) -> Endpoint:
         """An endpoint to the worker whose `address` a peer handed over (peer error handling off)."""
         self._check_open()
@@ -238,33 +284,32 @@ class Worker:
         return Inbox(self, queue)
 
     def close(self) -> None:
-        """Release what was made from the worker (keys, endpoints, mappings), then destroy it and the context;
-        idempotent."""
+        """Release what was made from the worker (keys, endpoints), then destroy it (ending what UCX still runs),
+        and its own context; idempotent."""
         if self._closed:
             return
-        for thing in reversed(self._owned):
-            thing.release()
-        self._owned.clear()
+        self._release_owned()
         self._closed = True
         self._lib.ucp_worker_destroy(self._worker)
         for queue in self._queues:
             self._lib.hmc_am_free(queue)
-        self._lib.ucp_cleanup(self._context)
+        if self._own_context:
+            self.context.close()
 
 
 class _Owned:
-    """Something made from a worker: refuses use once it or its worker is closed; released once."""
+    """Something made from a context or worker: refuses use once it or its parent is closed; released once."""
 
-    def __init__(self, worker: Worker, what: str) -> None:
-        self._worker, self._what = worker, what
+    def __init__(self, parent: Any, what: str) -> None:
+        self._parent, self._what = parent, what
         self._released = False
 
     def _check_open(self) -> None:
-        if self._released or self._worker._closed:
+        if self._released or self._parent._closed:
             raise ClosedResourceError(f"the UCX {self._what} is closed")
 
     def release(self) -> None:
-        if not self._released and not self._worker._closed:
+        if not self._released and not self._parent._closed:
             self._released = True
             self._release()
 
@@ -278,15 +323,15 @@ _O = TypeVar("_O", bound=_Owned)
 class Mapping(_Owned):
     """Memory registered with a worker: its handle and the packed remote key peers unpack."""
 
-    def __init__(self, worker: Worker, handle: Any, address: int, length: int, rkey: bytes) -> None:
-        super().__init__(worker, "mapping")
+    def __init__(self, context: Context, handle: Any, address: int, length: int, rkey: bytes) -> None:
+        super().__init__(context, "mapping")
         self.handle, self.address, self.length, self.rkey = handle, address, length, rkey
 
     def unmap(self) -> None:
         self.release()
 
     def _release(self) -> None:
-        self._worker._lib.ucp_mem_unmap(self._worker._context, self.handle)
+        self._parent._lib.ucp_mem_unmap(self._parent._context, self.handle)
 
 
 class RemoteKey(_Owned):
@@ -294,6 +339,7 @@ class RemoteKey(_Owned):
 
     def __init__(self, worker: Worker, handle: Any) -> None:
         super().__init__(worker, "remote key")
+        self._worker = worker
         self.handle = handle
 
     def destroy(self) -> None:
@@ -308,6 +354,7 @@ class Endpoint(_Owned):
 
     def __init__(self, worker: Worker, handle: Any) -> None:
         super().__init__(worker, "endpoint")
+        self._worker = worker
         self._handle = handle
         self._close_timeout_s = 1.0
 
