@@ -17,6 +17,7 @@ from hmc.errors import AccessDeniedError, BrokenResourceError, BufferWithdrawnEr
 from hmc.memory import DeviceKind
 from hmc.testing import PeerProcess, TransportPair, check_transport
 from hmc.transport._base import PathName
+from hmc.transport import _ucx as ucx_transport
 from hmc.transport._ucx import UcxTransport
 
 try:
@@ -176,3 +177,20 @@ def test_bad_construction_and_use_after_close() -> None:
     transport.close()
     rdma = UcxTransport(lambda d, t: None, path=PathName.RDMA)  # type: ignore[arg-type,return-value]
     assert "no RDMA device" in (rdma.unavailable_reason() or "")
+
+
+def test_many_windows_per_worker_all_land(
+    ucx_agent: Agent, ucx_peer: PeerProcess, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ucx_transport, "_WINDOW_BYTES", 256 << 10)  # 32 MiB over 2 workers: 64 windows each
+    size = 32 << 20
+    theirs = ucx_peer.register(size, fill=POISON)
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    mine = ucx_agent.register(data)
+    offsets = rng.permutation(size // 8192) * 8192
+    handle = ucx_agent.write(mine, theirs, offsets, offsets, 8192)
+    handle.wait()
+    assert handle.bytes_done == size and ucx_peer.contents(theirs.id) == data.tobytes()
+    sink = ucx_agent.register(np.full(size, POISON, np.uint8))
+    ucx_agent.read(sink, theirs, 0, 0, size).wait()
+    assert np.array_equal(sink.numpy(), data)

@@ -171,7 +171,7 @@ class Agent:
         ucx = [
             UcxTransport(
                 functools.partial(self._peers.open_grant, path=path.value), path=path,
-                transports=cfg.ucx_transports, library=cfg.ucx_library, workers=cfg.ucx_workers,
+                transports=cfg.ucx_transports, library=cfg.ucx_library, workers=cfg.ucx_workers, timeout_s=cfg.timeout_s,
             )  # fmt: skip
             for path in (PathName.RDMA, PathName.UCX)
         ]

@@ -38,16 +38,17 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from hmc.errors import AccessDeniedError, ArgumentError, BrokenResourceError, BufferWithdrawnError, HMCError, UnsupportedError
+from hmc.errors import AccessDeniedError, ArgumentError, BrokenResourceError, BufferWithdrawnError, HMCError, TimeoutError, UnavailableError, UnsupportedError
 from hmc.memory import DeviceKind, MemoryKind
 from hmc.memory._machine import rdma_nics
 from hmc.transport import _ucx_engine as engine
-from hmc.transport._base import Capabilities, PathName, TransferOp, TransferRequest, Transport
+from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport
 from hmc.transport._ranges import RangeList
 from hmc.transport._ucx_progress import Progress
 from hmc.v1 import common_pb2, peer_pb2
@@ -66,6 +67,8 @@ on the 2-core VM), so windows are large; with `_WINDOWS` in flight, what a stopp
 _WINDOWS = 2
 _PART_MIN = 4 << 20
 """Smallest share of a transfer worth a lane of its own (as for ipc's threads)."""
+_INLINE_BYTES = 256 << 10
+"""Largest single range moved on the caller's thread: one put or get and a flush, no thread hop."""
 _STOP_WAIT_S = 5.0
 """How long a cancel or a withdrawal waits for windows in flight to land."""
 _MAX_WORKER_ADDRESS = 1 << 16
@@ -76,7 +79,7 @@ _UCX_MEMORY = {DeviceKind.HOST: "host", DeviceKind.CUDA: "cuda", DeviceKind.HIP:
 class _Grant:
     """The right to put into / get from one remote buffer, with the keys each lane unpacked for it."""
 
-    __slots__ = ("address", "buffer_id", "flights", "key", "owner", "read_only", "revoked", "rkey", "rkeys", "size", "workers")
+    __slots__ = ("address", "buffer_id", "flights", "inline_rkey", "key", "owner", "read_only", "revoked", "rkey", "rkeys", "size", "workers")
 
     def __init__(self, message: peer_pb2.BufferGrant, key: bytes, owner: str, lanes: int) -> None:
         handle = message.handles.ucx
@@ -89,6 +92,8 @@ class _Grant:
         self.rkey = bytes(handle.rkey)
         self.rkeys: list[engine.RemoteKey | None] = [None] * lanes
         """Per lane, unpacked on that lane's thread."""
+        self.inline_rkey: engine.RemoteKey | None = None
+        """For the callers' own worker (`_Inline`), unpacked under its lock."""
         self.flights = 0
         self.revoked: HMCError | None = None
 
@@ -133,6 +138,9 @@ class _Part:
     windows: list[RangeList]
     next: int = 0
     in_flight: int = 0
+    confirming: bool = False
+    """Its windows all landed; one more flush is out, which fails if UCX failed the endpoint meanwhile (a put
+    into a dead process can complete without an error of its own)."""
     stopping: bool = False
     reported: bool = False
     error: BaseException | None = None
@@ -147,11 +155,20 @@ class _Lane:
         self.parts: set[_Part] = set()
 
 
+class _Inline:
+    """A worker that callers drive themselves, one at a time, for single small ranges (no thread hop)."""
+
+    def __init__(self, context: engine.Context) -> None:
+        self.worker = engine.Worker(context, serialized=True)
+        self.lock = threading.Lock()  # one caller at a time: guards the worker, its endpoints and grants' inline keys
+        self.endpoints: dict[bytes, engine.Endpoint] = {}
+
+
 class UcxTransport(Transport):
     """One path (`ucx`, or `rdma`: the same engine on verbs transports) of one agent."""
 
     def __init__(
-        self, open_grant: OpenGrant, *, path: PathName = PathName.UCX, transports: str = "", library: str = "", workers: int = 2
+        self, open_grant: OpenGrant, *, path: PathName = PathName.UCX, transports: str = "", library: str = "", workers: int = 2, timeout_s: float = 30.0
     ) -> None:
         if path not in (PathName.UCX, PathName.RDMA):
             raise ArgumentError(f"the UCX engine serves the ucx and rdma paths, not {path.value}")
@@ -162,9 +179,12 @@ class UcxTransport(Transport):
         self._transports = RDMA_TRANSPORTS if path is PathName.RDMA else transports
         self._library = library
         self._workers = workers
+        self._timeout_s = timeout_s
+        """The deadline of an inline copy (the agent gives those no timeout of their own)."""
         self._capabilities = Capabilities(path=path, memory_kinds=frozenset(), one_sided=True)
         self._context: engine.Context | None = None
         self._lanes: list[_Lane] = []
+        self._inline: _Inline | None = None
         self._next_lane = itertools.count()
         self._lock = threading.Lock()  # guards _grants and every grant's flights
         self._drained = threading.Condition(self._lock)  # a grant's last transfer ended
@@ -193,6 +213,7 @@ class UcxTransport(Transport):
         self._capabilities = Capabilities(path=self._path, memory_kinds=kinds, one_sided=True, detail=detail)
         self._context = context
         self._lanes = [_Lane(context, f"hmc-{self._path.value}-{i}") for i in range(self._workers)]
+        self._inline = _Inline(context)
         return None
 
     def _running(self) -> list[_Lane]:
@@ -249,10 +270,19 @@ class UcxTransport(Transport):
             if grant.size < request.remote.size:  # the agent checked against the descriptor; the grant is authoritative
                 sizes = (request.local.size, grant.size) if request.op is TransferOp.WRITE else (grant.size, request.local.size)
                 request.ranges.check(*sizes)
+            total = request.ranges.total
+            if len(request.ranges) == 1 and total <= _INLINE_BYTES:
+                local, remote = (request.ranges.src, request.ranges.dst) if request.op is TransferOp.WRITE else (request.ranges.dst, request.ranges.src)
+                remaining = request.deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"{self._path.value} transfer missed its deadline")
+                self._copy_inline(request.op, grant, mapping, request.local.region.address + int(local[0]), int(remote[0]), total, remaining)
+                request.completion.add_bytes(total)
+                request.completion.finish()
+                return
         except HMCError as exc:
             request.completion.finish(exc)
             return
-        total = request.ranges.total
         count = max(1, min(len(lanes), total // _PART_MIN))
         shares = request.ranges.chunks(-(-total // count)) if count > 1 else [request.ranges]
         transfer = _Transfer(request, grant, len(shares), lambda: self._release(grant))
@@ -270,6 +300,47 @@ class UcxTransport(Transport):
                 part.lane.progress.submit(lambda index=index, part=part: self._start(index, part, mapping))
             except HMCError as exc:
                 self._report(part, exc)
+
+    def _copy_inline(self, op: TransferOp, grant: _Grant, mapping: engine.Mapping, local_address: int, remote_offset: int, length: int, timeout_s: float) -> None:
+        """One range on the caller's thread through the callers' worker (ranges checked by the caller)."""
+        inline = self._inline
+        if inline is None:
+            raise UnsupportedError(f"the {self._path.value} path is not running")
+        if op is TransferOp.WRITE and grant.read_only:
+            raise AccessDeniedError(f"buffer {grant.buffer_id} is read-only: its owner grants reads only")
+        with self._lock:
+            if grant.revoked is not None:
+                raise grant.revoked
+            grant.flights += 1
+        try:
+            with inline.lock:
+                address = grant.worker(0)
+                endpoint = inline.endpoints.get(address)
+                if endpoint is None:
+                    endpoint = inline.endpoints[address] = _connect(inline.worker, address, grant)
+                if grant.inline_rkey is None:
+                    grant.inline_rkey = endpoint.unpack(grant.rkey)
+                endpoint.rma(op.value, mapping, local_address, grant.address + remote_offset, length, grant.inline_rkey, timeout_s)
+        finally:
+            self._release(grant)
+
+    def inline(self, local: Any, remote: common_pb2.BufferDescriptor) -> InlineCopy | None:
+        """One small range on the caller's thread, once the pair has a grant (after its first transfer)."""
+        with self._lock:
+            grant = self._grants.get(remote.id)
+        with self._map_lock:
+            mapping = self._mappings.get(local.id)
+        if grant is None or grant.key != remote.access_key or grant.revoked is not None or mapping is None:
+            return None
+        base = local.region.address
+
+        def write(local_offset: int, remote_offset: int, length: int) -> None:
+            self._copy_inline(TransferOp.WRITE, grant, mapping, base + local_offset, remote_offset, length, self._timeout_s)
+
+        def read(local_offset: int, remote_offset: int, length: int) -> None:
+            self._copy_inline(TransferOp.READ, grant, mapping, base + local_offset, remote_offset, length, self._timeout_s)
+
+        return InlineCopy(write=write, read=read, local_size=local.size, remote_size=grant.size, max_bytes=_INLINE_BYTES, waits=True)
 
     def _release(self, grant: _Grant) -> None:
         """A transfer of `grant` has nothing in flight any more (a withdrawal waits for all of them)."""
@@ -290,7 +361,7 @@ class UcxTransport(Transport):
             address = grant.worker(index)
             endpoint = lane.endpoints.get(address)
             if endpoint is None:
-                endpoint = lane.endpoints[address] = lane.progress.worker.connect(address)
+                endpoint = lane.endpoints[address] = _connect(lane.progress.worker, address, grant)
             if grant.rkeys[index] is None:
                 grant.rkeys[index] = endpoint.unpack(grant.rkey)
         except HMCError as exc:
@@ -320,8 +391,18 @@ class UcxTransport(Transport):
             part.in_flight += 1
             nbytes = window.total
             part.lane.progress.watch(flush, request.deadline, lambda error, n=nbytes: self._landed(index, part, endpoint, mapping, n, error))
-        if part.in_flight == 0:
-            self._end(part, None)
+        if part.in_flight == 0 and not part.stopping:
+            if part.confirming:
+                self._end(part, None)
+                return
+            part.confirming = True
+            try:
+                flush = endpoint.flush_start()
+            except HMCError as exc:
+                self._end(part, exc)
+                return
+            part.in_flight += 1
+            part.lane.progress.watch(flush, request.deadline, lambda error: self._landed(index, part, endpoint, mapping, 0, error))
 
     def _landed(self, index: int, part: _Part, endpoint: engine.Endpoint, mapping: engine.Mapping, nbytes: int, error: BaseException | None) -> None:
         part.in_flight -= 1
@@ -380,6 +461,14 @@ class UcxTransport(Transport):
             for grant in grants:
                 del self._grants[grant.buffer_id]
                 grant.revoked = gone
+        inline = self._inline
+        if grants and inline is not None:
+            with inline.lock:
+                for grant in grants:
+                    for address in grant.workers:
+                        endpoint = inline.endpoints.pop(address, None)
+                        if endpoint is not None:
+                            endpoint.close(1e-6)  # without waiting: nobody answers a flush any more
         for lane in self._lanes if grants else ():
             try:
                 lane.progress.submit(lambda lane=lane: self._fail_peer(lane, grants, gone))
@@ -400,9 +489,21 @@ class UcxTransport(Transport):
         lanes, self._lanes = self._lanes, []
         for lane in lanes:
             lane.progress.close()
+        inline, self._inline = self._inline, None
+        if inline is not None:
+            with inline.lock:
+                inline.worker.close()
         if self._context is not None:
             self._context.close()
             self._context = None
+
+
+def _connect(worker: engine.Worker, address: bytes, grant: _Grant) -> engine.Endpoint:
+    """An endpoint to the worker a grant named: one UCX cannot reach any more belongs to a peer that is gone."""
+    try:
+        return worker.connect(address)
+    except UnavailableError as exc:
+        raise BrokenResourceError(f"agent {grant.owner}, which granted buffer {grant.buffer_id}, cannot be reached any more: {exc}") from exc
 
 
 def _kind(buffer: Any) -> DeviceKind:

@@ -23,7 +23,7 @@ __all__ = ["CDEF", "SOURCE", "build"]
 
 CDEF = r"""
 typedef enum { UCS_OK, UCS_INPROGRESS, UCS_ERR_NO_ELEM, UCS_ERR_NO_MEMORY, UCS_ERR_TIMED_OUT, UCS_ERR_CANCELED,
-               UCS_ERR_UNREACHABLE, UCS_ERR_NO_RESOURCE, UCS_ERR_CONNECTION_RESET, UCS_ERR_ENDPOINT_TIMEOUT, UCS_ERR_BUSY,
+               UCS_ERR_UNREACHABLE, UCS_ERR_NO_RESOURCE, UCS_ERR_CONNECTION_RESET, UCS_ERR_ENDPOINT_TIMEOUT, UCS_ERR_BUSY, UCS_ERR_IO_ERROR, UCS_ERR_NOT_CONNECTED,
                ... } ucs_status_t;
 typedef void *ucs_status_ptr_t;
 typedef struct ucp_context *ucp_context_h;
@@ -46,6 +46,7 @@ typedef struct { uint64_t field_mask; void *address; size_t length; unsigned fla
 #define UCP_FEATURE_WAKEUP ...
 #define UCP_WORKER_PARAM_FIELD_THREAD_MODE ...
 #define UCS_THREAD_MODE_SINGLE ...
+#define UCS_THREAD_MODE_SERIALIZED ...
 #define UCS_THREAD_MODE_MULTI ...
 #define UCP_EP_PARAM_FIELD_REMOTE_ADDRESS ...
 #define UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE ...
@@ -83,6 +84,8 @@ typedef struct hmc_am_queue hmc_am_queue;
 int hmc_post_batch(ucp_ep_h ep, int is_get, size_t n, const uint64_t *local, const uint64_t *remote, const uint64_t *lengths,
                    ucp_rkey_h rkey, ucp_mem_h memh, size_t *posted);
 int hmc_flush_worker(ucp_worker_h worker, double timeout_s);
+int hmc_rma_wait(ucp_worker_h worker, ucp_ep_h ep, int is_get, uint64_t local, uint64_t remote, uint64_t length, ucp_rkey_h rkey,
+                 ucp_mem_h memh, double timeout_s);
 int hmc_flush_ep(ucp_worker_h worker, ucp_ep_h ep, double timeout_s);
 void *hmc_flush_ep_start(ucp_ep_h ep);
 int hmc_request_status(void *request);
@@ -150,6 +153,25 @@ static int hmc_wait(ucp_worker_h worker, ucs_status_ptr_t request, double timeou
     }
     ucp_request_free(request);
     return status;
+}
+
+/* One put or get, then a flush of its endpoint, waited for on the calling thread: the small-transfer path. */
+int hmc_rma_wait(ucp_worker_h worker, ucp_ep_h ep, int is_get, uint64_t local, uint64_t remote, uint64_t length, ucp_rkey_h rkey,
+                 ucp_mem_h memh, double timeout_s) {
+    double deadline = hmc_now() + timeout_s;
+    size_t posted;
+    int status = hmc_post_batch(ep, is_get, 1, &local, &remote, &length, rkey, memh, &posted);
+    if (status != UCS_OK)
+        return status;
+    ucp_request_param_t param;
+    memset(&param, 0, sizeof(param));
+    status = hmc_wait(worker, ucp_ep_flush_nbx(ep, &param), deadline - hmc_now());
+    if (status != UCS_OK)
+        return status;
+    /* A put into a dead process can complete without an error of its own (cma fails the endpoint afterwards,
+     * from the worker's progress): one more round and flush makes that failure this call's. */
+    ucp_worker_progress(worker);
+    return hmc_wait(worker, ucp_ep_flush_nbx(ep, &param), deadline - hmc_now());
 }
 
 int hmc_flush_worker(ucp_worker_h worker, double timeout_s) {

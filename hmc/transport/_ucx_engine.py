@@ -103,8 +103,8 @@ def check(status: int, what: str) -> None:
         raise TimeoutError(message)
     if status == lib.UCS_ERR_UNREACHABLE:
         raise UnavailableError(message)
-    if status in (lib.UCS_ERR_CANCELED, lib.UCS_ERR_CONNECTION_RESET, lib.UCS_ERR_ENDPOINT_TIMEOUT):
-        raise BrokenResourceError(message)
+    if status in (lib.UCS_ERR_CANCELED, lib.UCS_ERR_CONNECTION_RESET, lib.UCS_ERR_ENDPOINT_TIMEOUT, lib.UCS_ERR_IO_ERROR, lib.UCS_ERR_NOT_CONNECTED):
+        raise BrokenResourceError(message)  # the peer or the link to it failed (cma to a dead process: an I/O error)
     raise HMCError(message)
 
 
@@ -201,9 +201,10 @@ class Context(_Parent):
 class Worker(_Parent):
     """A UCP worker (on its own context unless given one): RMA and active messages."""
 
-    def __init__(self, context: Context | None = None, *, wakeup: bool = False, transports: str = "", library: str = "") -> None:
+    def __init__(self, context: Context | None = None, *, serialized: bool = False, wakeup: bool = False, transports: str = "", library: str = "") -> None:
         """`context`: the context to make it on (shared with other workers); None: a context of its own, made
-        with `wakeup`, `transports` and `library`, closed with the worker."""
+        with `wakeup`, `transports` and `library`, closed with the worker. `serialized`: used by several threads,
+        one at a time (the caller serializes); else by one thread only."""
         super().__init__("worker")
         self._own_context = context is None
         self.context = context if context is not None else Context(wakeup=wakeup, transports=transports, library=library)
@@ -211,7 +212,7 @@ class Worker(_Parent):
         ffi, lib = self._ffi, self._lib = self.context._ffi, self.context._lib
         worker_params = ffi.new("ucp_worker_params_t *")
         worker_params.field_mask = lib.UCP_WORKER_PARAM_FIELD_THREAD_MODE
-        worker_params.thread_mode = lib.UCS_THREAD_MODE_SINGLE
+        worker_params.thread_mode = lib.UCS_THREAD_MODE_SERIALIZED if serialized else lib.UCS_THREAD_MODE_SINGLE
         worker = ffi.new("ucp_worker_h *")
         try:
             check(lib.ucp_worker_create(self.context._context, worker_params, worker), "ucp_worker_create")
@@ -391,6 +392,16 @@ class Endpoint(_Owned):
         self._check_open()
         timeout_s = check_timeout(timeout_s, "timeout_s")
         check(self._worker._lib.hmc_flush_ep(self._worker._worker, self._handle, timeout_s), "flushing the UCX endpoint")
+
+    def rma(self, op: str, local: Mapping, local_address: int, remote_address: int, length: int, rkey: RemoteKey, timeout_s: float) -> None:
+        """One put ("write") or get ("read") and a flush, waited for on this thread (TimeoutError at the deadline,
+        the operation then still in flight). The caller has checked the range against both registrations."""
+        self._check_open()
+        local._check_open()
+        rkey._check_open()
+        lib = self._worker._lib
+        status = lib.hmc_rma_wait(self._worker._worker, self._handle, op == "read", local_address, remote_address, length, rkey.handle, local.handle, timeout_s)
+        check(status, f"{op} of {length} bytes")
 
     def flush_start(self) -> Request:
         """A flush of every operation posted so far on this endpoint, polled with `Request.done`."""

@@ -146,7 +146,8 @@ class Progress:
 
     def _poll(self) -> None:
         now, keep = time.monotonic(), []
-        for watch in self._watched:
+        watched, self._watched = self._watched, []  # a callback below may watch more
+        for watch in watched:
             try:
                 finished = watch.request.done()
                 error: BaseException | None = None
@@ -159,8 +160,8 @@ class Progress:
                 watch.done(error)
             else:
                 keep.append(watch)
-        heapq.heapify(keep)
-        self._watched = keep
+        self._watched.extend(keep)
+        heapq.heapify(self._watched)
 
     def _fail_all(self, error: HMCError) -> None:
         watched, self._watched = self._watched, []
