@@ -67,7 +67,7 @@ on the 2-core VM), so windows are large; with `_WINDOWS` in flight, what a stopp
 _WINDOWS = 2
 _PART_MIN = 4 << 20
 """Smallest share of a transfer worth a lane of its own (as for ipc's threads)."""
-_INLINE_BYTES = 256 << 10
+_INLINE_BYTES = 1 << 20
 """Largest single range moved on the caller's thread: one put or get and a flush, no thread hop."""
 _STOP_WAIT_S = 5.0
 """How long a cancel or a withdrawal waits for windows in flight to land."""

@@ -5,8 +5,9 @@ progress it for puts and gets over tcp or shared memory to land. So each path's 
 ("hmc-ucx-<path>") that runs the commands other threads queue (`call` waits for the result, `submit` does
 not), progresses the worker, polls the background requests it was asked to `watch` (flushes), and sleeps on
 the worker's event file descriptor when there is nothing to do (`ucp_worker_arm`), woken by an eventfd when
-a command is queued. While requests are outstanding it sleeps at most `_POLL_S` at a time, so a transport
-that signals no events still completes.
+a command is queued. It keeps polling a little after the last event (`_SPIN_IDLE_S`, longer while requests
+are outstanding: `_SPIN_WATCHING_S`), and while requests are outstanding it sleeps at most `_POLL_S` at a
+time, so a transport that signals no events still completes.
 
 Concurrency: `_lock` guards the command queue and `_closed`; everything else belongs to the thread.
 """
@@ -32,8 +33,11 @@ _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _POLL_S = 0.001
 """Longest sleep while requests are outstanding (a transport without events is polled this often)."""
-_SPIN_S = 20e-6
-"""How long the thread keeps progressing without events before it sleeps, while requests are outstanding."""
+_SPIN_WATCHING_S = 200e-6
+"""How long the thread keeps progressing without events before it sleeps, while requests are outstanding (a tcp
+send resumes when the peer drained its socket, about this soon, and UCX does not always signal it)."""
+_SPIN_IDLE_S = 50e-6
+"""The same after the last event when nothing is outstanding (the owner of a ping-pong answers sooner)."""
 _JOIN_S = 5.0
 
 Done = Callable[[BaseException | None], None]
@@ -116,7 +120,7 @@ class Progress:
                 idle_since = time.monotonic()
                 continue
             now = time.monotonic()
-            if self._watched and now - idle_since < _SPIN_S:
+            if now - idle_since < (_SPIN_WATCHING_S if self._watched else _SPIN_IDLE_S):
                 continue
             timeout = min(_POLL_S, max(0.0, self._watched[0].deadline - now)) if self._watched else None
             if worker.arm():
