@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -169,13 +170,13 @@ def test_cancel_waits_for_what_is_in_flight(ucx_agent: Agent, ucx_peer: PeerProc
 
 def test_bad_construction_and_use_after_close() -> None:
     with pytest.raises(Exception, match="ucx and rdma"):
-        UcxTransport(lambda d, t: None, path=PathName.STAGED)  # type: ignore[arg-type,return-value]
-    transport = UcxTransport(lambda d, t: None)  # type: ignore[arg-type,return-value]
+        UcxTransport(lambda d, t: None, lambda *a: None, path=PathName.STAGED)  # type: ignore[arg-type,return-value]
+    transport = UcxTransport(lambda d, t: None, lambda *a: None)  # type: ignore[arg-type,return-value]
     assert transport.unavailable_reason() is None
     assert DeviceKind.HOST in transport.capabilities.memory_kinds
     transport.close()
     transport.close()
-    rdma = UcxTransport(lambda d, t: None, path=PathName.RDMA)  # type: ignore[arg-type,return-value]
+    rdma = UcxTransport(lambda d, t: None, lambda *a: None, path=PathName.RDMA)  # type: ignore[arg-type,return-value]
     assert "no RDMA device" in (rdma.unavailable_reason() or "")
 
 
@@ -194,3 +195,41 @@ def test_many_windows_per_worker_all_land(
     sink = ucx_agent.register(np.full(size, POISON, np.uint8))
     ucx_agent.read(sink, theirs, 0, 0, size).wait()
     assert np.array_equal(sink.numpy(), data)
+
+
+def test_reads_measured_once_and_pushed_by_the_owner_where_pushes_win(
+    ucx_agent: Agent, ucx_peer: PeerProcess, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ucx_transport, "_PUSH_PREFERRED", 1e9)  # whatever was measured, reads go as pushes
+    size = 8 << 20
+    theirs = ucx_peer.register(size, fill=POISON)
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    ucx_peer.fill(theirs.id, data.tobytes())
+    sink = ucx_agent.register(np.full(size, POISON ^ 0xFF, np.uint8))
+    offsets = rng.permutation(size // 4096)[:700] * 4096
+    handle = ucx_agent.read(sink, theirs, offsets, offsets, 4096)
+    handle.wait()
+    assert handle.path == "ucx" and handle.bytes_done == 700 * 4096
+    expected = np.full(size, POISON ^ 0xFF, np.uint8)
+    for o in offsets.tolist():
+        expected[o : o + 4096] = data[o : o + 4096]
+    assert np.array_equal(sink.numpy(), expected)
+    ucx_agent.read(sink, theirs, 0, 0, size).wait()  # one range: pushed too
+    assert np.array_equal(sink.numpy(), data)
+    choice = ucx_agent.path_to(sink, theirs)
+    assert "owner's push" in choice.reason and "reads are pushed by the owner" in choice.reason and choice.preferred_op == "write"
+
+
+def test_a_push_asked_for_out_of_range_is_refused_and_writes_nothing(ucx_agent: Agent, ucx_peer: PeerProcess, rng: np.random.Generator) -> None:
+    from hmc.errors import OutOfRangeError
+    from hmc.transport._ranges import RangeList
+
+    theirs = ucx_peer.register(1 << 20, fill=POISON)
+    sink = ucx_agent.register(np.full(1 << 20, 0x11, np.uint8))
+    ucx_agent.read(sink, theirs, 0, 0, 4096).wait()  # granted, measured
+    transport = ucx_agent._transports[PathName.UCX]  # type: ignore[attr-defined]
+    mapping = transport._mappings[sink.id]
+    for ranges, size in ((RangeList.build(0, 0, (1 << 20) + 1), 2 << 20), (RangeList.build(0, 4096, 8192), 8192)):
+        with pytest.raises(OutOfRangeError):
+            transport._push_and_wait(theirs, ranges, type("Local", (), {"size": size})(), mapping, time.monotonic() + 5.0)
+    assert sink.numpy().tobytes()[4096:] == bytes([0x11]) * ((1 << 20) - 4096)

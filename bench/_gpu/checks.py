@@ -14,6 +14,10 @@ Issue 12 (the CUDA <-> HIP pair, the peer on the HIP-on-CUDA runtime):
 
     hmc staged-hip big and each KV, WRITE, READ >= 0.8 x hmc staged (peer AMD)'s     (GB/s)
 
+Issue 14 (the ucx path with CUDA memory, both processes on the GPU(s) of the run):
+
+    hmc ucx big WRITE >= 1.0 x NIXL's; its READ >= 0.9 x its WRITE; each KV WRITE >= 2 x NIXL's (GB/s)
+
 Issue 3 (two GPUs only: cuda:0 -> cuda:1 over NVLink): ipc against peer copy and
 NIXL, staged against pinned copies and NCCL without P2P, and the ipc KV floor of
 300 GB/s. A check whose rows are missing (a system skipped or failed) says so
@@ -119,9 +123,24 @@ def two_gpu_checks(workloads: Sequence[Workload]) -> list[Check]:
     return checks
 
 
+def ucx_checks(workloads: Sequence[Workload]) -> list[Check]:
+    """Issue 14's targets for the ucx path with CUDA memory: against NIXL (default UCX), and READ against WRITE."""
+    sizes = _sizes(workloads)
+    if sizes is None:
+        return []
+    big, _, kvs = sizes
+    checks = [
+        Check(f"hmc ucx {big} WRITE vs NIXL", ("hmc", "ucx", "WRITE", big), ("nixl", "", "WRITE", big), 1.0),
+        Check(f"hmc ucx {big} READ vs its WRITE", ("hmc", "ucx", "READ", big), ("hmc", "ucx", "WRITE", big), 0.9),
+    ]
+    for kv in kvs:
+        checks.append(Check(f"hmc ucx {kv} WRITE vs NIXL", ("hmc", "ucx", "WRITE", kv), ("nixl", "", "WRITE", kv), 2.0))
+    return checks
+
+
 def gpu_checks(workloads: Sequence[Workload], gpus: int) -> list[Check | MinCheck]:
-    """The checks of a run on `gpus` GPUs: issues 11's and 12's everywhere, issue 3's on two."""
-    return [*cross_vendor_checks(workloads), *hip_pair_checks(workloads), *(two_gpu_checks(workloads) if gpus >= 2 else [])]
+    """The checks of a run on `gpus` GPUs: issues 11's, 12's and 14's everywhere, issue 3's on two."""
+    return [*cross_vendor_checks(workloads), *hip_pair_checks(workloads), *ucx_checks(workloads), *(two_gpu_checks(workloads) if gpus >= 2 else [])]
 
 
 def _evaluate_min(check: MinCheck, rows: Sequence[Row]) -> dict[str, Any]:

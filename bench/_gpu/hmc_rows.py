@@ -17,6 +17,8 @@ peer says, and the initiator measures every workload against it:
     staged-hip   the peer runs HMC's HIP backend through the HIP-on-CUDA runtime (HMC_HIP_ON_CUDA=1:
                  its tensors register as hip:N, vendor AMD): a CUDA <-> HIP pair over the shared
                  pinned ring, the HIP end's copies and kernels through hipMemcpyAsync and hiprtc
+    ucx          a plain peer, the ucx path forced (negotiation picks ipc): UCX's puts and gets
+                 with CUDA memory registered, where the UCX of the libucx wheel is installed
 
 No path is forced: the first transfer of each row checks that the handle
 reports the path the peer stands for (a row whose negotiation picks another
@@ -78,6 +80,7 @@ PEERS = (
     Peer("staged", "staged", True, {}, "the peer declares its GPU AMD (vendor override): the shared pinned ring"),
     Peer("staged-tcp", "staged", False, {HOST_ID_ENV: "hmc-gpu-bench-another-host"}, "the peer declares another host (HMC_HOST_ID): pinned rings over TCP"),
     Peer("staged-hip", "staged", False, {SWITCH: "1"}, "the peer runs HMC's HIP backend on the HIP-on-CUDA runtime: a CUDA <-> HIP pair, the shared pinned ring"),
+    Peer("ucx", "ucx", False, {}, "a plain peer, the ucx path forced: UCX's one-sided puts and gets (cuda_ipc, cuda_copy) between the two processes"),
 )
 HMC_PATHS = tuple(p.label for p in PEERS)
 

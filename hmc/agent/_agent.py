@@ -27,6 +27,7 @@ touches the link, so transfers go on while hmcd is down.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -141,7 +142,7 @@ class Agent:
             buffer_bytes=cfg.socket_buffer_bytes, keepalive_s=cfg.keepalive_s, unacked_s=cfg.timeout_s,
         )
         self._server = PeerServer(
-            cfg.agent_host, info=lambda: self.info, buffers=self._buffers, inbox=self._inbox, buffer_bytes=cfg.socket_buffer_bytes, grant=self._grant,
+            cfg.agent_host, info=lambda: self.info, buffers=self._buffers, inbox=self._inbox, buffer_bytes=cfg.socket_buffer_bytes, grant=self._grant, push=self._push,
             max_connections=cfg.peer_max_connections, keepalive_s=cfg.keepalive_s, timeout_s=cfg.timeout_s,
         )
         self._unavailable: dict[PathName, str] = {}
@@ -170,7 +171,7 @@ class Agent:
                 ipc_movers[kind] = mover
         ucx = [
             UcxTransport(
-                functools.partial(self._peers.open_grant, path=path.value), path=path,
+                functools.partial(self._peers.open_grant, path=path.value), self._peers.push, path=path,
                 transports=cfg.ucx_transports, library=cfg.ucx_library, workers=cfg.ucx_workers, timeout_s=cfg.timeout_s,
             )  # fmt: skip
             for path in (PathName.RDMA, PathName.UCX)
@@ -194,6 +195,13 @@ class Agent:
         if transport is None:
             raise UnsupportedError(f"buffer {buffer.id} cannot be opened for path {path!r}: not offered by this agent")
         return transport.grant(buffer)
+
+    def _push(self, path: str, buffer: ConnBuffer, request: peer_pb2.Push, ranges: RangeList, deadline: float, done: Callable[[BaseException | None], None]) -> None:
+        """The owner side of Push: `path`'s transport puts the ranges into the asker's memory."""
+        transport = self._transports.get(PathName(path)) if path in _PATH_NAMES else None
+        if transport is None:
+            raise UnsupportedError(f"buffer {buffer.id} cannot be pushed over path {path!r}: not offered by this agent")
+        transport.push(buffer, request, ranges, deadline, done)
 
     def _usable(self, transports: Sequence[Transport]) -> dict[PathName, Transport]:
         usable: dict[PathName, Transport] = {}
@@ -502,7 +510,12 @@ class Agent:
     def path_to(self, local: ConnBuffer, remote: Any) -> PathChoice:
         """The path (and the reasons better ones were refused) between `local` and `remote`."""
         descriptor = remote.descriptor if isinstance(remote, ConnBuffer) else remote
-        return self._choose(local, descriptor, None)
+        choice = self._choose(local, descriptor, None)
+        measured = self._transports[choice.path].measured(local, descriptor)
+        if measured is None:
+            return choice
+        note, preferred_op = measured
+        return dataclasses.replace(choice, reason=f"{choice.reason}; {note}", preferred_op=preferred_op)
 
     def _choose(self, local: ConnBuffer, descriptor: common_pb2.BufferDescriptor, path: str | None) -> PathChoice:
         """Negotiate (or, with `path`, check that path) for the pair; cached per device pair and agent."""

@@ -1,6 +1,6 @@
 """This agent's outgoing connections: one control channel per peer agent, data streams on demand.
 
-The control channel (initiator -> owner) carries OpenBuffer and Notify requests;
+The control channel (initiator -> owner) carries OpenBuffer, Push and Notify requests;
 the owner sends Withdrawn frames back over it when a buffer we opened goes away.
 A Withdrawn is accepted only for a buffer opened over that very channel, i.e.
 from its owner: another peer cannot make this agent refuse a third agent's buffer.
@@ -141,6 +141,12 @@ class Peers:
         proof = channel.stream.proof(descriptor.access_key, descriptor.registry_epoch)
         frame = peer_pb2.PeerFrame(open=peer_pb2.OpenBuffer(buffer_id=descriptor.id, key_proof=proof, path=path))
         return channel.request(frame, deadline).grant
+
+    def push(self, descriptor: common_pb2.BufferDescriptor, message: peer_pb2.Push, deadline: float, callback: ReplyCallback) -> None:
+        """Ask the owner to push a read (`message` without its key proof); `callback` runs when it ended (or failed)."""
+        channel = self.control(descriptor, deadline)
+        message.key_proof = channel.stream.proof(descriptor.access_key, descriptor.registry_epoch)
+        channel.request_async(peer_pb2.PeerFrame(push=message), deadline, callback)
 
     def notify(self, descriptor: common_pb2.BufferDescriptor, transfer_id: str, payload: bytes, deadline: float, callback: ReplyCallback) -> None:
         """Send a Notify to the owner; `callback` runs when it acknowledged (or failed)."""

@@ -4,7 +4,9 @@ Peers connect over TCP and say in their hello which channel they open:
 
 - control: OpenBuffer (grants one-sided access, ipc or ucx, after the access-key
   check; the grant carries what the path's `Transport.grant` hands out, and says
-  when the memory is read-only: initiators refuse to write it),
+  when the memory is read-only: initiators refuse to write it), Push (a read this
+  agent pushes into the asker's memory, checked here, run by the path's
+  `Transport.push`, answered when it ends),
   Notify (deduplicated, queued for `Agent.notifications()`), and the replies to
   the Withdrawn frames this agent sends when a granted buffer is unregistered;
 - data: DataWrite and DataRead of the staged path, served on the connection's
@@ -50,7 +52,8 @@ from collections.abc import Callable
 from hmc.agent._buffers import BufferTable, ConnBuffer
 from hmc.agent._transfer import Notification, NotificationInbox
 from hmc.errors import AccessDeniedError, HMCError, ProtocolError, UnknownBufferError
-from hmc.transport._channel import Channel
+from hmc.transport._channel import DEFERRED, Channel
+from hmc.transport._ranges import RangeList
 from hmc.transport._staged_serve import DataConnections
 from hmc.transport._handshake import accept_handshake
 from hmc.transport._wire import HELLO_FRAME, FrameStream, error_reply, tune_socket
@@ -82,6 +85,7 @@ class PeerServer:
         inbox: NotificationInbox,
         buffer_bytes: int,
         grant: Callable[[str, ConnBuffer], common_pb2.TransportHandles],
+        push: Callable[[str, ConnBuffer, peer_pb2.Push, RangeList, float, Callable[[BaseException | None], None]], None],
         max_connections: int = 1024,
         keepalive_s: float = 5.0,
         timeout_s: float = 30.0,
@@ -89,6 +93,8 @@ class PeerServer:
         self._info = info
         self._grant = grant
         """The handles of a path's grant (the path's owner side: `Transport.grant`)."""
+        self._push_to = push
+        """Runs a read the owner pushes on its path (`Transport.push`)."""
         self._buffers = buffers
         self._inbox = inbox
         self._keepalive_s = keepalive_s
@@ -213,6 +219,9 @@ class PeerServer:
                 return self._open(frame.open, channel)
             if kind == "notify":
                 return self._notify(frame.notify, peer.id, stream)
+            if kind == "push":
+                assert channel is not None
+                return self._push(frame.request_id, frame.push, channel)
             raise ProtocolError(f"{kind or 'empty frame'} is not a control request")
 
         channel = Channel(stream, handler, name=threading.current_thread().name, on_close=self._forget_channel)
@@ -225,6 +234,27 @@ class PeerServer:
             self._opened.setdefault(buffer.id, set()).add(channel)
         grant = peer_pb2.BufferGrant(buffer_id=buffer.id, size=buffer.size, handles=handles, read_only=buffer.region.readonly)
         return peer_pb2.PeerReply(grant=grant)
+
+    def _push(self, request_id: int, request: peer_pb2.Push, channel: Channel) -> peer_pb2.PeerReply:
+        """Check a read the asker wants pushed (key proof, ranges inside both ends), hold the buffer, start it; the
+        reply follows when it ends."""
+        holder = ("push", channel, request_id)
+        buffer = self._buffers.acquire(request.buffer_id, prove=channel.stream.proof, proof=request.key_proof, holder=holder)
+        try:
+            ranges = RangeList.from_proto(request.ranges)
+            ranges.check(buffer.size, request.target_size)
+            ranges.check_disjoint_dst()
+            deadline = time.monotonic() + (request.expires_ms / 1000 if request.expires_ms else self._timeout_s)
+
+            def done(error: BaseException | None) -> None:
+                self._buffers.release(buffer.id, holder)
+                channel.reply(request_id, peer_pb2.PeerReply() if error is None else error_reply(error))
+
+            self._push_to(request.path, buffer, request, ranges, deadline, done)
+        except BaseException:
+            self._buffers.release(buffer.id, holder)
+            raise
+        return DEFERRED
 
     def _notify(self, request: peer_pb2.Notify, sender: str, stream: FrameStream) -> peer_pb2.PeerReply:
         self._buffers.get(request.buffer_id, prove=stream.proof, proof=request.key_proof)

@@ -162,6 +162,15 @@ class Transport(abc.ABC):
         """Owner side of a one-sided path: the handles a peer that proved `buffer`'s key gets (OpenBuffer)."""
         raise UnsupportedError(f"the {self.capabilities.path.value} path grants no access to buffer {buffer.id}")
 
+    def push(self, buffer: Any, request: Any, ranges: RangeList, deadline: float, done: Callable[[BaseException | None], None]) -> None:
+        """Owner side of a read the owner pushes (a `Push` frame, checked): put `ranges` of `buffer` into the asker's
+        memory, then `done(None)`, or `done(error)`; at most once, by `deadline`."""
+        raise UnsupportedError(f"the {self.capabilities.path.value} path does not push reads")
+
+    def measured(self, local: Any, remote: common_pb2.BufferDescriptor) -> tuple[str, str] | None:
+        """What this path measured between the pair (a note for `path_to`, and the op reads become), if anything."""
+        return None
+
     def withdraw(self, buffer_id: str) -> None:
         """Forget a ConnBuffer that was unregistered (local) or withdrawn (remote)."""
         return None

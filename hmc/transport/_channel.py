@@ -7,9 +7,10 @@ waiting caller. When the connection breaks, every pending request fails with
 BrokenResourceError and `on_close` runs once; requests whose deadline passes
 fail with TimeoutError (checked every `_TICK_S`).
 
-Concurrency: `request()` and `request_async()` may be called from any thread.
-The handler and every async callback run on the reader thread: they must be
-quick and must never wait on this channel.
+Concurrency: `request()`, `request_async()` and `reply()` may be called from any
+thread. The handler and every async callback run on the reader thread: they must
+be quick and must never wait on this channel; a handler with a long job returns
+`DEFERRED` and answers with `reply()` when it is done.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutErro
 from hmc.transport._wire import FrameStream, error_reply, raise_for_reply
 from hmc.v1 import peer_pb2
 
-__all__ = ["Channel", "ReplyCallback"]
+__all__ = ["DEFERRED", "Channel", "ReplyCallback"]
 
 _log = logging.getLogger(__name__)
 _TICK_S = 0.25
 
 ReplyCallback = Callable[[peer_pb2.PeerReply | None, BaseException | None], None]
+DEFERRED = peer_pb2.PeerReply()
+"""A handler's answer meaning "I reply later, with `Channel.reply`" (for requests that take a while)."""
 Handler = Callable[[peer_pb2.PeerFrame], peer_pb2.PeerReply]
 
 
@@ -132,7 +135,15 @@ class Channel:
         except Exception as exc:  # a bug in a handler must not kill the connection silently
             _log.exception("channel %s: handler failed", self.name)
             reply = error_reply(exc)
-        self.stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=reply), deadline=time.monotonic() + 5.0)
+        if reply is not DEFERRED:
+            self.reply(frame.request_id, reply)
+
+    def reply(self, request_id: int, reply: peer_pb2.PeerReply) -> None:
+        """Answer a request (a deferred one from any thread); a broken connection is left to the reader."""
+        try:
+            self.stream.send(peer_pb2.PeerFrame(request_id=request_id, reply=reply), deadline=time.monotonic() + 5.0)
+        except HMCError as exc:
+            _log.debug("channel %s: reply %d not sent: %s", self.name, request_id, exc)
 
     def _refuse(self, exc: ProtocolError) -> None:
         """Tell the peer why we hang up (best effort; the stream may be unusable)."""

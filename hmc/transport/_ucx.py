@@ -51,6 +51,7 @@ from hmc.transport import _ucx_engine as engine
 from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport
 from hmc.transport._ranges import RangeList
 from hmc.transport._ucx_progress import Progress
+from hmc.transport._wire import raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
 __all__ = ["RDMA_TRANSPORTS", "UcxTransport"]
@@ -58,6 +59,8 @@ __all__ = ["RDMA_TRANSPORTS", "UcxTransport"]
 _log = logging.getLogger(__name__)
 
 OpenGrant = Callable[[common_pb2.BufferDescriptor, float], peer_pb2.BufferGrant]
+RequestPush = Callable[[common_pb2.BufferDescriptor, peer_pb2.Push, float, Callable[[peer_pb2.PeerReply | None, BaseException | None], None]], None]
+"""Sends a Push to a buffer's owner over the control channel; the callback hears its reply (or the failure)."""
 
 RDMA_TRANSPORTS = "rc,dc,ud"
 """UCX's verbs transports: what the `rdma` path restricts its context to."""
@@ -69,6 +72,12 @@ _PART_MIN = 4 << 20
 """Smallest share of a transfer worth a lane of its own (as for ipc's threads)."""
 _INLINE_BYTES = 1 << 20
 """Largest single range moved on the caller's thread: one put or get and a flush, no thread hop."""
+_PROBE_BYTES = 1 << 20
+"""Bytes of the first read from an owner timed as a get and as a push by the owner (once per pair of memory kinds)."""
+_PUSH_PREFERRED = 0.8
+"""Reads go as pushes where a push takes less than this fraction of a get's time."""
+_TARGETS = 256
+"""Askers' memories of pushed reads kept unpacked."""
 _STOP_WAIT_S = 5.0
 """How long a cancel or a withdrawal waits for windows in flight to land."""
 _MAX_WORKER_ADDRESS = 1 << 16
@@ -81,13 +90,12 @@ class _Grant:
 
     __slots__ = ("address", "buffer_id", "flights", "inline_rkey", "key", "owner", "read_only", "revoked", "rkey", "rkeys", "size", "workers")
 
-    def __init__(self, message: peer_pb2.BufferGrant, key: bytes, owner: str, lanes: int) -> None:
-        handle = message.handles.ucx
+    def __init__(self, handle: common_pb2.UcxHandle, *, buffer_id: str, size: int, read_only: bool, key: bytes, owner: str, lanes: int) -> None:
         workers = [bytes(w) for w in handle.workers]
         if not handle.rkey or not workers or any(not 0 < len(w) <= _MAX_WORKER_ADDRESS for w in workers):
-            raise UnsupportedError(f"agent {owner} granted buffer {message.buffer_id} without a usable UCX key and worker address")
-        self.key, self.owner, self.buffer_id = key, owner, message.buffer_id
-        self.address, self.size, self.read_only = handle.address, message.size, message.read_only
+            raise UnsupportedError(f"agent {owner or '?'} gave buffer {buffer_id} without a usable UCX key and worker address")
+        self.key, self.owner, self.buffer_id = key, owner, buffer_id
+        self.address, self.size, self.read_only = handle.address, size, read_only
         self.workers = workers
         self.rkey = bytes(handle.rkey)
         self.rkeys: list[engine.RemoteKey | None] = [None] * lanes
@@ -96,6 +104,10 @@ class _Grant:
         """For the callers' own worker (`_Inline`), unpacked under its lock."""
         self.flights = 0
         self.revoked: HMCError | None = None
+
+    @classmethod
+    def granted(cls, message: peer_pb2.BufferGrant, key: bytes, owner: str, lanes: int) -> _Grant:
+        return cls(message.handles.ucx, buffer_id=message.buffer_id, size=message.size, read_only=message.read_only, key=key, owner=owner, lanes=lanes)
 
     def worker(self, lane: int) -> bytes:
         return self.workers[lane % len(self.workers)]
@@ -146,6 +158,37 @@ class _Part:
     error: BaseException | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Probe:
+    """A get and a push by the owner, timed once per (owner, local memory kind, remote memory kind)."""
+
+    nbytes: int
+    get_bps: float
+    push_bps: float
+    push_reads: bool
+
+
+class _Done:
+    """The completion of a read the owner pushes: `done` hears its end, once."""
+
+    on_cancel: Callable[[], None] | None = None
+    cancelled = False
+
+    def __init__(self, done: Callable[[BaseException | None], None]) -> None:
+        self._done: Callable[[BaseException | None], None] | None = done
+
+    def set_running(self) -> None:
+        return None
+
+    def add_bytes(self, nbytes: int) -> None:
+        return None
+
+    def finish(self, error: BaseException | None = None) -> None:
+        done, self._done = self._done, None
+        if done is not None:
+            done(error)
+
+
 class _Lane:
     """One worker with its progress thread, and the endpoints and parts it drives (its thread only)."""
 
@@ -168,13 +211,15 @@ class UcxTransport(Transport):
     """One path (`ucx`, or `rdma`: the same engine on verbs transports) of one agent."""
 
     def __init__(
-        self, open_grant: OpenGrant, *, path: PathName = PathName.UCX, transports: str = "", library: str = "", workers: int = 2, timeout_s: float = 30.0
-    ) -> None:
+        self, open_grant: OpenGrant, request_push: RequestPush, *, path: PathName = PathName.UCX, transports: str = "", library: str = "",
+        workers: int = 2, timeout_s: float = 30.0,
+    ) -> None:  # fmt: skip
         if path not in (PathName.UCX, PathName.RDMA):
             raise ArgumentError(f"the UCX engine serves the ucx and rdma paths, not {path.value}")
         if not 1 <= workers <= 64:
             raise ArgumentError(f"workers must be 1..64, got {workers}")
         self._open_grant = open_grant
+        self._request_push = request_push
         self._path = path
         self._transports = RDMA_TRANSPORTS if path is PathName.RDMA else transports
         self._library = library
@@ -186,9 +231,12 @@ class UcxTransport(Transport):
         self._lanes: list[_Lane] = []
         self._inline: _Inline | None = None
         self._next_lane = itertools.count()
-        self._lock = threading.Lock()  # guards _grants and every grant's flights
+        self._lock = threading.Lock()  # guards _grants, _probes, _targets and every grant's flights
         self._drained = threading.Condition(self._lock)  # a grant's last transfer ended
         self._grants: dict[str, _Grant] = {}
+        self._probes: dict[tuple[str, DeviceKind, int], _Probe] = {}
+        """(owner agent, local memory kind, the remote descriptor's device kind) -> what the first read measured."""
+        self._targets: dict[tuple[bytes, int, int, tuple[bytes, ...]], _Grant] = {}
         self._map_lock = threading.Lock()  # guards _mappings
         self._mappings: dict[str, engine.Mapping] = {}
         """Local buffer id -> its registration."""
@@ -250,7 +298,7 @@ class UcxTransport(Transport):
         with self._lock:
             grant = self._grants.get(remote.id)
         if grant is None or grant.key != remote.access_key or grant.revoked is not None:
-            grant = _Grant(self._open_grant(remote, deadline), remote.access_key, remote.owner.id, len(self._lanes))
+            grant = _Grant.granted(self._open_grant(remote, deadline), remote.access_key, remote.owner.id, len(self._lanes))
             with self._lock:
                 self._grants[remote.id] = grant
         return grant
@@ -270,6 +318,9 @@ class UcxTransport(Transport):
             if grant.size < request.remote.size:  # the agent checked against the descriptor; the grant is authoritative
                 sizes = (request.local.size, grant.size) if request.op is TransferOp.WRITE else (grant.size, request.local.size)
                 request.ranges.check(*sizes)
+            if request.op is TransferOp.READ and self._reads_pushed(request, grant, mapping):
+                self._pull_by_push(request, mapping)
+                return
             total = request.ranges.total
             if len(request.ranges) == 1 and total <= _INLINE_BYTES:
                 local, remote = (request.ranges.src, request.ranges.dst) if request.op is TransferOp.WRITE else (request.ranges.dst, request.ranges.src)
@@ -283,6 +334,12 @@ class UcxTransport(Transport):
         except HMCError as exc:
             request.completion.finish(exc)
             return
+        self._launch(request, grant, mapping, lanes)
+
+    def _launch(self, request: TransferRequest, grant: _Grant, mapping: engine.Mapping, lanes: list[_Lane]) -> None:
+        """Split the request into one part per lane (above `_PART_MIN` bytes each), host memory in windows, and hand
+        each part to its lane."""
+        total = request.ranges.total
         count = max(1, min(len(lanes), total // _PART_MIN))
         shares = request.ranges.chunks(-(-total // count)) if count > 1 else [request.ranges]
         transfer = _Transfer(request, grant, len(shares), lambda: self._release(grant))
@@ -292,7 +349,8 @@ class UcxTransport(Transport):
         parts = []
         for i, share in enumerate(shares):
             index = (first + i) % len(lanes)
-            parts.append((index, _Part(transfer, lanes[index], share.chunks(_WINDOW_BYTES))))
+            windows = share.chunks(_WINDOW_BYTES) if _kind(request.local) is DeviceKind.HOST else [share]  # device copies: nothing to bound
+            parts.append((index, _Part(transfer, lanes[index], windows)))
         request.completion.set_running()
         request.completion.on_cancel = lambda: self._stop(transfer, [part for _, part in parts])
         for index, part in parts:
@@ -300,6 +358,112 @@ class UcxTransport(Transport):
                 part.lane.progress.submit(lambda index=index, part=part: self._start(index, part, mapping))
             except HMCError as exc:
                 self._report(part, exc)
+
+    # -- reads the owner pushes ------------------------------------------------------
+
+    def _reads_pushed(self, request: TransferRequest, grant: _Grant, mapping: engine.Mapping) -> bool:
+        """Whether reads from this owner into this kind of memory go as pushes by the owner: measured on first use."""
+        key = (grant.owner, _kind(request.local), request.remote.device.kind)
+        with self._lock:
+            probe = self._probes.get(key)
+        if probe is None:
+            probe = self._probe(request, grant, mapping)
+            with self._lock:
+                self._probes[key] = probe
+        return probe.push_reads
+
+    def _probe(self, request: TransferRequest, grant: _Grant, mapping: engine.Mapping) -> _Probe:
+        """Time a get and a push of (up to `_PROBE_BYTES` of) the read's first range, each the second of two: both
+        land the very bytes the read is to land there."""
+        length = min(int(request.ranges.lengths[0]), _PROBE_BYTES)
+        piece = RangeList.build(int(request.ranges.src[0]), int(request.ranges.dst[0]), length)
+        local_address = request.local.region.address + int(piece.dst[0])
+
+        def get() -> None:
+            self._copy_inline(TransferOp.READ, grant, mapping, local_address, int(piece.src[0]), length, max(request.deadline - time.monotonic(), 1e-3))
+
+        def push() -> None:
+            self._push_and_wait(request.remote, piece, request.local, mapping, request.deadline)
+
+        get_s = _second_of_two(get)
+        try:
+            push_s = _second_of_two(push)
+        except UnsupportedError:  # an owner that pushes nothing: reads stay gets
+            push_s = float("inf")
+        return _Probe(length, length / get_s, length / push_s, push_s < _PUSH_PREFERRED * get_s)
+
+    def _push_and_wait(self, remote: common_pb2.BufferDescriptor, ranges: RangeList, local: Any, mapping: engine.Mapping, deadline: float) -> None:
+        ended = threading.Event()
+        outcome: list[BaseException | None] = [None]
+
+        def replied(reply: peer_pb2.PeerReply | None, error: BaseException | None) -> None:
+            outcome[0] = error if error is not None else _reply_error(reply)
+            ended.set()
+
+        self._request_push(remote, self._push_message(remote, ranges, local, mapping, deadline, ""), deadline, replied)
+        if not ended.wait(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"agent {remote.owner.id} did not push the read in time")
+        if outcome[0] is not None:
+            raise outcome[0]
+
+    def _push_message(self, remote: common_pb2.BufferDescriptor, ranges: RangeList, local: Any, mapping: engine.Mapping, deadline: float, transfer_id: str) -> peer_pb2.Push:
+        target = common_pb2.UcxHandle(rkey=mapping.rkey, address=mapping.address, workers=[lane.progress.worker.address for lane in self._running()], ucx_version=engine.version())
+        expires_ms = max(1, min(int((deadline - time.monotonic()) * 1000), (1 << 32) - 1))
+        return peer_pb2.Push(buffer_id=remote.id, path=self._path.value, ranges=ranges.to_proto(), target=target, target_size=local.size, transfer_id=transfer_id, expires_ms=expires_ms)
+
+    def _pull_by_push(self, request: TransferRequest, mapping: engine.Mapping) -> None:
+        """A read as a push by the owner into our registered memory; ends with the owner's reply."""
+        ended = threading.Event()
+        cancelled = [False]
+        completion = request.completion
+
+        def replied(reply: peer_pb2.PeerReply | None, error: BaseException | None) -> None:
+            error = error if error is not None else _reply_error(reply)
+            ended.set()
+            if not cancelled[0]:
+                if error is None:
+                    completion.add_bytes(request.ranges.total)
+                completion.finish(error)
+
+        def stop() -> None:  # the owner's puts land in our memory until it replies (bounded by its deadline)
+            cancelled[0] = True
+            ended.wait(_STOP_WAIT_S)
+
+        message = self._push_message(request.remote, request.ranges, request.local, mapping, request.deadline, request.transfer_id)
+        completion.set_running()
+        completion.on_cancel = stop
+        self._request_push(request.remote, message, request.deadline, replied)
+
+    def push(self, buffer: Any, request: peer_pb2.Push, ranges: RangeList, deadline: float, done: Callable[[BaseException | None], None]) -> None:
+        """Owner side: put `ranges` of `buffer` into the asker's memory (its key, address and workers in `request`)."""
+        lanes = self._running()
+        with self._map_lock:
+            mapping = self._mappings.get(buffer.id)
+        if mapping is None:
+            raise UnsupportedError(f"buffer {buffer.id} is not registered with {self._path.value}")
+        target = self._target(request.target, request.target_size)
+        self._launch(TransferRequest(request.transfer_id, TransferOp.WRITE, buffer, None, ranges, deadline, _Done(done)), target, mapping, lanes)  # type: ignore[arg-type]
+
+    def _target(self, handle: common_pb2.UcxHandle, size: int) -> _Grant:
+        """The asker's memory of a pushed read, as a grant to write it (cached: the same buffer is pushed into again)."""
+        key = (bytes(handle.rkey), handle.address, size, tuple(handle.workers))
+        with self._lock:
+            target = self._targets.get(key)
+            if target is None:
+                if len(self._targets) >= _TARGETS:
+                    for old in list(self._targets)[: _TARGETS // 2]:  # their unpacked keys stay with the workers until they close
+                        del self._targets[old]
+                target = self._targets[key] = _Grant(handle, buffer_id="(a pushed read's target)", size=size, read_only=False, key=b"", owner="", lanes=len(self._lanes))
+        return target
+
+    def measured(self, local: Any, remote: common_pb2.BufferDescriptor) -> tuple[str, str] | None:
+        with self._lock:
+            probe = self._probes.get((remote.owner.id, _kind(local), remote.device.kind))
+        if probe is None:
+            return None
+        how = "reads are pushed by the owner" if probe.push_reads else "reads are gets"
+        note = f"measured with agent {remote.owner.id} on {probe.nbytes} bytes: get {probe.get_bps / 1e9:.2f} GB/s, owner's push {probe.push_bps / 1e9:.2f} GB/s: {how}"
+        return note, "write" if probe.push_reads else "read"
 
     def _copy_inline(self, op: TransferOp, grant: _Grant, mapping: engine.Mapping, local_address: int, remote_offset: int, length: int, timeout_s: float) -> None:
         """One range on the caller's thread through the callers' worker (ranges checked by the caller)."""
@@ -496,6 +660,22 @@ class UcxTransport(Transport):
         if self._context is not None:
             self._context.close()
             self._context = None
+
+
+def _second_of_two(run: Callable[[], None]) -> float:
+    """Seconds the second of two runs took (the first sets up what a pair sets up once)."""
+    run()
+    started = time.perf_counter()
+    run()
+    return max(time.perf_counter() - started, 1e-9)
+
+
+def _reply_error(reply: peer_pb2.PeerReply | None) -> HMCError | None:
+    try:
+        raise_for_reply(reply)  # type: ignore[arg-type]
+    except HMCError as exc:
+        return exc
+    return None
 
 
 def _connect(worker: engine.Worker, address: bytes, grant: _Grant) -> engine.Endpoint:

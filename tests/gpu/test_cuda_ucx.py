@@ -1,0 +1,92 @@
+"""The `ucx` path with CUDA memory between two processes, on one GPU or two.
+
+This process's Agent owns buffers on cuda:0, a `PeerProcess` owns buffers on `peer_device` (cuda:1 where two
+GPUs are visible, cuda:0 in the other process where one is); both restrict negotiation to `ucx`, so UCX's
+CUDA transports (cuda_ipc, cuda_copy) carry the bytes. Random data into poisoned destinations, both ways,
+odd sizes and unaligned offsets, the KV patterns (4096 x 64 KiB and 16384 x 16 KiB random ranges), every
+byte compared (host copies, or BLAKE2b digests of whole buffers). Skipped, with the reason, where the UCP
+binding is not built or this UCX cannot register CUDA memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hmc import memory
+from hmc.agent import Agent
+from hmc.config import Config, PathPolicy
+from hmc.errors import UnsupportedError
+from hmc.testing import PeerProcess, ranges_digest
+from hmc.v1 import common_pb2
+
+from ._support import ODD_CASES, POISON, assert_bytes_equal, gpu_buffer, host_copy, random_bytes, write_then_read
+
+pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
+
+try:
+    from hmc.transport import _ucx_engine
+
+    _ucx_engine.load()
+    WHY = ""
+except UnsupportedError as exc:
+    WHY = str(exc)
+
+KV_TOTAL = 256 << 20
+
+
+@pytest.fixture(scope="module")
+def gpu_config(tmp_path_factory: pytest.TempPathFactory) -> Config:
+    if WHY:
+        pytest.skip(f"UCX binding: {WHY}")
+    socket = str(Path(tmp_path_factory.mktemp("cuda-ucx")) / "no-hmcd.sock")
+    return Config(socket=socket, timeout_s=60.0, policy=PathPolicy(allow=("ucx",)))
+
+
+@pytest.fixture(scope="module")
+def gpu_peer(gpu_config: Config) -> Iterator[PeerProcess]:
+    with PeerProcess(gpu_config, timeout=120.0) as peer:
+        yield peer
+
+
+def test_ucx_declares_cuda_memory(gpu_agent: Agent) -> None:
+    [ucx] = [t for t in gpu_agent.info.transports if t.path == "ucx"]
+    if common_pb2.DEVICE_KIND_CUDA not in ucx.memory_kinds:
+        pytest.skip(f"this UCX registers no CUDA memory ({ucx.detail}): no cuda transport in the wheel's modules")
+    assert common_pb2.DEVICE_KIND_HOST in ucx.memory_kinds
+
+
+@pytest.mark.parametrize(("length", "remote_offset", "local_offset", "slack"), ODD_CASES)
+def test_write_then_read_odd_sizes_unaligned_offsets(
+    gpu_agent: Agent, gpu_peer: PeerProcess, peer_device: str, length: int, remote_offset: int, local_offset: int, slack: int
+) -> None:
+    write_then_read(gpu_agent, gpu_peer, "ucx", length, remote_offset, local_offset, slack, peer_device=peer_device)
+
+
+@pytest.mark.parametrize(("count", "block"), [(4096, 64 << 10), (16384, 16 << 10)])
+def test_kv_random_ranges_both_ways_every_byte(gpu_agent: Agent, gpu_peer: PeerProcess, peer_device: str, count: int, block: int) -> None:
+    rng = np.random.default_rng(count)
+    slots = KV_TOTAL // block
+    src = rng.permutation(slots)[:count].astype(np.int64) * block
+    dst = rng.permutation(slots)[:count].astype(np.int64) * block
+    data = random_bytes(KV_TOTAL, count)
+    remote = gpu_peer.register(KV_TOTAL, fill=POISON, device=peer_device)
+    with gpu_buffer(gpu_agent, data) as local:
+        handle = gpu_agent.write(local, remote, src, dst, block)
+        handle.wait()
+        assert handle.path == "ucx"
+        expected = np.full(KV_TOTAL, POISON, np.uint8)
+        expected.reshape(slots, block)[dst // block] = data.reshape(slots, block)[src // block]
+        assert gpu_peer.digest(remote.id) == ranges_digest(expected), "KV write: the peer's buffer differs"
+        memory.fill(local.region, POISON)
+        back = rng.permutation(slots)[:count].astype(np.int64) * block
+        handle = gpu_agent.read(local, remote, dst, back, block)
+        handle.wait()
+        assert handle.path == "ucx"
+        mine = np.full(KV_TOTAL, POISON, np.uint8)
+        mine.reshape(slots, block)[back // block] = expected.reshape(slots, block)[dst // block]
+        assert_bytes_equal(host_copy(local), mine, "KV read")
+    gpu_peer.unregister(remote.id)
