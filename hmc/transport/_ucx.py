@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from hmc.errors import AccessDeniedError, ArgumentError, BrokenResourceError, BufferWithdrawnError, HMCError, TimeoutError, UnavailableError, UnsupportedError
+from hmc import memory
 from hmc.memory import DeviceKind, MemoryKind
 from hmc.memory._machine import rdma_nics
 from hmc.transport import _ucx_engine as engine
@@ -71,9 +72,14 @@ _WINDOWS = 2
 _PART_MIN = 4 << 20
 """Smallest share of a transfer worth a lane of its own (as for ipc's threads)."""
 _INLINE_BYTES = 1 << 20
-"""Largest single range moved on the caller's thread: one put or get and a flush, no thread hop."""
+"""Largest single range of host memory moved on the caller's thread: one put or get and a flush, no thread hop
+(device memory always is: its copies end within microseconds)."""
+_INLINE_RANGES = 64
+"""Device memory in up to this many ranges is moved on the caller's thread; more ranges are posted by the lanes
+side by side (UCX costs several microseconds of CPU per range: two threads post about 1.5x the ranges of one)."""
 _PROBE_BYTES = 1 << 20
-"""Bytes of the first read from an owner timed as a get and as a push by the owner (once per pair of memory kinds)."""
+"""Bytes read from an owner as a get and as a push by the owner, timed on the first read (once per pair of memory
+kinds), into a scratch buffer of this agent."""
 _PUSH_PREFERRED = 0.8
 """Reads go as pushes where a push takes less than this fraction of a get's time."""
 _TARGETS = 256
@@ -148,6 +154,8 @@ class _Part:
     transfer: _Transfer
     lane: _Lane
     windows: list[RangeList]
+    device: bool
+    """Device memory at this end: its copies signal no event, so its flushes are polled without a pause."""
     next: int = 0
     in_flight: int = 0
     confirming: bool = False
@@ -166,6 +174,18 @@ class _Probe:
     get_bps: float
     push_bps: float
     push_reads: bool
+
+
+class _Scratch:
+    """A buffer of this agent that probes read into: its memory and registration."""
+
+    def __init__(self, region: Any, mapping: engine.Mapping) -> None:
+        self.region, self.mapping = region, mapping
+        self.address, self.size = region.address, region.size
+
+    def close(self) -> None:
+        self.mapping.unmap()
+        memory.free(self.region)
 
 
 class _Done:
@@ -237,6 +257,8 @@ class UcxTransport(Transport):
         self._probes: dict[tuple[str, DeviceKind, int], _Probe] = {}
         """(owner agent, local memory kind, the remote descriptor's device kind) -> what the first read measured."""
         self._targets: dict[tuple[bytes, int, int, tuple[bytes, ...]], _Grant] = {}
+        self._scratches: dict[str, _Scratch] = {}
+        """Device name -> the probes' scratch buffer there."""
         self._map_lock = threading.Lock()  # guards _mappings
         self._mappings: dict[str, engine.Mapping] = {}
         """Local buffer id -> its registration."""
@@ -322,12 +344,9 @@ class UcxTransport(Transport):
                 self._pull_by_push(request, mapping)
                 return
             total = request.ranges.total
-            if len(request.ranges) == 1 and total <= _INLINE_BYTES:
-                local, remote = (request.ranges.src, request.ranges.dst) if request.op is TransferOp.WRITE else (request.ranges.dst, request.ranges.src)
-                remaining = request.deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"{self._path.value} transfer missed its deadline")
-                self._copy_inline(request.op, grant, mapping, request.local.region.address + int(local[0]), int(remote[0]), total, remaining)
+            device = _kind(request.local) is not DeviceKind.HOST
+            if (device and len(request.ranges) <= _INLINE_RANGES) or (len(request.ranges) == 1 and total <= _INLINE_BYTES):
+                self._run_inline(request, grant, mapping)
                 request.completion.add_bytes(total)
                 request.completion.finish()
                 return
@@ -337,8 +356,8 @@ class UcxTransport(Transport):
         self._launch(request, grant, mapping, lanes)
 
     def _launch(self, request: TransferRequest, grant: _Grant, mapping: engine.Mapping, lanes: list[_Lane]) -> None:
-        """Split the request into one part per lane (above `_PART_MIN` bytes each), host memory in windows, and hand
-        each part to its lane."""
+        """Split the request into one part per lane (above `_PART_MIN` bytes each), host memory in windows (device
+        copies end within microseconds: nothing to bound), and hand each part to its lane."""
         total = request.ranges.total
         count = max(1, min(len(lanes), total // _PART_MIN))
         shares = request.ranges.chunks(-(-total // count)) if count > 1 else [request.ranges]
@@ -349,8 +368,8 @@ class UcxTransport(Transport):
         parts = []
         for i, share in enumerate(shares):
             index = (first + i) % len(lanes)
-            windows = share.chunks(_WINDOW_BYTES) if _kind(request.local) is DeviceKind.HOST else [share]  # device copies: nothing to bound
-            parts.append((index, _Part(transfer, lanes[index], windows)))
+            device = _kind(request.local) is not DeviceKind.HOST
+            parts.append((index, _Part(transfer, lanes[index], [share] if device else share.chunks(_WINDOW_BYTES), device)))
         request.completion.set_running()
         request.completion.on_cancel = lambda: self._stop(transfer, [part for _, part in parts])
         for index, part in parts:
@@ -373,17 +392,17 @@ class UcxTransport(Transport):
         return probe.push_reads
 
     def _probe(self, request: TransferRequest, grant: _Grant, mapping: engine.Mapping) -> _Probe:
-        """Time a get and a push of (up to `_PROBE_BYTES` of) the read's first range, each the second of two: both
-        land the very bytes the read is to land there."""
-        length = min(int(request.ranges.lengths[0]), _PROBE_BYTES)
-        piece = RangeList.build(int(request.ranges.src[0]), int(request.ranges.dst[0]), length)
-        local_address = request.local.region.address + int(piece.dst[0])
+        """Time a get and a push by the owner of (up to) `_PROBE_BYTES` of the remote buffer into a scratch buffer of
+        this agent in the read's kind of memory, each the second of two (the first sets up what a pair sets up once)."""
+        length = min(_PROBE_BYTES, grant.size)
+        scratch = self._scratch(request.local.region.device, length)
+        piece = RangeList.build(0, 0, length)
 
         def get() -> None:
-            self._copy_inline(TransferOp.READ, grant, mapping, local_address, int(piece.src[0]), length, max(request.deadline - time.monotonic(), 1e-3))
+            self._copy_inline(TransferOp.READ, grant, scratch.mapping, scratch.address, 0, length, max(request.deadline - time.monotonic(), 1e-3))
 
         def push() -> None:
-            self._push_and_wait(request.remote, piece, request.local, mapping, request.deadline)
+            self._push_and_wait(request.remote, piece, scratch, scratch.mapping, request.deadline)
 
         get_s = _second_of_two(get)
         try:
@@ -391,6 +410,22 @@ class UcxTransport(Transport):
         except UnsupportedError:  # an owner that pushes nothing: reads stay gets
             push_s = float("inf")
         return _Probe(length, length / get_s, length / push_s, push_s < _PUSH_PREFERRED * get_s)
+
+    def _scratch(self, device: Any, size: int) -> _Scratch:
+        """A registered buffer of this agent on `device` for probes (made once per device, freed on close)."""
+        with self._lock:
+            scratch = self._scratches.get(device.name)
+        if scratch is None or scratch.size < size:
+            region = memory.allocate(_PROBE_BYTES, device)
+            kind = device.kind if region.kind is MemoryKind.DEVICE else DeviceKind.HOST
+            if self._context is None:
+                raise UnsupportedError(f"the {self._path.value} path is not running")
+            scratch = _Scratch(region, self._context.map(region.address, region.size, _UCX_MEMORY[kind]))
+            with self._lock:
+                old, self._scratches[device.name] = self._scratches.get(device.name), scratch
+            if old is not None:
+                old.close()
+        return scratch
 
     def _push_and_wait(self, remote: common_pb2.BufferDescriptor, ranges: RangeList, local: Any, mapping: engine.Mapping, deadline: float) -> None:
         ended = threading.Event()
@@ -442,7 +477,16 @@ class UcxTransport(Transport):
         if mapping is None:
             raise UnsupportedError(f"buffer {buffer.id} is not registered with {self._path.value}")
         target = self._target(request.target, request.target_size)
-        self._launch(TransferRequest(request.transfer_id, TransferOp.WRITE, buffer, None, ranges, deadline, _Done(done)), target, mapping, lanes)  # type: ignore[arg-type]
+        pushed = TransferRequest(request.transfer_id, TransferOp.WRITE, buffer, None, ranges, deadline, _Done(done))  # type: ignore[arg-type]
+        if _kind(buffer) is DeviceKind.HOST or len(ranges) > _INLINE_RANGES:
+            self._launch(pushed, target, mapping, lanes)
+            return
+        try:  # device memory: on this (the control channel's) thread, within microseconds per range
+            self._run_inline(pushed, target, mapping)
+        except HMCError as exc:
+            done(exc)
+            return
+        done(None)
 
     def _target(self, handle: common_pb2.UcxHandle, size: int) -> _Grant:
         """The asker's memory of a pushed read, as a grant to write it (cached: the same buffer is pushed into again)."""
@@ -465,8 +509,9 @@ class UcxTransport(Transport):
         note = f"measured with agent {remote.owner.id} on {probe.nbytes} bytes: get {probe.get_bps / 1e9:.2f} GB/s, owner's push {probe.push_bps / 1e9:.2f} GB/s: {how}"
         return note, "write" if probe.push_reads else "read"
 
-    def _copy_inline(self, op: TransferOp, grant: _Grant, mapping: engine.Mapping, local_address: int, remote_offset: int, length: int, timeout_s: float) -> None:
-        """One range on the caller's thread through the callers' worker (ranges checked by the caller)."""
+    def _copy_inline(self, op: TransferOp, grant: _Grant, mapping: engine.Mapping, local_addresses: Any, remote_offsets: Any, lengths: Any, timeout_s: float) -> None:
+        """Ranges (ints: one; arrays: a batch) on the caller's thread through the callers' worker, checked by the
+        caller: posted, flushed and waited for in C."""
         inline = self._inline
         if inline is None:
             raise UnsupportedError(f"the {self._path.value} path is not running")
@@ -484,9 +529,23 @@ class UcxTransport(Transport):
                     endpoint = inline.endpoints[address] = _connect(inline.worker, address, grant)
                 if grant.inline_rkey is None:
                     grant.inline_rkey = endpoint.unpack(grant.rkey)
-                endpoint.rma(op.value, mapping, local_address, grant.address + remote_offset, length, grant.inline_rkey, timeout_s)
+                remote = grant.address + remote_offsets if isinstance(remote_offsets, int) else remote_offsets.astype(np.uint64) + np.uint64(grant.address)
+                endpoint.rma(op.value, mapping, local_addresses, remote, lengths, grant.inline_rkey, timeout_s)
         finally:
             self._release(grant)
+
+    def _run_inline(self, request: TransferRequest, grant: _Grant, mapping: engine.Mapping) -> None:
+        """The whole request on the caller's thread (device memory: copies end within microseconds, no thread hop)."""
+        remaining = request.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"{self._path.value} transfer missed its deadline")
+        ranges = request.ranges
+        local, remote = (ranges.src, ranges.dst) if request.op is TransferOp.WRITE else (ranges.dst, ranges.src)
+        base = request.local.region.address
+        if len(ranges) == 1:
+            self._copy_inline(request.op, grant, mapping, base + int(local[0]), int(remote[0]), int(ranges.lengths[0]), remaining)
+        else:
+            self._copy_inline(request.op, grant, mapping, local.astype(np.uint64) + np.uint64(base), remote, ranges.lengths, remaining)
 
     def inline(self, local: Any, remote: common_pb2.BufferDescriptor) -> InlineCopy | None:
         """One small range on the caller's thread, once the pair has a grant (after its first transfer)."""
@@ -554,7 +613,7 @@ class UcxTransport(Transport):
                 return
             part.in_flight += 1
             nbytes = window.total
-            part.lane.progress.watch(flush, request.deadline, lambda error, n=nbytes: self._landed(index, part, endpoint, mapping, n, error))
+            part.lane.progress.watch(flush, request.deadline, lambda error, n=nbytes: self._landed(index, part, endpoint, mapping, n, error), busy=part.device)
         if part.in_flight == 0 and not part.stopping:
             if part.confirming:
                 self._end(part, None)
@@ -566,7 +625,7 @@ class UcxTransport(Transport):
                 self._end(part, exc)
                 return
             part.in_flight += 1
-            part.lane.progress.watch(flush, request.deadline, lambda error: self._landed(index, part, endpoint, mapping, 0, error))
+            part.lane.progress.watch(flush, request.deadline, lambda error: self._landed(index, part, endpoint, mapping, 0, error), busy=part.device)
 
     def _landed(self, index: int, part: _Part, endpoint: engine.Endpoint, mapping: engine.Mapping, nbytes: int, error: BaseException | None) -> None:
         part.in_flight -= 1
@@ -650,6 +709,10 @@ class UcxTransport(Transport):
                     endpoint.close(1e-6)  # without waiting: nobody answers a flush any more
 
     def close(self) -> None:
+        with self._lock:
+            scratches, self._scratches = list(self._scratches.values()), {}
+        for scratch in scratches:
+            scratch.close()
         lanes, self._lanes = self._lanes, []
         for lane in lanes:
             lane.progress.close()

@@ -84,13 +84,14 @@ typedef struct hmc_am_queue hmc_am_queue;
 int hmc_post_batch(ucp_ep_h ep, int is_get, size_t n, const uint64_t *local, const uint64_t *remote, const uint64_t *lengths,
                    ucp_rkey_h rkey, ucp_mem_h memh, size_t *posted);
 int hmc_flush_worker(ucp_worker_h worker, double timeout_s);
-int hmc_rma_wait(ucp_worker_h worker, ucp_ep_h ep, int is_get, uint64_t local, uint64_t remote, uint64_t length, ucp_rkey_h rkey,
-                 ucp_mem_h memh, double timeout_s);
+int hmc_rma_wait(ucp_worker_h worker, ucp_ep_h ep, int is_get, size_t n, const uint64_t *local, const uint64_t *remote,
+                 const uint64_t *lengths, ucp_rkey_h rkey, ucp_mem_h memh, double timeout_s);
 int hmc_flush_ep(ucp_worker_h worker, ucp_ep_h ep, double timeout_s);
 void *hmc_flush_ep_start(ucp_ep_h ep);
 int hmc_request_status(void *request);
 void hmc_request_free(void *request);
 unsigned hmc_progress(ucp_worker_h worker, unsigned rounds);
+int hmc_spin(ucp_worker_h worker, void **requests, size_t n, int *wake_fd, double spin_s);
 uint64_t hmc_memory_types(ucp_context_h context);
 int hmc_ep_close(ucp_worker_h worker, ucp_ep_h ep, double timeout_s);
 int hmc_am_send(ucp_worker_h worker, ucp_ep_h ep, unsigned id, const void *header, size_t length, double timeout_s);
@@ -104,6 +105,7 @@ SOURCE = r"""
 #include <ucp/api/ucp.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
 #include <time.h>
 
 static double hmc_now(void) {
@@ -155,12 +157,13 @@ static int hmc_wait(ucp_worker_h worker, ucs_status_ptr_t request, double timeou
     return status;
 }
 
-/* One put or get, then a flush of its endpoint, waited for on the calling thread: the small-transfer path. */
-int hmc_rma_wait(ucp_worker_h worker, ucp_ep_h ep, int is_get, uint64_t local, uint64_t remote, uint64_t length, ucp_rkey_h rkey,
-                 ucp_mem_h memh, double timeout_s) {
+/* A batch of puts or gets, then a flush of their endpoint, waited for on the calling thread (no thread hop: small
+ * transfers, and device memory, whose copies end within microseconds). */
+int hmc_rma_wait(ucp_worker_h worker, ucp_ep_h ep, int is_get, size_t n, const uint64_t *local, const uint64_t *remote,
+                 const uint64_t *lengths, ucp_rkey_h rkey, ucp_mem_h memh, double timeout_s) {
     double deadline = hmc_now() + timeout_s;
     size_t posted;
-    int status = hmc_post_batch(ep, is_get, 1, &local, &remote, &length, rkey, memh, &posted);
+    int status = hmc_post_batch(ep, is_get, n, local, remote, lengths, rkey, memh, &posted);
     if (status != UCS_OK)
         return status;
     ucp_request_param_t param;
@@ -214,6 +217,23 @@ unsigned hmc_progress(ucp_worker_h worker, unsigned rounds) {
     for (unsigned i = 0; i < rounds && (got = ucp_worker_progress(worker)) != 0; i++)
         total += got;
     return total;
+}
+
+/* Progress for up to `spin_s` (the GIL released: Python threads do not fight over it while one waits here), ending
+ * early once one of `requests` has ended (its index) or `*wake_fd`'s eventfd has a count (-2); -1 when neither. */
+int hmc_spin(ucp_worker_h worker, void **requests, size_t n, int *wake_fd, double spin_s) {
+    double until = hmc_now() + spin_s;
+    struct pollfd wake = { .fd = *wake_fd, .events = POLLIN };
+    unsigned round = 0;
+    do {
+        ucp_worker_progress(worker);
+        for (size_t i = 0; i < n; i++)
+            if (requests[i] == NULL || UCS_PTR_IS_ERR(requests[i]) || ucp_request_check_status(requests[i]) != UCS_INPROGRESS)
+                return (int)i;
+        if ((++round & 63) == 0 && poll(&wake, 1, 0) > 0)
+            return -2;
+    } while (hmc_now() < until);
+    return -1;
 }
 
 /* The memory types this context can register (bits of ucs_memory_type_t). */

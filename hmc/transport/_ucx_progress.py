@@ -6,8 +6,10 @@ progress it for puts and gets over tcp or shared memory to land. So each path's 
 not), progresses the worker, polls the background requests it was asked to `watch` (flushes), and sleeps on
 the worker's event file descriptor when there is nothing to do (`ucp_worker_arm`), woken by an eventfd when
 a command is queued. It keeps polling a little after the last event (`_SPIN_IDLE_S`, longer while requests
-are outstanding: `_SPIN_WATCHING_S`), and while requests are outstanding it sleeps at most `_POLL_S` at a
-time, so a transport that signals no events still completes.
+are outstanding: `_SPIN_WATCHING_S`; without a pause while a device copy is, which signals no event), in C
+with the GIL released so that several progress threads do not take turns at it, and while
+requests are outstanding it sleeps at most `_POLL_S` at a time, so a transport that signals no events still
+completes.
 
 Concurrency: `_lock` guards the command queue and `_closed`; everything else belongs to the thread.
 """
@@ -45,10 +47,10 @@ Done = Callable[[BaseException | None], None]
 
 
 class _Watch:
-    __slots__ = ("deadline", "done", "request")
+    __slots__ = ("busy", "deadline", "done", "request")
 
-    def __init__(self, request: Request, deadline: float, done: Done) -> None:
-        self.request, self.deadline, self.done = request, deadline, done
+    def __init__(self, request: Request, deadline: float, done: Done, busy: bool) -> None:
+        self.request, self.deadline, self.done, self.busy = request, deadline, done, busy
 
     def __lt__(self, other: _Watch) -> bool:
         return self.deadline < other.deadline
@@ -101,10 +103,11 @@ class Progress:
             raise value
         return value  # type: ignore[no-any-return]
 
-    def watch(self, request: Request, deadline: float, done: Done) -> None:
+    def watch(self, request: Request, deadline: float, done: Done, *, busy: bool = False) -> None:
         """Poll `request` until it ends or `deadline` passes (TimeoutError), then call `done` once; called on the
-        progress thread (from a command)."""
-        heapq.heappush(self._watched, _Watch(request, deadline, done))
+        progress thread (from a command). `busy`: without sleeping meanwhile (a device copy ends without an event on
+        the worker's file descriptor)."""
+        heapq.heappush(self._watched, _Watch(request, deadline, done, busy))
 
     def _run(self) -> None:
         worker, fd = self.worker, self.worker.fd()
@@ -120,7 +123,9 @@ class Progress:
                 idle_since = time.monotonic()
                 continue
             now = time.monotonic()
-            if now - idle_since < (_SPIN_WATCHING_S if self._watched else _SPIN_IDLE_S):
+            spin = _SPIN_WATCHING_S if self._watched else _SPIN_IDLE_S
+            if now - idle_since < spin or any(w.busy for w in self._watched):
+                worker.spin([w.request for w in self._watched], self._wake, spin)  # in C, the GIL released
                 continue
             timeout = min(_POLL_S, max(0.0, self._watched[0].deadline - now)) if self._watched else None
             if worker.arm():
