@@ -184,7 +184,8 @@ def test_a_restarted_node_is_found_with_a_new_epoch_and_old_descriptors_are_refu
         assert new.id == old.id
         with viewer.client() as client:
             assert all(d.registry_epoch == epoch for d in client.buffers() if d.owner.node == "owner")
-        wait_until(lambda: executor.link.registry_epoch == epoch, timeout=10, what="the executor to register again")
+        wait_until(lambda: executor.link.registry_epoch == epoch, timeout=10, what="the executor to attach again")
+        _eventually_found(owner, "conf-src", epoch)  # and to register its buffer again (attached first, then registered)
         with pytest.raises(StaleDescriptorError):
             submit_as_forwarder(owner, "conf-src", old)
         assert isinstance(StaleDescriptorError(""), BufferWithdrawnError)  # callers that handle "withdrawn" handle it too
