@@ -208,3 +208,12 @@ def test_ucx_takes_host_memory_between_hosts_and_leaves_cross_vendor_pairs_to_st
     assert choice.path is PathName.STAGED
     reasons = dict(choice.rejected)
     assert reasons[PathName.RDMA].startswith("cross-vendor pair (amd vs nvidia)") and reasons[PathName.UCX].startswith("cross-vendor pair")
+
+
+def test_ucx_refuses_a_device_declared_another_vendor_its_ucx_cannot_reach() -> None:
+    host_here = endpoint("a", "h1", paths=(PathName.LOCAL, PathName.IPC, PathName.UCX, PathName.STAGED), kinds=GPU_AGENT)
+    declared_amd = _gpu_endpoint("b", 0, {"cuda:0": "amd"})
+    declared_amd.agent.transports.append(Capabilities(PathName.UCX, GPU_AGENT).to_proto())  # its UCX has cuda transports, no rocm
+    choice = negotiate(host_here, declared_amd)
+    assert choice.path is PathName.STAGED
+    assert dict(choice.rejected)[PathName.UCX] == "ucx on agent b cannot reach hip memory (cuda:0, declared amd)"

@@ -160,7 +160,13 @@ def hmc_rows(workloads: Sequence[Workload], timing: Timing, on_row: Callable[[Ro
     with Agent(Config(), daemon=False) as agent:
         tensors = src, dst = source_and_destination(size, devices.src)
         mine = _Side(agent.register(src, name="gpu-bench-src"), agent.register(dst, name="gpu-bench-dst"))
+        offered = {t.path for t in agent.info.transports}
         for peer in (p for p in PEERS if p.label in paths):
+            if peer.path not in offered:  # e.g. ucx where its binding was not built: no rows, the reason said
+                why = next((u.reason for u in agent.info.unavailable if u.path == peer.path), "not offered by this agent")
+                for system in systems if on_skip is not None else ():
+                    on_skip(f"{system} {peer.label}", f"path {peer.path}: {why}")
+                continue
             with _started(peer, size, devices.dst) as (conn, proc, theirs):
                 try:
                     for op in OPS:

@@ -150,7 +150,14 @@ def _ucx(src: Endpoint, dst: Endpoint) -> str | None:
     different_hosts = not src.agent.host_id or src.agent.host_id != dst.agent.host_id
     if different_hosts and not (_is_host(src.device) and _is_host(dst.device)):
         return "device memory on two hosts: without an RDMA NIC (the rdma path) UCX would run it over tcp through host bounce buffers; staged pipelines that"
-    return _check_caps(PathName.UCX, src, dst)
+    why_not = _check_caps(PathName.UCX, src, dst)
+    if why_not is not None:
+        return why_not
+    for end in (src, dst):  # a device declared another vendor's is reached as that vendor's memory
+        cap, kind = end.capability(PathName.UCX), _mapped_kind(end.device)
+        if cap is not None and kind not in {k.value for k in cap.memory_kinds}:
+            return f"ucx on agent {end.agent.id} cannot reach {kind} memory ({end.device.name}, declared {_vendor(end.device)})"
+    return None
 
 
 def _staged(src: Endpoint, dst: Endpoint) -> str | None:

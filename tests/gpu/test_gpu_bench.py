@@ -245,7 +245,7 @@ def test_nixl_rows_orchestration_on_host_memory(system: str) -> None:
 @pytest.mark.timeout(300)
 def test_hmc_rows_every_peer_both_ops_on_host_memory() -> None:
     """The HMC rows' orchestration on host memory (the peers' paths as host memory takes them: the vendor override
-    names no host device, so that peer's staged is forced, and says so)."""
+    names no host device, so that peer's staged is forced, and says so; so is ucx on one host, where ipc wins)."""
     from _gpu.hmc_rows import PREPARED_MAX_BYTES, hmc_rows
 
     wls = gpu_quick_workloads()
@@ -259,8 +259,11 @@ def test_hmc_rows_every_peer_both_ops_on_host_memory() -> None:
     assert {(r["system"], r["path"], r["op"], r["workload"]) for r in rows} == expected and len(rows) == len(expected)
     assert all(r["verified"] for r in rows)
     details = {r["path"]: r["detail"] for r in rows if r["system"] == "hmc" and r["op"] == "READ"}
-    assert details["ipc"].endswith("path ipc (negotiated)") and details["staged-tcp"].endswith("path staged (negotiated)")
+    assert details["ipc"].endswith("path ipc (negotiated)")
     assert details["staged"].endswith("path staged (forced: negotiation picked ipc)")
+    # host memory of two hosts: ucx where its binding is built (it ranks above staged), staged where it is not
+    assert details["staged-tcp"].endswith(("path staged (negotiated)", "path staged (forced: negotiation picked ucx)"))
+    assert details["ucx"].endswith(("path ucx (forced: negotiation picked ipc)"))
 
 
 def _quick_run(tmp_path: Path, gpus: int) -> dict:
