@@ -19,6 +19,7 @@ from hmc.memory import DeviceKind
 from hmc.testing import PeerProcess, TransportPair, check_transport
 from hmc.transport._base import PathName
 from hmc.transport import _ucx as ucx_transport
+from hmc.transport import _ucx_lanes as ucx_lanes
 from hmc.transport._ucx import UcxTransport
 
 try:
@@ -183,7 +184,7 @@ def test_bad_construction_and_use_after_close() -> None:
 def test_many_windows_per_worker_all_land(
     ucx_agent: Agent, ucx_peer: PeerProcess, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(ucx_transport, "_WINDOW_BYTES", 256 << 10)  # 32 MiB over 2 workers: 64 windows each
+    monkeypatch.setattr(ucx_lanes, "_WINDOW_BYTES", 256 << 10)  # 32 MiB over 2 workers: 64 windows each
     size = 32 << 20
     theirs = ucx_peer.register(size, fill=POISON)
     data = rng.integers(0, 256, size, dtype=np.uint8)

@@ -28,7 +28,6 @@ touches the link, so transfers go on while hmcd is down.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import secrets
@@ -43,6 +42,7 @@ from hmc.agent._instructions import Instructions
 from hmc.agent._peers import Peers
 from hmc.agent._prepared import PreparedTransfer
 from hmc.agent._server import PeerServer
+from hmc.agent._transports import default_transports
 from hmc.agent._transfer import Notification, NotificationInbox, NotifyStep, TransferHandle, TransferState
 from hmc.config import Config, PathPolicy
 from hmc.control._agent_link import DaemonLink
@@ -61,17 +61,12 @@ from hmc.errors import (
     UnknownBufferError,
     UnsupportedError,
 )
-from hmc.memory import DeviceKind, MemoryRegion
+from hmc.memory import MemoryRegion
 from hmc.memory import register as register_memory
 from hmc.transport._base import InlineCopy, PathName, TransferOp, TransferRequest, Transport
-from hmc.transport._gpu_ipc import GpuIpcTransport
-from hmc.transport._ipc import IpcTransport, allow_ptrace_peers
-from hmc.transport._ipc_path import IpcPath
-from hmc.transport._ucx import UcxTransport
-from hmc.transport._local import LocalTransport
+from hmc.transport._ipc import allow_ptrace_peers
 from hmc.transport._negotiate import Endpoint, PathChoice, negotiate
 from hmc.transport._ranges import MAX_TIMEOUT_S, RangeList, check_timeout
-from hmc.transport._staged import StagedTransport
 from hmc.transport._wire import PROTOCOL_VERSION, raise_for_reply
 from hmc.v1 import common_pb2, daemon_pb2, peer_pb2
 
@@ -147,7 +142,7 @@ class Agent:
         )
         self._unavailable: dict[PathName, str] = {}
         """Paths this agent does not offer, and why (carried to peers: negotiation names the reason)."""
-        self._transports = self._usable(transports if transports is not None else self._default_transports())
+        self._transports = self._usable(transports if transports is not None else default_transports(self.config, self._buffers, self._peers))
         self.info = common_pb2.AgentInfo(
             id=self.id,
             node=self.config.node,
@@ -160,48 +155,19 @@ class Agent:
         )
         self._link = self._attach(daemon, link_factory or self._default_link)
 
-    def _default_transports(self) -> list[Transport]:
-        cfg = self.config
-        local = LocalTransport(self._buffers)
-        host_ipc = IpcTransport(self._peers.open_grant, threads=cfg.ipc_threads)
-        ipc_movers: dict[DeviceKind, Transport] = {DeviceKind.HOST: host_ipc}
-        for kind in (DeviceKind.CUDA, DeviceKind.HIP):  # vendor IPC for each GPU family this process has
-            mover = GpuIpcTransport.probe(kind, self._peers.open_grant, host=host_ipc, timeout_s=cfg.timeout_s)
-            if mover is not None:
-                ipc_movers[kind] = mover
-        ucx = [
-            UcxTransport(
-                functools.partial(self._peers.open_grant, path=path.value), self._peers.push, path=path,
-                transports=cfg.ucx_transports, library=cfg.ucx_library, workers=cfg.ucx_workers, timeout_s=cfg.timeout_s,
-            )  # fmt: skip
-            for path in (PathName.RDMA, PathName.UCX)
-        ]
-        return [
-            local,
-            IpcPath(ipc_movers),
-            *ucx,
-            StagedTransport(
-                self._peers.connect_data,
-                streams=cfg.staged_streams,
-                chunk_bytes=cfg.staged_chunk_bytes,
-                stall_s=cfg.timeout_s,
-                memory_kinds=local.capabilities.memory_kinds,
-            ),
-        ]
-
     def _grant(self, path: str, buffer: ConnBuffer) -> common_pb2.TransportHandles:
         """The owner side of OpenBuffer: what `path`'s transport grants to a peer that proved `buffer`'s key."""
-        transport = self._transports.get(PathName(path)) if path in _PATH_NAMES else None
-        if transport is None:
-            raise UnsupportedError(f"buffer {buffer.id} cannot be opened for path {path!r}: not offered by this agent")
-        return transport.grant(buffer)
+        return self._offered(path, buffer).grant(buffer)
 
     def _push(self, path: str, buffer: ConnBuffer, request: peer_pb2.Push, ranges: RangeList, deadline: float, done: Callable[[BaseException | None], None]) -> None:
         """The owner side of Push: `path`'s transport puts the ranges into the asker's memory."""
+        self._offered(path, buffer).push(buffer, request, ranges, deadline, done)
+
+    def _offered(self, path: str, buffer: ConnBuffer) -> Transport:
         transport = self._transports.get(PathName(path)) if path in _PATH_NAMES else None
         if transport is None:
-            raise UnsupportedError(f"buffer {buffer.id} cannot be pushed over path {path!r}: not offered by this agent")
-        transport.push(buffer, request, ranges, deadline, done)
+            raise UnsupportedError(f"buffer {buffer.id} cannot be used over path {path!r}: not offered by this agent")
+        return transport
 
     def _usable(self, transports: Sequence[Transport]) -> dict[PathName, Transport]:
         usable: dict[PathName, Transport] = {}

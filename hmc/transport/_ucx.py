@@ -1,41 +1,35 @@
 """The `ucx` and `rdma` paths: one-sided UCX puts and gets between registered ConnBuffers, both ends.
 
-Engine. One UCP context per path and agent, with `workers` workers ("lanes"), each driven by its own progress
-thread (`hmc.transport._ucx_progress`). Several lanes because UCX moves cma and tcp bytes on the thread that
-posts or progresses them: one worker moves at most one core's worth, so a large transfer is split across the
-lanes (NIXL's UCX backend has `num_workers` for the same reason).
+Engine. One UCP context per path and agent, with `workers` workers on progress threads of their own (the
+lanes, `hmc.transport._ucx_lanes`: large host transfers are split across them), and one worker the callers
+drive themselves, one at a time (`_Inline`: single host ranges up to `_INLINE_BYTES`, and device memory in
+up to `_INLINE_RANGES` ranges, posted, flushed and waited for in C on the caller's thread).
 
 Owner side. Every ConnBuffer is registered with the context once, when it is registered with the agent
 (`export`: `ucp_mem_map`, device memory included where UCX found its transports), and unregistered when it is
 withdrawn. The packed key, the buffer's address and the workers' addresses are handed out only in a
 BufferGrant (`grant`), to a peer that proved the buffer's access key over its control channel: whoever holds
 them can write the memory (as with `ipc`'s grants). The owner's progress threads are what land puts and gets
-that UCX emulates (tcp, shared memory); cma and cuda_ipc land without them.
+that UCX emulates (tcp, shared memory); cma and cuda_ipc land without them. It also runs reads that askers
+want pushed (`push`: a Push frame, checked by the peer server).
 
-Initiator side. `post` asks the owner for a grant once per (buffer, key) on the caller's thread, then splits
-the transfer into one part per lane (above `_PART_MIN` bytes each) and hands each to its lane, which connects
-an endpoint to the owner's worker of the same index (peer error handling off: HMC learns that a peer died
-from its control channel, `forget_peer`), unpacks the key once, and posts the part's ranges window by window
-(`_WINDOW_BYTES`, `_WINDOWS` in flight), each window one call below Python (`Endpoint.post`) followed by a
-flush whose completion says the window has landed. The notification that may follow is sent by the agent
-after the transfer ended.
+Initiator side. `post` asks the owner for a grant once per (buffer, key) on the caller's thread, then moves
+the ranges on the caller's thread or hands them to the lanes. Reads from an owner are measured once per pair
+of memory kinds (`_probe`: a get and a push by the owner into a scratch buffer) and pushed by the owner where
+pushes win (`_pull_by_push`). The notification that may follow is sent by the agent after the transfer ended.
 
-Ends. A transfer ends when all its parts have: a failed part stops the others from posting, and the end is
-reported once nothing of the transfer is in flight, with the first error. A dead peer ends it at once (nothing
-of it can land any more); an expiry at the deadline. UCX cancels no put or get, so a cancel (the handle's
-`on_cancel`) and a withdrawal wait, bounded by `_STOP_WAIT_S`, for the windows in flight to land. A window in
-flight to an owner that has stopped progressing (a frozen process, over tcp) can land when that owner
-resumes, after its transfer ended: at most `_WINDOWS` windows per lane of that transfer's own bytes, into the
-same buffer (docs/decisions.md, "The ucx and rdma paths").
+Ends: see the lanes for windows, cancels and the bytes a stopped owner may still get; a withdrawal revokes
+the grant and waits, bounded by `STOP_WAIT_S`, until no transfer of it is in flight; a dead peer's grants are
+void at once (`forget_peer`).
 
-Concurrency: `_lock` guards the grant table and each grant's `flights` (waited for under `_drained`); a
-lane's endpoints and parts belong to its progress thread; a transfer's own counters to `_Transfer.lock`.
+Concurrency: `_lock` guards the grant table, the probes, the push targets, the scratch buffers and each
+grant's `flights` (waited for under `_drained`); `_map_lock` the registrations; `_Inline.lock` the callers'
+worker.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import threading
 import time
@@ -44,14 +38,14 @@ from typing import Any
 
 import numpy as np
 
-from hmc.errors import AccessDeniedError, ArgumentError, BrokenResourceError, BufferWithdrawnError, HMCError, TimeoutError, UnavailableError, UnsupportedError
+from hmc.errors import AccessDeniedError, ArgumentError, BrokenResourceError, BufferWithdrawnError, HMCError, TimeoutError, UnsupportedError
 from hmc import memory
 from hmc.memory import DeviceKind, MemoryKind
 from hmc.memory._machine import rdma_nics
 from hmc.transport import _ucx_engine as engine
 from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport
 from hmc.transport._ranges import RangeList
-from hmc.transport._ucx_progress import Progress
+from hmc.transport._ucx_lanes import STOP_WAIT_S, Grant, Lanes, connect, memory_kind
 from hmc.transport._wire import raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
@@ -65,12 +59,6 @@ RequestPush = Callable[[common_pb2.BufferDescriptor, peer_pb2.Push, float, Calla
 
 RDMA_TRANSPORTS = "rc,dc,ud"
 """UCX's verbs transports: what the `rdma` path restricts its context to."""
-_WINDOW_BYTES = 64 << 20
-"""Bytes of a part posted before its flush. Each flush costs a round of both progress threads (about 0.1 ms
-on the 2-core VM), so windows are large; with `_WINDOWS` in flight, what a stopped owner may still get."""
-_WINDOWS = 2
-_PART_MIN = 4 << 20
-"""Smallest share of a transfer worth a lane of its own (as for ipc's threads)."""
 _INLINE_BYTES = 1 << 20
 """Largest single range of host memory moved on the caller's thread: one put or get and a flush, no thread hop
 (device memory always is: its copies end within microseconds)."""
@@ -84,86 +72,8 @@ _PUSH_PREFERRED = 0.8
 """Reads go as pushes where a push takes less than this fraction of a get's time."""
 _TARGETS = 256
 """Askers' memories of pushed reads kept unpacked."""
-_STOP_WAIT_S = 5.0
-"""How long a cancel or a withdrawal waits for windows in flight to land."""
-_MAX_WORKER_ADDRESS = 1 << 16
 _KINDS = {"host": DeviceKind.HOST, "cuda": DeviceKind.CUDA, "rocm": DeviceKind.HIP}
 _UCX_MEMORY = {DeviceKind.HOST: "host", DeviceKind.CUDA: "cuda", DeviceKind.HIP: "rocm"}
-
-
-class _Grant:
-    """The right to put into / get from one remote buffer, with the keys each lane unpacked for it."""
-
-    __slots__ = ("address", "buffer_id", "flights", "inline_rkey", "key", "owner", "read_only", "revoked", "rkey", "rkeys", "size", "workers")
-
-    def __init__(self, handle: common_pb2.UcxHandle, *, buffer_id: str, size: int, read_only: bool, key: bytes, owner: str, lanes: int) -> None:
-        workers = [bytes(w) for w in handle.workers]
-        if not handle.rkey or not workers or any(not 0 < len(w) <= _MAX_WORKER_ADDRESS for w in workers):
-            raise UnsupportedError(f"agent {owner or '?'} gave buffer {buffer_id} without a usable UCX key and worker address")
-        self.key, self.owner, self.buffer_id = key, owner, buffer_id
-        self.address, self.size, self.read_only = handle.address, size, read_only
-        self.workers = workers
-        self.rkey = bytes(handle.rkey)
-        self.rkeys: list[engine.RemoteKey | None] = [None] * lanes
-        """Per lane, unpacked on that lane's thread."""
-        self.inline_rkey: engine.RemoteKey | None = None
-        """For the callers' own worker (`_Inline`), unpacked under its lock."""
-        self.flights = 0
-        self.revoked: HMCError | None = None
-
-    @classmethod
-    def granted(cls, message: peer_pb2.BufferGrant, key: bytes, owner: str, lanes: int) -> _Grant:
-        return cls(message.handles.ucx, buffer_id=message.buffer_id, size=message.size, read_only=message.read_only, key=key, owner=owner, lanes=lanes)
-
-    def worker(self, lane: int) -> bytes:
-        return self.workers[lane % len(self.workers)]
-
-
-class _Transfer:
-    """One request, split into parts that run on lanes; reported once when every part has ended."""
-
-    def __init__(self, request: TransferRequest, grant: _Grant, parts: int, on_end: Callable[[], None]) -> None:
-        self.request, self.grant, self._on_end = request, grant, on_end
-        self.lock = threading.Lock()  # guards remaining and error
-        self.remaining = parts
-        self.error: BaseException | None = None
-        self.failed = False
-        """A part failed: the others post nothing more."""
-        self.cancelled = False
-        self.ended = threading.Event()
-        """Set once no part has anything in flight any more."""
-
-    def part_ended(self, error: BaseException | None) -> None:
-        with self.lock:
-            self.remaining -= 1
-            if error is not None and self.error is None:
-                self.error = error
-                self.failed = True
-            last = self.remaining == 0
-        if last:
-            self._on_end()
-            self.ended.set()
-            if not self.cancelled:
-                self.request.completion.finish(self.error)
-
-
-@dataclasses.dataclass(eq=False)
-class _Part:
-    """A transfer's share on one lane: its windows and how many are in flight."""
-
-    transfer: _Transfer
-    lane: _Lane
-    windows: list[RangeList]
-    device: bool
-    """Device memory at this end: its copies signal no event, so its flushes are polled without a pause."""
-    next: int = 0
-    in_flight: int = 0
-    confirming: bool = False
-    """Its windows all landed; one more flush is out, which fails if UCX failed the endpoint meanwhile (a put
-    into a dead process can complete without an error of its own)."""
-    stopping: bool = False
-    reported: bool = False
-    error: BaseException | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,15 +119,6 @@ class _Done:
             done(error)
 
 
-class _Lane:
-    """One worker with its progress thread, and the endpoints and parts it drives (its thread only)."""
-
-    def __init__(self, context: engine.Context, name: str) -> None:
-        self.progress = Progress(engine.Worker(context), name)
-        self.endpoints: dict[bytes, engine.Endpoint] = {}
-        self.parts: set[_Part] = set()
-
-
 class _Inline:
     """A worker that callers drive themselves, one at a time, for single small ranges (no thread hop)."""
 
@@ -248,15 +149,14 @@ class UcxTransport(Transport):
         """The deadline of an inline copy (the agent gives those no timeout of their own)."""
         self._capabilities = Capabilities(path=path, memory_kinds=frozenset(), one_sided=True)
         self._context: engine.Context | None = None
-        self._lanes: list[_Lane] = []
+        self._lanes: Lanes | None = None
         self._inline: _Inline | None = None
-        self._next_lane = itertools.count()
         self._lock = threading.Lock()  # guards _grants, _probes, _targets and every grant's flights
         self._drained = threading.Condition(self._lock)  # a grant's last transfer ended
-        self._grants: dict[str, _Grant] = {}
+        self._grants: dict[str, Grant] = {}
         self._probes: dict[tuple[str, DeviceKind, int], _Probe] = {}
         """(owner agent, local memory kind, the remote descriptor's device kind) -> what the first read measured."""
-        self._targets: dict[tuple[bytes, int, int, tuple[bytes, ...]], _Grant] = {}
+        self._targets: dict[tuple[bytes, int, int, tuple[bytes, ...]], Grant] = {}
         self._scratches: dict[str, _Scratch] = {}
         """Device name -> the probes' scratch buffer there."""
         self._map_lock = threading.Lock()  # guards _mappings
@@ -282,12 +182,12 @@ class UcxTransport(Transport):
         detail = f"UCX {engine.version()}, {self._workers} workers" + (f", transports {self._transports}" if self._transports else "")
         self._capabilities = Capabilities(path=self._path, memory_kinds=kinds, one_sided=True, detail=detail)
         self._context = context
-        self._lanes = [_Lane(context, f"hmc-{self._path.value}-{i}") for i in range(self._workers)]
+        self._lanes = Lanes(context, self._workers, f"hmc-{self._path.value}")
         self._inline = _Inline(context)
         return None
 
-    def _running(self) -> list[_Lane]:
-        if not self._lanes:
+    def _running(self) -> Lanes:
+        if self._lanes is None:
             raise UnsupportedError(f"the {self._path.value} path is not running")
         return self._lanes
 
@@ -295,7 +195,7 @@ class UcxTransport(Transport):
 
     def export(self, buffer: Any) -> dict[str, Any]:
         """Register the buffer's memory with the context (handles go out in grants only)."""
-        kind = _kind(buffer)
+        kind = memory_kind(buffer)
         if self._context is None or kind not in self._capabilities.memory_kinds:
             return {}
         mapping = self._context.map(buffer.region.address, buffer.size, _UCX_MEMORY[kind])
@@ -310,26 +210,25 @@ class UcxTransport(Transport):
             mapping = self._mappings.get(buffer.id)
         if mapping is None:
             raise UnsupportedError(f"buffer {buffer.id} ({buffer.region.device.name}) is not registered with {self._path.value}")
-        workers = [lane.progress.worker.address for lane in lanes]
-        handle = common_pb2.UcxHandle(rkey=mapping.rkey, address=mapping.address, workers=workers, ucx_version=engine.version())
+        handle = common_pb2.UcxHandle(rkey=mapping.rkey, address=mapping.address, workers=lanes.addresses, ucx_version=engine.version())
         return common_pb2.TransportHandles(ucx=handle)
 
     # -- initiator side -------------------------------------------------------------
 
-    def _grant(self, remote: common_pb2.BufferDescriptor, deadline: float) -> _Grant:
+    def _grant(self, remote: common_pb2.BufferDescriptor, deadline: float) -> Grant:
         with self._lock:
             grant = self._grants.get(remote.id)
         if grant is None or grant.key != remote.access_key or grant.revoked is not None:
-            grant = _Grant.granted(self._open_grant(remote, deadline), remote.access_key, remote.owner.id, len(self._lanes))
+            grant = Grant.granted(self._open_grant(remote, deadline), remote.access_key, remote.owner.id, self._workers)
             with self._lock:
                 self._grants[remote.id] = grant
         return grant
 
     def post(self, request: TransferRequest) -> None:
         try:
-            lanes = self._running()
-            if _kind(request.local) not in self._capabilities.memory_kinds:
-                raise UnsupportedError(f"{self._path.value} on this agent cannot reach {_kind(request.local).value} memory")
+            self._running()
+            if memory_kind(request.local) not in self._capabilities.memory_kinds:
+                raise UnsupportedError(f"{self._path.value} on this agent cannot reach {memory_kind(request.local).value} memory")
             with self._map_lock:
                 mapping = self._mappings.get(request.local.id)
             if mapping is None:
@@ -344,7 +243,7 @@ class UcxTransport(Transport):
                 self._pull_by_push(request, mapping)
                 return
             total = request.ranges.total
-            device = _kind(request.local) is not DeviceKind.HOST
+            device = memory_kind(request.local) is not DeviceKind.HOST
             if (device and len(request.ranges) <= _INLINE_RANGES) or (len(request.ranges) == 1 and total <= _INLINE_BYTES):
                 self._run_inline(request, grant, mapping)
                 request.completion.add_bytes(total)
@@ -353,36 +252,19 @@ class UcxTransport(Transport):
         except HMCError as exc:
             request.completion.finish(exc)
             return
-        self._launch(request, grant, mapping, lanes)
+        self._launch(request, grant, mapping)
 
-    def _launch(self, request: TransferRequest, grant: _Grant, mapping: engine.Mapping, lanes: list[_Lane]) -> None:
-        """Split the request into one part per lane (above `_PART_MIN` bytes each), host memory in windows (device
-        copies end within microseconds: nothing to bound), and hand each part to its lane."""
-        total = request.ranges.total
-        count = max(1, min(len(lanes), total // _PART_MIN))
-        shares = request.ranges.chunks(-(-total // count)) if count > 1 else [request.ranges]
-        transfer = _Transfer(request, grant, len(shares), lambda: self._release(grant))
+    def _launch(self, request: TransferRequest, grant: Grant, mapping: engine.Mapping) -> None:
+        """Hand the request to the lanes, the grant counting it until nothing of it is in flight."""
         with self._lock:
             grant.flights += 1
-        first = next(self._next_lane)
-        parts = []
-        for i, share in enumerate(shares):
-            index = (first + i) % len(lanes)
-            device = _kind(request.local) is not DeviceKind.HOST
-            parts.append((index, _Part(transfer, lanes[index], [share] if device else share.chunks(_WINDOW_BYTES), device)))
-        request.completion.set_running()
-        request.completion.on_cancel = lambda: self._stop(transfer, [part for _, part in parts])
-        for index, part in parts:
-            try:
-                part.lane.progress.submit(lambda index=index, part=part: self._start(index, part, mapping))
-            except HMCError as exc:
-                self._report(part, exc)
+        self._running().launch(request, grant, mapping, lambda: self._release(grant))
 
     # -- reads the owner pushes ------------------------------------------------------
 
-    def _reads_pushed(self, request: TransferRequest, grant: _Grant, mapping: engine.Mapping) -> bool:
+    def _reads_pushed(self, request: TransferRequest, grant: Grant, mapping: engine.Mapping) -> bool:
         """Whether reads from this owner into this kind of memory go as pushes by the owner: measured on first use."""
-        key = (grant.owner, _kind(request.local), request.remote.device.kind)
+        key = (grant.owner, memory_kind(request.local), request.remote.device.kind)
         with self._lock:
             probe = self._probes.get(key)
         if probe is None:
@@ -391,7 +273,7 @@ class UcxTransport(Transport):
                 self._probes[key] = probe
         return probe.push_reads
 
-    def _probe(self, request: TransferRequest, grant: _Grant, mapping: engine.Mapping) -> _Probe:
+    def _probe(self, request: TransferRequest, grant: Grant, mapping: engine.Mapping) -> _Probe:
         """Time a get and a push by the owner of (up to) `_PROBE_BYTES` of the remote buffer into a scratch buffer of
         this agent in the read's kind of memory, each the second of two (the first sets up what a pair sets up once)."""
         length = min(_PROBE_BYTES, grant.size)
@@ -442,7 +324,7 @@ class UcxTransport(Transport):
             raise outcome[0]
 
     def _push_message(self, remote: common_pb2.BufferDescriptor, ranges: RangeList, local: Any, mapping: engine.Mapping, deadline: float, transfer_id: str) -> peer_pb2.Push:
-        target = common_pb2.UcxHandle(rkey=mapping.rkey, address=mapping.address, workers=[lane.progress.worker.address for lane in self._running()], ucx_version=engine.version())
+        target = common_pb2.UcxHandle(rkey=mapping.rkey, address=mapping.address, workers=self._running().addresses, ucx_version=engine.version())
         expires_ms = max(1, min(int((deadline - time.monotonic()) * 1000), (1 << 32) - 1))
         return peer_pb2.Push(buffer_id=remote.id, path=self._path.value, ranges=ranges.to_proto(), target=target, target_size=local.size, transfer_id=transfer_id, expires_ms=expires_ms)
 
@@ -462,7 +344,7 @@ class UcxTransport(Transport):
 
         def stop() -> None:  # the owner's puts land in our memory until it replies (bounded by its deadline)
             cancelled[0] = True
-            ended.wait(_STOP_WAIT_S)
+            ended.wait(STOP_WAIT_S)
 
         message = self._push_message(request.remote, request.ranges, request.local, mapping, request.deadline, request.transfer_id)
         completion.set_running()
@@ -471,15 +353,15 @@ class UcxTransport(Transport):
 
     def push(self, buffer: Any, request: peer_pb2.Push, ranges: RangeList, deadline: float, done: Callable[[BaseException | None], None]) -> None:
         """Owner side: put `ranges` of `buffer` into the asker's memory (its key, address and workers in `request`)."""
-        lanes = self._running()
+        self._running()
         with self._map_lock:
             mapping = self._mappings.get(buffer.id)
         if mapping is None:
             raise UnsupportedError(f"buffer {buffer.id} is not registered with {self._path.value}")
         target = self._target(request.target, request.target_size)
         pushed = TransferRequest(request.transfer_id, TransferOp.WRITE, buffer, None, ranges, deadline, _Done(done))  # type: ignore[arg-type]
-        if _kind(buffer) is DeviceKind.HOST or len(ranges) > _INLINE_RANGES:
-            self._launch(pushed, target, mapping, lanes)
+        if memory_kind(buffer) is DeviceKind.HOST or len(ranges) > _INLINE_RANGES:
+            self._launch(pushed, target, mapping)
             return
         try:  # device memory: on this (the control channel's) thread, within microseconds per range
             self._run_inline(pushed, target, mapping)
@@ -488,7 +370,7 @@ class UcxTransport(Transport):
             return
         done(None)
 
-    def _target(self, handle: common_pb2.UcxHandle, size: int) -> _Grant:
+    def _target(self, handle: common_pb2.UcxHandle, size: int) -> Grant:
         """The asker's memory of a pushed read, as a grant to write it (cached: the same buffer is pushed into again)."""
         key = (bytes(handle.rkey), handle.address, size, tuple(handle.workers))
         with self._lock:
@@ -497,19 +379,19 @@ class UcxTransport(Transport):
                 if len(self._targets) >= _TARGETS:
                     for old in list(self._targets)[: _TARGETS // 2]:  # their unpacked keys stay with the workers until they close
                         del self._targets[old]
-                target = self._targets[key] = _Grant(handle, buffer_id="(a pushed read's target)", size=size, read_only=False, key=b"", owner="", lanes=len(self._lanes))
+                target = self._targets[key] = Grant(handle, buffer_id="(a pushed read's target)", size=size, read_only=False, key=b"", owner="", lanes=self._workers)
         return target
 
     def measured(self, local: Any, remote: common_pb2.BufferDescriptor) -> tuple[str, str] | None:
         with self._lock:
-            probe = self._probes.get((remote.owner.id, _kind(local), remote.device.kind))
+            probe = self._probes.get((remote.owner.id, memory_kind(local), remote.device.kind))
         if probe is None:
             return None
         how = "reads are pushed by the owner" if probe.push_reads else "reads are gets"
         note = f"measured with agent {remote.owner.id} on {probe.nbytes} bytes: get {probe.get_bps / 1e9:.2f} GB/s, owner's push {probe.push_bps / 1e9:.2f} GB/s: {how}"
         return note, "write" if probe.push_reads else "read"
 
-    def _copy_inline(self, op: TransferOp, grant: _Grant, mapping: engine.Mapping, local_addresses: Any, remote_offsets: Any, lengths: Any, timeout_s: float) -> None:
+    def _copy_inline(self, op: TransferOp, grant: Grant, mapping: engine.Mapping, local_addresses: Any, remote_offsets: Any, lengths: Any, timeout_s: float) -> None:
         """Ranges (ints: one; arrays: a batch) on the caller's thread through the callers' worker, checked by the
         caller: posted, flushed and waited for in C."""
         inline = self._inline
@@ -526,7 +408,7 @@ class UcxTransport(Transport):
                 address = grant.worker(0)
                 endpoint = inline.endpoints.get(address)
                 if endpoint is None:
-                    endpoint = inline.endpoints[address] = _connect(inline.worker, address, grant)
+                    endpoint = inline.endpoints[address] = connect(inline.worker, address, grant)
                 if grant.inline_rkey is None:
                     grant.inline_rkey = endpoint.unpack(grant.rkey)
                 remote = grant.address + remote_offsets if isinstance(remote_offsets, int) else remote_offsets.astype(np.uint64) + np.uint64(grant.address)
@@ -534,7 +416,7 @@ class UcxTransport(Transport):
         finally:
             self._release(grant)
 
-    def _run_inline(self, request: TransferRequest, grant: _Grant, mapping: engine.Mapping) -> None:
+    def _run_inline(self, request: TransferRequest, grant: Grant, mapping: engine.Mapping) -> None:
         """The whole request on the caller's thread (device memory: copies end within microseconds, no thread hop)."""
         remaining = request.deadline - time.monotonic()
         if remaining <= 0:
@@ -565,104 +447,11 @@ class UcxTransport(Transport):
 
         return InlineCopy(write=write, read=read, local_size=local.size, remote_size=grant.size, max_bytes=_INLINE_BYTES, waits=True)
 
-    def _release(self, grant: _Grant) -> None:
+    def _release(self, grant: Grant) -> None:
         """A transfer of `grant` has nothing in flight any more (a withdrawal waits for all of them)."""
         with self._lock:
             grant.flights -= 1
             self._drained.notify_all()
-
-    def _start(self, index: int, part: _Part, mapping: engine.Mapping) -> None:
-        """Lane thread: connect, unpack the key, post the first windows."""
-        grant, transfer, lane = part.transfer.grant, part.transfer, part.lane
-        if transfer.cancelled or transfer.failed:
-            self._report(part, None)
-            return
-        lane.parts.add(part)
-        try:
-            if grant.revoked is not None:
-                raise grant.revoked
-            address = grant.worker(index)
-            endpoint = lane.endpoints.get(address)
-            if endpoint is None:
-                endpoint = lane.endpoints[address] = _connect(lane.progress.worker, address, grant)
-            if grant.rkeys[index] is None:
-                grant.rkeys[index] = endpoint.unpack(grant.rkey)
-        except HMCError as exc:
-            self._end(part, exc)
-            return
-        self._pump(index, part, endpoint, mapping)
-
-    def _pump(self, index: int, part: _Part, endpoint: engine.Endpoint, mapping: engine.Mapping) -> None:
-        """Post windows until `_WINDOWS` are in flight (or none is left); end the part when all landed."""
-        transfer = part.transfer
-        request, grant = transfer.request, transfer.grant
-        base, remote_base = np.uint64(request.local.region.address), np.uint64(grant.address)
-        while not part.stopping and part.in_flight < _WINDOWS and part.next < len(part.windows):
-            if transfer.cancelled or transfer.failed or grant.revoked is not None:
-                self._end(part, grant.revoked)
-                return
-            window = part.windows[part.next]
-            part.next += 1
-            local, remote = (window.src, window.dst) if request.op is TransferOp.WRITE else (window.dst, window.src)
-            op = "write" if request.op is TransferOp.WRITE else "read"
-            try:
-                endpoint.post(op, mapping, local.astype(np.uint64) + base, remote.astype(np.uint64) + remote_base, window.lengths, grant.rkeys[index])  # type: ignore[arg-type]
-                flush = endpoint.flush_start()
-            except HMCError as exc:
-                self._end(part, exc)
-                return
-            part.in_flight += 1
-            nbytes = window.total
-            part.lane.progress.watch(flush, request.deadline, lambda error, n=nbytes: self._landed(index, part, endpoint, mapping, n, error), busy=part.device)
-        if part.in_flight == 0 and not part.stopping:
-            if part.confirming:
-                self._end(part, None)
-                return
-            part.confirming = True
-            try:
-                flush = endpoint.flush_start()
-            except HMCError as exc:
-                self._end(part, exc)
-                return
-            part.in_flight += 1
-            part.lane.progress.watch(flush, request.deadline, lambda error: self._landed(index, part, endpoint, mapping, 0, error), busy=part.device)
-
-    def _landed(self, index: int, part: _Part, endpoint: engine.Endpoint, mapping: engine.Mapping, nbytes: int, error: BaseException | None) -> None:
-        part.in_flight -= 1
-        if error is not None:
-            self._end(part, error)
-            return
-        part.transfer.request.completion.add_bytes(nbytes)
-        if part.stopping:
-            self._end(part, None)
-        else:
-            self._pump(index, part, endpoint, mapping)
-
-    def _end(self, part: _Part, error: BaseException | None, *, now: bool = False) -> None:
-        """Lane thread: post nothing more; report the part once nothing of it is in flight (`now`: at once, its
-        peer is gone and nothing can land)."""
-        part.stopping = True
-        if error is not None and part.error is None:
-            part.error = error
-        if part.in_flight == 0 or now:
-            self._report(part, part.error)
-
-    def _report(self, part: _Part, error: BaseException | None) -> None:
-        if not part.reported:
-            part.reported = True
-            part.lane.parts.discard(part)
-            part.transfer.part_ended(error)
-
-    def _stop(self, transfer: _Transfer, parts: list[_Part]) -> None:
-        """The handle's cancel hook: post no more, wait (bounded) until what is in flight has landed."""
-        transfer.cancelled = True
-        for part in parts:
-            try:
-                part.lane.progress.submit(lambda part=part: self._end(part, None))
-            except HMCError:
-                self._report(part, None)
-        if not any(lane.progress.on_thread() for lane in self._lanes):
-            transfer.ended.wait(_STOP_WAIT_S)
 
     def withdraw(self, buffer_id: str) -> None:
         """A local buffer: unregister its memory. A remote one: revoke the grant, wait (bounded) for its transfers."""
@@ -674,7 +463,7 @@ class UcxTransport(Transport):
             grant = self._grants.pop(buffer_id, None)
             if grant is not None:
                 grant.revoked = BufferWithdrawnError("the buffer's owner withdrew it")
-                self._drained.wait_for(lambda: grant.flights == 0, _STOP_WAIT_S)
+                self._drained.wait_for(lambda: grant.flights == 0, STOP_WAIT_S)
 
     def forget_peer(self, agent: common_pb2.AgentInfo) -> None:
         """A peer agent went away: its grants are void and the transfers to it fail now."""
@@ -692,30 +481,17 @@ class UcxTransport(Transport):
                         endpoint = inline.endpoints.pop(address, None)
                         if endpoint is not None:
                             endpoint.close(1e-6)  # without waiting: nobody answers a flush any more
-        for lane in self._lanes if grants else ():
-            try:
-                lane.progress.submit(lambda lane=lane: self._fail_peer(lane, grants, gone))
-            except HMCError:
-                pass
-
-    def _fail_peer(self, lane: _Lane, grants: list[_Grant], error: HMCError) -> None:
-        for part in list(lane.parts):
-            if part.transfer.grant in grants:
-                self._end(part, error, now=True)
-        for grant in grants:
-            for address in grant.workers:
-                endpoint = lane.endpoints.pop(address, None)
-                if endpoint is not None:
-                    endpoint.close(1e-6)  # without waiting: nobody answers a flush any more
+        if grants and self._lanes is not None:
+            self._lanes.fail_peer(grants, gone)
 
     def close(self) -> None:
         with self._lock:
             scratches, self._scratches = list(self._scratches.values()), {}
         for scratch in scratches:
             scratch.close()
-        lanes, self._lanes = self._lanes, []
-        for lane in lanes:
-            lane.progress.close()
+        lanes, self._lanes = self._lanes, None
+        if lanes is not None:
+            lanes.close()
         inline, self._inline = self._inline, None
         if inline is not None:
             with inline.lock:
@@ -739,15 +515,3 @@ def _reply_error(reply: peer_pb2.PeerReply | None) -> HMCError | None:
     except HMCError as exc:
         return exc
     return None
-
-
-def _connect(worker: engine.Worker, address: bytes, grant: _Grant) -> engine.Endpoint:
-    """An endpoint to the worker a grant named: one UCX cannot reach any more belongs to a peer that is gone."""
-    try:
-        return worker.connect(address)
-    except UnavailableError as exc:
-        raise BrokenResourceError(f"agent {grant.owner}, which granted buffer {grant.buffer_id}, cannot be reached any more: {exc}") from exc
-
-
-def _kind(buffer: Any) -> DeviceKind:
-    return buffer.region.device.kind if buffer.region.kind is MemoryKind.DEVICE else DeviceKind.HOST

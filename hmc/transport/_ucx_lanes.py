@@ -1,0 +1,297 @@
+"""The lanes of the `ucx` and `rdma` paths: workers on progress threads of their own, and the transfers they run.
+
+UCX moves cma and tcp bytes on the thread that posts or progresses them, so one worker moves at most one
+core's worth: a path has `workers` lanes (`hmc.transport._ucx_progress.Progress` each), and a large
+transfer is split into one part per lane (`_PART_MIN` bytes at least each). A lane connects an endpoint to
+the owner's worker of the same index (peer error handling off: HMC learns that a peer died from its control
+channel, `fail_peer`), unpacks the grant's key once, and posts its part window by window (`_WINDOW_BYTES`,
+`_WINDOWS` in flight; device memory in one), each window one call below Python followed by a flush whose
+completion says it landed, and a last, confirming flush (UCX completes a cma put into a dead process
+without an error of its own, and fails the endpoint afterwards).
+
+A transfer ends when all its parts have: a failed part stops the others from posting, and the end is
+reported once nothing of the transfer is in flight, with the first error; a dead peer ends it at once;
+an expiry at the deadline. A cancel (the handle's `on_cancel`) stops posting and waits, bounded by
+`STOP_WAIT_S`, for what is in flight.
+
+Concurrency: a lane's endpoints and parts belong to its thread; a transfer's counters to `Transfer.lock`;
+a grant's unpacked keys to the lane of their index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from hmc.errors import BrokenResourceError, HMCError, UnavailableError, UnsupportedError
+from hmc.memory import DeviceKind, MemoryKind
+from hmc.transport import _ucx_engine as engine
+from hmc.transport._base import TransferOp, TransferRequest
+from hmc.transport._ranges import RangeList
+from hmc.transport._ucx_progress import Progress
+from hmc.v1 import common_pb2, peer_pb2
+
+__all__ = ["STOP_WAIT_S", "Grant", "Lanes", "connect", "memory_kind"]
+
+_WINDOW_BYTES = 64 << 20
+"""Bytes of a part posted before its flush. Each flush costs a round of both progress threads (about 0.1 ms
+on the 2-core VM), so windows are large; with `_WINDOWS` in flight, what a stopped owner may still get."""
+_WINDOWS = 2
+_PART_MIN = 4 << 20
+"""Smallest share of a transfer worth a lane of its own (as for ipc's threads)."""
+_MAX_WORKER_ADDRESS = 1 << 16
+STOP_WAIT_S = 5.0
+"""How long a cancel or a withdrawal waits for windows in flight to land."""
+
+
+class Grant:
+    """The right to put into / get from one remote buffer, with the keys each lane unpacked for it."""
+
+    __slots__ = ("address", "buffer_id", "flights", "inline_rkey", "key", "owner", "read_only", "revoked", "rkey", "rkeys", "size", "workers")
+
+    def __init__(self, handle: common_pb2.UcxHandle, *, buffer_id: str, size: int, read_only: bool, key: bytes, owner: str, lanes: int) -> None:
+        workers = [bytes(w) for w in handle.workers]
+        if not handle.rkey or not workers or any(not 0 < len(w) <= _MAX_WORKER_ADDRESS for w in workers):
+            raise UnsupportedError(f"agent {owner or '?'} gave buffer {buffer_id} without a usable UCX key and worker address")
+        self.key, self.owner, self.buffer_id = key, owner, buffer_id
+        self.address, self.size, self.read_only = handle.address, size, read_only
+        self.workers = workers
+        self.rkey = bytes(handle.rkey)
+        self.rkeys: list[engine.RemoteKey | None] = [None] * lanes
+        """Per lane, unpacked on that lane's thread."""
+        self.inline_rkey: engine.RemoteKey | None = None
+        """For the callers' own worker (`_Inline`), unpacked under its lock."""
+        self.flights = 0
+        self.revoked: HMCError | None = None
+
+    @classmethod
+    def granted(cls, message: peer_pb2.BufferGrant, key: bytes, owner: str, lanes: int) -> Grant:
+        return cls(message.handles.ucx, buffer_id=message.buffer_id, size=message.size, read_only=message.read_only, key=key, owner=owner, lanes=lanes)
+
+    def worker(self, lane: int) -> bytes:
+        return self.workers[lane % len(self.workers)]
+
+
+class Transfer:
+    """One request, split into parts that run on lanes; reported once when every part has ended."""
+
+    def __init__(self, request: TransferRequest, grant: Grant, parts: int, on_end: Callable[[], None]) -> None:
+        self.request, self.grant, self._on_end = request, grant, on_end
+        self.lock = threading.Lock()  # guards remaining and error
+        self.remaining = parts
+        self.error: BaseException | None = None
+        self.failed = False
+        """A part failed: the others post nothing more."""
+        self.cancelled = False
+        self.ended = threading.Event()
+        """Set once no part has anything in flight any more."""
+
+    def part_ended(self, error: BaseException | None) -> None:
+        with self.lock:
+            self.remaining -= 1
+            if error is not None and self.error is None:
+                self.error = error
+                self.failed = True
+            last = self.remaining == 0
+        if last:
+            self._on_end()
+            self.ended.set()
+            if not self.cancelled:
+                self.request.completion.finish(self.error)
+
+
+@dataclasses.dataclass(eq=False)
+class Part:
+    """A transfer's share on one lane: its windows and how many are in flight."""
+
+    transfer: Transfer
+    lane: Lane
+    windows: list[RangeList]
+    device: bool
+    """Device memory at this end: its copies signal no event, so its flushes are polled without a pause."""
+    next: int = 0
+    in_flight: int = 0
+    confirming: bool = False
+    """Its windows all landed; one more flush is out, which fails if UCX failed the endpoint meanwhile (a put
+    into a dead process can complete without an error of its own)."""
+    stopping: bool = False
+    reported: bool = False
+    error: BaseException | None = None
+
+
+class Lane:
+    """One worker with its progress thread, and the endpoints and parts it drives (its thread only)."""
+
+    def __init__(self, context: engine.Context, name: str) -> None:
+        self.progress = Progress(engine.Worker(context), name)
+        self.endpoints: dict[bytes, engine.Endpoint] = {}
+        self.parts: set[Part] = set()
+
+
+class Lanes:
+    """The workers of one path's context, each on its progress thread, and the transfers they run."""
+
+    def __init__(self, context: engine.Context, count: int, name: str) -> None:
+        self.lanes = [Lane(context, f"{name}-{i}") for i in range(count)]
+        self._next = itertools.count()
+
+    @property
+    def addresses(self) -> list[bytes]:
+        """The workers' addresses, in lane order (what a grant hands out)."""
+        return [lane.progress.worker.address for lane in self.lanes]
+
+    def launch(self, request: TransferRequest, grant: Grant, mapping: engine.Mapping, on_end: Callable[[], None]) -> None:
+        """Split the request into one part per lane (above `_PART_MIN` bytes each), host memory in windows (device
+        copies end within microseconds: nothing to bound), and hand each part to its lane; `on_end` runs once nothing of the transfer is in flight any more."""
+        total = request.ranges.total
+        lanes = self.lanes
+        count = max(1, min(len(lanes), total // _PART_MIN))
+        shares = request.ranges.chunks(-(-total // count)) if count > 1 else [request.ranges]
+        transfer = Transfer(request, grant, len(shares), on_end)
+        first = next(self._next)
+        parts = []
+        for i, share in enumerate(shares):
+            index = (first + i) % len(lanes)
+            device = memory_kind(request.local) is not DeviceKind.HOST
+            parts.append((index, Part(transfer, lanes[index], [share] if device else share.chunks(_WINDOW_BYTES), device)))
+        request.completion.set_running()
+        request.completion.on_cancel = lambda: self._stop(transfer, [part for _, part in parts])
+        for index, part in parts:
+            try:
+                part.lane.progress.submit(lambda index=index, part=part: self._start(index, part, mapping))
+            except HMCError as exc:
+                self._report(part, exc)
+
+    def _start(self, index: int, part: Part, mapping: engine.Mapping) -> None:
+        """Lane thread: connect, unpack the key, post the first windows."""
+        grant, transfer, lane = part.transfer.grant, part.transfer, part.lane
+        if transfer.cancelled or transfer.failed:
+            self._report(part, None)
+            return
+        lane.parts.add(part)
+        try:
+            if grant.revoked is not None:
+                raise grant.revoked
+            address = grant.worker(index)
+            endpoint = lane.endpoints.get(address)
+            if endpoint is None:
+                endpoint = lane.endpoints[address] = connect(lane.progress.worker, address, grant)
+            if grant.rkeys[index] is None:
+                grant.rkeys[index] = endpoint.unpack(grant.rkey)
+        except HMCError as exc:
+            self._end(part, exc)
+            return
+        self._pump(index, part, endpoint, mapping)
+
+    def _pump(self, index: int, part: Part, endpoint: engine.Endpoint, mapping: engine.Mapping) -> None:
+        """Post windows until `_WINDOWS` are in flight (or none is left); end the part when all landed."""
+        transfer = part.transfer
+        request, grant = transfer.request, transfer.grant
+        base, remote_base = np.uint64(request.local.region.address), np.uint64(grant.address)
+        while not part.stopping and part.in_flight < _WINDOWS and part.next < len(part.windows):
+            if transfer.cancelled or transfer.failed or grant.revoked is not None:
+                self._end(part, grant.revoked)
+                return
+            window = part.windows[part.next]
+            part.next += 1
+            local, remote = (window.src, window.dst) if request.op is TransferOp.WRITE else (window.dst, window.src)
+            op = "write" if request.op is TransferOp.WRITE else "read"
+            try:
+                endpoint.post(op, mapping, local.astype(np.uint64) + base, remote.astype(np.uint64) + remote_base, window.lengths, grant.rkeys[index])  # type: ignore[arg-type]
+                flush = endpoint.flush_start()
+            except HMCError as exc:
+                self._end(part, exc)
+                return
+            part.in_flight += 1
+            nbytes = window.total
+            part.lane.progress.watch(flush, request.deadline, lambda error, n=nbytes: self._landed(index, part, endpoint, mapping, n, error), busy=part.device)
+        if part.in_flight == 0 and not part.stopping:
+            if part.confirming:
+                self._end(part, None)
+                return
+            part.confirming = True
+            try:
+                flush = endpoint.flush_start()
+            except HMCError as exc:
+                self._end(part, exc)
+                return
+            part.in_flight += 1
+            part.lane.progress.watch(flush, request.deadline, lambda error: self._landed(index, part, endpoint, mapping, 0, error), busy=part.device)
+
+    def _landed(self, index: int, part: Part, endpoint: engine.Endpoint, mapping: engine.Mapping, nbytes: int, error: BaseException | None) -> None:
+        part.in_flight -= 1
+        if error is not None:
+            self._end(part, error)
+            return
+        part.transfer.request.completion.add_bytes(nbytes)
+        if part.stopping:
+            self._end(part, None)
+        else:
+            self._pump(index, part, endpoint, mapping)
+
+    def _end(self, part: Part, error: BaseException | None, *, now: bool = False) -> None:
+        """Lane thread: post nothing more; report the part once nothing of it is in flight (`now`: at once, its
+        peer is gone and nothing can land)."""
+        part.stopping = True
+        if error is not None and part.error is None:
+            part.error = error
+        if part.in_flight == 0 or now:
+            self._report(part, part.error)
+
+    def _report(self, part: Part, error: BaseException | None) -> None:
+        if not part.reported:
+            part.reported = True
+            part.lane.parts.discard(part)
+            part.transfer.part_ended(error)
+
+    def _stop(self, transfer: Transfer, parts: list[Part]) -> None:
+        """The handle's cancel hook: post no more, wait (bounded) until what is in flight has landed."""
+        transfer.cancelled = True
+        for part in parts:
+            try:
+                part.lane.progress.submit(lambda part=part: self._end(part, None))
+            except HMCError:
+                self._report(part, None)
+        if not any(lane.progress.on_thread() for lane in self.lanes):
+            transfer.ended.wait(STOP_WAIT_S)
+
+    def fail_peer(self, grants: list[Grant], error: HMCError) -> None:
+        """The owner of `grants` is gone: their transfers end now, with `error` (nothing of them can land)."""
+        for lane in self.lanes:
+            try:
+                lane.progress.submit(lambda lane=lane: self._fail_peer(lane, grants, error))
+            except HMCError:
+                pass
+
+    def _fail_peer(self, lane: Lane, grants: list[Grant], error: HMCError) -> None:
+        for part in list(lane.parts):
+            if part.transfer.grant in grants:
+                self._end(part, error, now=True)
+        for grant in grants:
+            for address in grant.workers:
+                endpoint = lane.endpoints.pop(address, None)
+                if endpoint is not None:
+                    endpoint.close(1e-6)  # without waiting: nobody answers a flush any more
+
+    def close(self) -> None:
+        """Fail what is in flight, destroy the workers, join their threads; idempotent."""
+        lanes, self.lanes = self.lanes, []
+        for lane in lanes:
+            lane.progress.close()
+
+
+def connect(worker: engine.Worker, address: bytes, grant: Grant) -> engine.Endpoint:
+    """An endpoint to the worker a grant named: one UCX cannot reach any more belongs to a peer that is gone."""
+    try:
+        return worker.connect(address)
+    except UnavailableError as exc:
+        raise BrokenResourceError(f"agent {grant.owner}, which granted buffer {grant.buffer_id}, cannot be reached any more: {exc}") from exc
+
+
+def memory_kind(buffer: Any) -> DeviceKind:
+    return buffer.region.device.kind if buffer.region.kind is MemoryKind.DEVICE else DeviceKind.HOST
