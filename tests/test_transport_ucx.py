@@ -234,3 +234,11 @@ def test_a_push_asked_for_out_of_range_is_refused_and_writes_nothing(ucx_agent: 
         with pytest.raises(OutOfRangeError):
             transport._push_and_wait(theirs, ranges, type("Local", (), {"size": size})(), mapping, time.monotonic() + 5.0)
     assert sink.numpy().tobytes()[4096:] == bytes([0x11]) * ((1 << 20) - 4096)
+
+
+def test_rdma_with_a_nic_but_the_wheels_ucx_says_no_verbs_and_what_it_would_register(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ucx_transport, "rdma_nics", lambda: [("mlx5_0", ["1"])])
+    rdma = UcxTransport(lambda d, t: None, lambda *a: None, path=PathName.RDMA)  # type: ignore[arg-type,return-value]
+    reason = rdma.unavailable_reason() or ""
+    assert "UCX has no verbs transport for mlx5_0" in reason and "set [ucx] library" in reason
+    assert "device memory it would register by dma-buf: none" in reason  # no GPU here

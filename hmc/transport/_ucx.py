@@ -172,13 +172,17 @@ class UcxTransport(Transport):
         nics = [name for name, _ in rdma_nics()]
         if self._path is PathName.RDMA and not nics:
             return "no RDMA device on this host (/sys/class/infiniband is empty)"
+        dmabuf = _dmabuf_kinds() if self._path is PathName.RDMA else frozenset()
         try:
             context = engine.Context(wakeup=True, transports=self._transports, library=self._library)
         except HMCError as exc:
             if self._path is PathName.RDMA:
-                return f"UCX has no verbs transport for {', '.join(nics)} ({exc}); the libucx wheel has none: set [ucx] library to a verbs-enabled UCX"
+                reach = f"; device memory it would register by dma-buf: {', '.join(sorted(k.value for k in dmabuf)) or 'none'}"
+                return f"UCX has no verbs transport for {', '.join(nics)} ({exc}); the libucx wheel has none: set [ucx] library to a verbs-enabled UCX{reach}"
             return str(exc)
         kinds = frozenset(_KINDS[name] for name in context.memory_kinds())
+        if self._path is PathName.RDMA:  # a NIC reaches device memory by dma-buf registration (UCX makes it from the export)
+            kinds = frozenset({DeviceKind.HOST}) | (kinds & dmabuf)
         detail = f"UCX {engine.version()}, {self._workers} workers" + (f", transports {self._transports}" if self._transports else "")
         self._capabilities = Capabilities(path=self._path, memory_kinds=kinds, one_sided=True, detail=detail)
         self._context = context
@@ -499,6 +503,27 @@ class UcxTransport(Transport):
         if self._context is not None:
             self._context.close()
             self._context = None
+
+
+def _dmabuf_kinds() -> frozenset[DeviceKind]:
+    """The GPU families of this process whose memory exports as a dma-buf (what an RDMA NIC registers; checked on a
+    small allocation of each family's first device)."""
+    kinds = set()
+    for kind in (DeviceKind.CUDA, DeviceKind.HIP):
+        try:
+            backend = memory.backend_for(kind)
+            devices = backend.devices()
+        except UnsupportedError:
+            continue
+        if not devices:
+            continue
+        region = memory.allocate(2 << 20, devices[0])
+        try:
+            if "dmabuf" in backend.export_handles(region):
+                kinds.add(kind)
+        finally:
+            memory.free(region)
+    return frozenset(kinds)
 
 
 def _second_of_two(run: Callable[[], None]) -> float:

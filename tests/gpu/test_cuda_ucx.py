@@ -90,3 +90,18 @@ def test_kv_random_ranges_both_ways_every_byte(gpu_agent: Agent, gpu_peer: PeerP
         mine.reshape(slots, block)[back // block] = expected.reshape(slots, block)[dst // block]
         assert_bytes_equal(host_copy(local), mine, "KV read")
     gpu_peer.unregister(remote.id)
+
+
+def test_rdma_exports_cuda_memory_as_dma_buf_up_to_where_a_verbs_device_is_needed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No RDMA NIC exists here: with one pretended, the path checks that CUDA memory exports as a dma-buf (what a NIC
+    would register), then stops where UCX needs a verbs device, and says both."""
+    from hmc.transport import _ucx
+    from hmc.transport._base import PathName
+
+    if WHY:
+        pytest.skip(f"UCX binding: {WHY}")
+    monkeypatch.setattr(_ucx, "rdma_nics", lambda: [("mlx5_0", ["1"])])
+    rdma = _ucx.UcxTransport(lambda d, t: None, lambda *a: None, path=PathName.RDMA)  # type: ignore[arg-type,return-value]
+    reason = rdma.unavailable_reason() or ""
+    assert "UCX has no verbs transport for mlx5_0" in reason, reason
+    assert "device memory it would register by dma-buf: cuda" in reason, reason
