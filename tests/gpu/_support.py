@@ -11,7 +11,7 @@ import numpy as np
 
 from hmc import memory
 from hmc.agent import Agent, ConnBuffer
-from hmc.testing import PeerProcess
+from hmc.testing import PeerProcess, ranges_digest
 from hmc.transport._base import PathName
 
 POISON = 0xA5
@@ -147,3 +147,31 @@ def host_here_device_there(agent: Agent, peer: PeerProcess, size: int, seed: int
     finally:
         agent.unregister(local)
         peer.unregister(remote.id)
+
+
+def kv_write_then_read(agent: Agent, peer: PeerProcess, path: str, count: int, block: int, total: int, *, peer_device: str) -> None:
+    """`count` random `block`-byte ranges of a `total`-byte device buffer written into the peer's poisoned buffer on
+    `peer_device` over `path` (digest of the whole buffer compared), then read back to other random places (every
+    byte of ours compared)."""
+    rng = np.random.default_rng(count)
+    slots = total // block
+    src = rng.permutation(slots)[:count].astype(np.int64) * block
+    dst = rng.permutation(slots)[:count].astype(np.int64) * block
+    data = random_bytes(total, count)
+    remote = peer.register(total, fill=POISON, device=peer_device)
+    with gpu_buffer(agent, data) as local:
+        handle = agent.write(local, remote, src, dst, block)
+        handle.wait()
+        assert handle.path == path
+        expected = np.full(total, POISON, np.uint8)
+        expected.reshape(slots, block)[dst // block] = data.reshape(slots, block)[src // block]
+        assert peer.digest(remote.id) == ranges_digest(expected), "KV write: the peer's buffer differs"
+        memory.fill(local.region, POISON)
+        back = rng.permutation(slots)[:count].astype(np.int64) * block
+        handle = agent.read(local, remote, dst, back, block)
+        handle.wait()
+        assert handle.path == path
+        mine = np.full(total, POISON, np.uint8)
+        mine.reshape(slots, block)[back // block] = expected.reshape(slots, block)[dst // block]
+        assert_bytes_equal(host_copy(local), mine, "KV read")
+    peer.unregister(remote.id)

@@ -29,7 +29,7 @@ from hmc.config import Config
 from hmc.errors import AccessDeniedError, BufferWithdrawnError
 from hmc.memory import DeviceKind
 from hmc.memory._cuda import CudaBackend
-from hmc.testing import PeerProcess, TransportPair, check_transport, ranges_digest
+from hmc.testing import PeerProcess, TransportPair, check_transport
 from hmc.transport._base import PathName
 from hmc.v1 import common_pb2
 
@@ -39,6 +39,7 @@ from ._support import (
     assert_bytes_equal,
     gpu_buffer,
     host_copy,
+    kv_write_then_read,
     peer_initiates_both_directions,
     random_bytes,
     scatter,
@@ -132,26 +133,7 @@ def test_the_peer_initiates_both_directions(gpu_agent: Agent, gpu_peer: PeerProc
 
 @pytest.mark.parametrize(("count", "block"), [(4096, 64 << 10), (16384, 16 << 10)])
 def test_kv_random_ranges_every_byte(gpu_agent: Agent, gpu_peer: PeerProcess, peer_device: str, count: int, block: int) -> None:
-    rng = np.random.default_rng(count)
-    slots = KV_TOTAL // block
-    src = rng.permutation(slots)[:count].astype(np.int64) * block
-    dst = rng.permutation(slots)[:count].astype(np.int64) * block
-    data = random_bytes(KV_TOTAL, count)
-    remote = gpu_peer.register(KV_TOTAL, fill=POISON, device=peer_device)
-    with gpu_buffer(gpu_agent, data) as local:
-        handle = gpu_agent.write(local, remote, src, dst, block)
-        handle.wait()
-        assert handle.path == "ipc"
-        expected = np.full(KV_TOTAL, POISON, np.uint8)
-        expected.reshape(slots, block)[dst // block] = data.reshape(slots, block)[src // block]
-        assert gpu_peer.digest(remote.id) == ranges_digest(expected), "KV write: the peer's buffer differs"
-        memory.fill(local.region, POISON)
-        back = rng.permutation(slots)[:count].astype(np.int64) * block
-        gpu_agent.read(local, remote, dst, back, block).wait()
-        mine = np.full(KV_TOTAL, POISON, np.uint8)
-        mine.reshape(slots, block)[back // block] = expected.reshape(slots, block)[dst // block]
-        assert_bytes_equal(host_copy(local), mine, "KV read")
-    gpu_peer.unregister(remote.id)
+    kv_write_then_read(gpu_agent, gpu_peer, "ipc", count, block, KV_TOTAL, peer_device=peer_device)
     engines = gpu_agent_cuda_mover(gpu_agent).copy_engines()
     assert engines.get("cuda:0") in ("nvrtc", "cupy"), engines
 

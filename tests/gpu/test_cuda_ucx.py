@@ -13,17 +13,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from hmc import memory
 from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
 from hmc.errors import UnsupportedError
-from hmc.testing import PeerProcess, ranges_digest
+from hmc.testing import PeerProcess
 from hmc.v1 import common_pb2
 
-from ._support import ODD_CASES, POISON, assert_bytes_equal, gpu_buffer, host_copy, random_bytes, write_then_read
+from ._support import ODD_CASES, kv_write_then_read, write_then_read
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
 
@@ -68,28 +66,7 @@ def test_write_then_read_odd_sizes_unaligned_offsets(
 
 @pytest.mark.parametrize(("count", "block"), [(4096, 64 << 10), (16384, 16 << 10)])
 def test_kv_random_ranges_both_ways_every_byte(gpu_agent: Agent, gpu_peer: PeerProcess, peer_device: str, count: int, block: int) -> None:
-    rng = np.random.default_rng(count)
-    slots = KV_TOTAL // block
-    src = rng.permutation(slots)[:count].astype(np.int64) * block
-    dst = rng.permutation(slots)[:count].astype(np.int64) * block
-    data = random_bytes(KV_TOTAL, count)
-    remote = gpu_peer.register(KV_TOTAL, fill=POISON, device=peer_device)
-    with gpu_buffer(gpu_agent, data) as local:
-        handle = gpu_agent.write(local, remote, src, dst, block)
-        handle.wait()
-        assert handle.path == "ucx"
-        expected = np.full(KV_TOTAL, POISON, np.uint8)
-        expected.reshape(slots, block)[dst // block] = data.reshape(slots, block)[src // block]
-        assert gpu_peer.digest(remote.id) == ranges_digest(expected), "KV write: the peer's buffer differs"
-        memory.fill(local.region, POISON)
-        back = rng.permutation(slots)[:count].astype(np.int64) * block
-        handle = gpu_agent.read(local, remote, dst, back, block)
-        handle.wait()
-        assert handle.path == "ucx"
-        mine = np.full(KV_TOTAL, POISON, np.uint8)
-        mine.reshape(slots, block)[back // block] = expected.reshape(slots, block)[dst // block]
-        assert_bytes_equal(host_copy(local), mine, "KV read")
-    gpu_peer.unregister(remote.id)
+    kv_write_then_read(gpu_agent, gpu_peer, "ucx", count, block, KV_TOTAL, peer_device=peer_device)
 
 
 def test_rdma_exports_cuda_memory_as_dma_buf_up_to_where_a_verbs_device_is_needed(monkeypatch: pytest.MonkeyPatch) -> None:
