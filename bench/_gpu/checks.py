@@ -20,7 +20,13 @@ Issue 14 (the ucx path with CUDA memory, both processes on the GPU(s) of the run
 
 Issue 3 (two GPUs only: cuda:0 -> cuda:1 over NVLink): ipc against peer copy and
 NIXL, staged against pinned copies and NCCL without P2P, and the ipc KV floor of
-300 GB/s. A check whose rows are missing (a system skipped or failed) says so
+300 GB/s.
+
+Issue 16 (two GPUs only, cuda:1 the peer's): for staged (peer AMD) and staged-hip alike,
+
+    big WRITE, READ   >= 0.9 x min(pinned D2H, pinned H2D); WRITE >= 1.3 x NCCL with P2P disabled (GB/s)
+    each KV WRITE, READ >= 0.8 x the same path's big rate, same op                        (GB/s)
+    small WRITE p50   <= NIXL UCX_TLS=tcp,cuda_copy's                                      (us) A check whose rows are missing (a system skipped or failed) says so
 and has `ok: null`.
 
 Concurrency: pure functions; any thread.
@@ -39,7 +45,7 @@ from hmc.bench._workloads import KIND_BULK, KIND_KV, Workload
 
 __all__ = [
     "MinCheck", "cross_vendor_checks", "evaluate_checks", "floor_checks", "format_table", "gpu_checks", "hip_pair_checks", "reference_ratios",
-    "two_gpu_checks",
+    "two_gpu_checks", "two_gpu_staged_checks",
 ]
 
 NIXL_NO_IPC = "nixl-tcp-cuda-copy"
@@ -123,6 +129,25 @@ def two_gpu_checks(workloads: Sequence[Workload]) -> list[Check]:
     return checks
 
 
+def two_gpu_staged_checks(workloads: Sequence[Workload]) -> list[Check | MinCheck]:
+    """Issue 16's targets for both cross-vendor pairs (peer declared AMD, and the HIP-on-CUDA peer) across two GPUs."""
+    sizes = _sizes(workloads)
+    if sizes is None:
+        return []
+    big, small, kvs = sizes
+    pinned = (("pinned-d2h", "", "WRITE", big), ("pinned-h2d", "", "WRITE", big))
+    checks: list[Check | MinCheck] = []
+    for path in ("staged", "staged-hip"):
+        name = f"hmc {path} (two GPUs)"
+        for op in OPS:
+            checks.append(MinCheck(f"{name} {big} {op} vs min(pinned D2H, pinned H2D)", ("hmc", path, op, big), pinned, 0.9))
+            checks += [Check(f"{name} {kv} {op} vs its {big} {op}", ("hmc", path, op, kv), ("hmc", path, op, big), 0.8) for kv in kvs]
+        checks.append(Check(f"{name} {big} WRITE vs NCCL with P2P disabled", ("hmc", path, "WRITE", big), ("nccl-nop2p", "", "WRITE", big), 1.3))
+        checks.append(Check(f"{name} {small} WRITE p50 latency vs NIXL UCX_TLS=tcp,cuda_copy", ("hmc", path, "WRITE", small),
+                            (NIXL_NO_IPC, "", "WRITE", small), 1.0, "p50_lat_us"))
+    return checks
+
+
 def ucx_checks(workloads: Sequence[Workload]) -> list[Check]:
     """Issue 14's targets for the ucx path with CUDA memory: against NIXL (default UCX), and READ against WRITE."""
     sizes = _sizes(workloads)
@@ -139,8 +164,9 @@ def ucx_checks(workloads: Sequence[Workload]) -> list[Check]:
 
 
 def gpu_checks(workloads: Sequence[Workload], gpus: int) -> list[Check | MinCheck]:
-    """The checks of a run on `gpus` GPUs: issues 11's, 12's and 14's everywhere, issue 3's on two."""
-    return [*cross_vendor_checks(workloads), *hip_pair_checks(workloads), *ucx_checks(workloads), *(two_gpu_checks(workloads) if gpus >= 2 else [])]
+    """The checks of a run on `gpus` GPUs: issues 11's, 12's and 14's everywhere, issues 3's and 16's on two."""
+    two = [*two_gpu_checks(workloads), *two_gpu_staged_checks(workloads)] if gpus >= 2 else []
+    return [*cross_vendor_checks(workloads), *hip_pair_checks(workloads), *ucx_checks(workloads), *two]
 
 
 def _evaluate_min(check: MinCheck, rows: Sequence[Row]) -> dict[str, Any]:

@@ -314,3 +314,21 @@ def test_gpu_bench_quick_on_two_gpus(tmp_path: Path) -> None:
         assert [r["workload"] for r in report["rows"] if r["system"] == system] == bulk
     assert {(r["path"], r["workload"]) for r in report["rows"] if r["system"] == "copy-kernel"} == {
         (p, w.name) for p in ("push", "pull") for w in gpu_quick_workloads()}
+
+
+def test_two_gpu_staged_checks_of_issue_16() -> None:
+    wls = gpu_quick_workloads()
+    big, small, kv = wls[2], wls[0], wls[3]
+    rows = [
+        _row("pinned-d2h", "torch", big, 1e-4), _row("pinned-h2d", "torch", big, 2e-4),  # min is H2D (5.2 GB/s)
+        _row("hmc", "staged-hip", big, 2.1e-4), _row("hmc", "staged-hip", kv, 4e-3), _row("nccl-nop2p", "torch", big, 4e-4),
+        _row("hmc", "staged-hip", small, 50e-6), _row("nixl-tcp-cuda-copy", "UCX", small, 40e-6),
+    ]
+    ratios = {r["check"]: r for r in evaluate_checks(gpu_checks(wls, 2), rows)}
+    name = "hmc staged-hip (two GPUs)"
+    assert ratios[f"{name} bulk_1MiB WRITE vs min(pinned D2H, pinned H2D)"]["ratio"] == pytest.approx(2e-4 / 2.1e-4, rel=1e-3)
+    assert ratios[f"{name} bulk_1MiB WRITE vs NCCL with P2P disabled"]["ok"] is True  # 1.9x
+    assert ratios[f"{name} kv_256x64KiB WRITE vs its bulk_1MiB WRITE"]["ok"] is True  # 16 MiB in 4 ms against 1 MiB in 0.21 ms
+    assert ratios[f"{name} bulk_4KiB WRITE p50 latency vs NIXL UCX_TLS=tcp,cuda_copy"]["ok"] is False
+    assert ratios["hmc staged (two GPUs) bulk_1MiB READ vs min(pinned D2H, pinned H2D)"]["ok"] is None  # no staged rows
+    assert not any("(two GPUs)" in c.name for c in gpu_checks(wls, 1))
