@@ -16,9 +16,9 @@ import pytest
 import hmc.transport._staged as staged
 from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
-from hmc.errors import AccessDeniedError, BrokenResourceError, BufferWithdrawnError, ProtocolError, TimeoutError
+from hmc.errors import AccessDeniedError, BrokenResourceError, BufferWithdrawnError, OutOfRangeError, ProtocolError, TimeoutError
 from hmc.testing import PeerProcess
-from hmc.transport._staged_mailbox import MAILBOX_BYTES, SUPPORTED, Mailbox, token_of
+from hmc.transport._staged_mailbox import MAILBOX_BYTES, SUPPORTED, Mailbox, SmallRequest, decode_request, encode_request, token_of
 from hmc.transport._staged_shm import ShmStaging, reply_of
 from hmc.transport._wire import error_reply
 from hmc.v1 import peer_pb2
@@ -187,6 +187,40 @@ def test_a_malformed_mailbox_request_ends_that_connection_only(pair: tuple[Agent
     assert peer.contents(remote.id)[4096:8192] == src[4096:8192].tobytes()
 
 
+def test_hostile_records_are_refused_typed_and_write_nothing(pair: tuple[Agent, PeerProcess, Any], rng: np.random.Generator) -> None:
+    """Records a hostile initiator could post: a range past the buffer (also by an offset near 2^64), a wrong key
+    proof, a write into a read-only buffer get their typed refusal and land nothing; a range longer than the ring's
+    slots ends that connection. The next request works."""
+    agent, peer, remote = pair
+    readonly = peer.register(SIZE, fill=POISON, readonly=True)
+    src = rng.integers(1, 256, SIZE, dtype=np.uint8)
+    local = agent.register(src)
+    agent.write(local, remote, 0, 0, 16).wait()  # over the socket: the owner attaches the mailbox
+    link = _link(agent)
+    proof = link.stream.proof(remote.access_key, remote.registry_epoch)
+    refused = [
+        (encode_request(True, remote.id, proof, SIZE - 10, 4096), OutOfRangeError),
+        (encode_request(True, remote.id, proof, (1 << 64) - 1, 1), OutOfRangeError),
+        (encode_request(False, remote.id, proof, SIZE, 1), OutOfRangeError),
+        (encode_request(True, remote.id, bytes(len(proof)), 0, 4096), AccessDeniedError),
+        (encode_request(True, readonly.id, link.stream.proof(readonly.access_key, readonly.registry_epoch), 0, 4096), AccessDeniedError),
+    ]
+    with link.lock:
+        for record, error in refused:
+            deadline = time.monotonic() + 10.0
+            with pytest.raises(error):
+                link.mailbox.answer(link.mailbox.post(record, link.stream, deadline), link.stream, deadline)
+        deadline = time.monotonic() + 10.0
+        seq = link.mailbox.post(encode_request(True, remote.id, proof, 0, 1 << 30), link.stream, deadline)
+        with pytest.raises((ProtocolError, BrokenResourceError)):  # past the ring's slots: the owner ends the connection
+            link.mailbox.answer(seq, link.stream, deadline)
+        link.drop()
+    expected = bytes(src[:16]) + bytes([POISON]) * (SIZE - 16)
+    assert peer.contents(remote.id) == expected and peer.contents(readonly.id) == bytes([POISON]) * SIZE
+    agent.write(local, remote, 4096, 4096, 4096).wait()  # a new connection and ring serve the next one
+    assert peer.contents(remote.id)[4096:8192] == src[4096:8192].tobytes()
+
+
 def test_a_doorbell_for_a_mailbox_never_named_ends_the_connection(pair: tuple[Agent, PeerProcess, Any]) -> None:
     agent, _, remote = pair
     agent.write(agent.register(np.full(SIZE, 0x11, np.uint8)), remote, 0, 0, 16).wait()
@@ -203,6 +237,22 @@ def test_a_doorbell_for_a_mailbox_never_named_ends_the_connection(pair: tuple[Ag
 
 
 # -- the mailbox page itself, both ends in this process ---------------------------------
+
+
+def test_request_records_round_trip_and_malformed_ones_are_refused() -> None:
+    for request in (SmallRequest(True, "buffer-\u00e9", b"p" * 16, 0, 1), SmallRequest(False, "", b"", (1 << 64) - 1, (1 << 64) - 1)):
+        assert decode_request(encode_request(*request)) == request
+    good = encode_request(True, "b1", b"p" * 16, 7, 4096)
+    malformed = [
+        b"", good[:17],  # shorter than the head
+        good + b"x", good[:-1],  # lengths that do not add up
+        b"\x02" + good[1:],  # neither write nor read
+        encode_request(True, "b1", b"p" * 16, 7, 0),  # nothing to move
+        encode_request(True, "b1", b"p" * 16, 7, 1)[:-2] + b"\xff\xfe",  # a buffer id that is not UTF-8
+    ]
+    for record in malformed:
+        with pytest.raises(ProtocolError):
+            decode_request(record)
 
 
 def _page() -> tuple[Mailbox, Mailbox]:

@@ -102,9 +102,10 @@ def _serve(conn: Connection, config: Config, daemon: bool | None, netns: str | N
                 conn.send(("error", (int(exc.code), str(exc))))
 
 
-def _register(agent: Any, buffers: dict[str, Any], size: int, name: str | None, fill: int, device: str) -> bytes:
+def _register(agent: Any, buffers: dict[str, Any], size: int, name: str | None, fill: int, device: str, readonly: bool) -> bytes:
     if device == "host":
-        buffer = agent.register(np.full(size, fill, dtype=np.uint8), name=name)
+        data = np.full(size, fill, dtype=np.uint8)
+        buffer = agent.register(data.tobytes() if readonly else data, name=name)  # bytes: read-only memory
     else:  # device memory HMC allocates; freed when the buffer is unregistered
         region = memory.allocate(size, device)
         memory.fill(region, fill)
@@ -237,9 +238,14 @@ class PeerProcess:
                 raise BrokenResourceError(f"peer process {self._process.pid} is gone") from exc
             return self._reply(self._timeout)
 
-    def register(self, size: int, *, name: str | None = None, fill: int = 0, device: str = "host") -> common_pb2.BufferDescriptor:
-        """A new ConnBuffer in the peer, every byte set to `fill`: numpy memory, or `hmc.memory.allocate(size, device)`."""
-        return common_pb2.BufferDescriptor.FromString(self._call("register", size, name, fill, device))
+    def register(
+        self, size: int, *, name: str | None = None, fill: int = 0, device: str = "host", readonly: bool = False
+    ) -> common_pb2.BufferDescriptor:
+        """A new ConnBuffer in the peer, every byte set to `fill`: numpy memory (`readonly`: bytes), or
+        `hmc.memory.allocate(size, device)`."""
+        if readonly and device != "host":
+            raise ValueError("only host memory is registered read-only here")
+        return common_pb2.BufferDescriptor.FromString(self._call("register", size, name, fill, device, readonly))
 
     def fill(self, buffer_id: str, data: bytes, offset: int = 0) -> None:
         self._call("fill", buffer_id, offset, bytes(data))

@@ -1,12 +1,17 @@
 """The shared ring's mailbox: a small staged transfer's request and reply through shared memory, not the socket.
 
 A page at the end of the ring file (`MAILBOX_BYTES`; every ShmSlot names where it starts). A small
-single-range transfer (the agent's inline fast path) posts its request frame here instead of sending
+single-range transfer (the agent's inline fast path) posts its request here instead of sending
 it, and the owner answers here. While the owner's connection thread waits for its next request it
 polls the mailbox along with the socket, and says so (`awake`): then a request costs no system call
 and no wake-up on either side (on one H100 host a socket round trip between two Python processes cost
 8-10 us, a mailbox one 2). When the owner is not polling, the initiator rings its doorbell: a Posted
 frame on the socket, which wakes it to look.
+
+Records. A request is not a frame but a fixed record (`encode_request`): write or read, the owner's
+buffer id and key proof, and one range of that buffer, always moved through slot 0 of the mailbox's
+own ring. It is decoded with one struct call and checked like a frame's request (peer protocol 4;
+a protobuf frame here cost the owner a parse, a dispatch and a slot lookup per request).
 
 The page is bound to one connection at a time (`token`, from the connection's nonce, which both ends
 hold): the initiator offers it to its current connection, and the owner's thread of that connection
@@ -29,14 +34,16 @@ meanwhile); the owner takes and answers on its connection's thread, or its compl
 from __future__ import annotations
 
 import platform
+import struct
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from hmc.errors import ProtocolError, TimeoutError
 from hmc.transport._wire import FrameStream, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
-__all__ = ["MAILBOX_BYTES", "RECHECK_S", "SUPPORTED", "Mailbox", "token_of"]
+__all__ = ["MAILBOX_BYTES", "RECHECK_S", "SUPPORTED", "Mailbox", "SmallRequest", "decode_request", "encode_request", "token_of"]
 
 SUPPORTED = platform.machine() in ("x86_64", "AMD64")
 """Whether this machine's memory ordering lets two processes hand records over through plain loads and stores."""
@@ -50,10 +57,46 @@ _NAP_S = 50e-6
 _AWAKE = 0  # word: the owner polls the mailbox (owner writes)
 _OFFERED = 1  # word: the token of the connection the initiator uses the page with (initiator writes)
 _ATTACHED = 2  # word: the token of the connection whose owner attached the page (owner writes)
-_REQUEST = 64  # bytes: seq, token, length (u32 each), then the request frame
+_REQUEST = 64  # bytes: seq, token, length (u32 each), then the request record
 _REPLY = 4096  # bytes: seq, length (u32 each), then a refusal's PeerReply (length 0: done)
 _BODY = 64  # where a record's bytes start after its words
 _MAX_RECORD = _REPLY - _REQUEST - _BODY
+
+
+_RECORD = struct.Struct("<BBHQQ")
+"""A request record's head: write (1) or read (0), key proof bytes, buffer id bytes, offset, length; then the
+proof and the id (UTF-8)."""
+
+
+class SmallRequest(NamedTuple):
+    """A request taken from the mailbox: `length` bytes at `offset` of buffer `buffer_id`, through slot 0 of the ring."""
+
+    write: bool
+    buffer_id: str
+    key_proof: bytes
+    offset: int
+    length: int
+
+
+def encode_request(write: bool, buffer_id: str, key_proof: bytes, offset: int, length: int) -> bytes:
+    """The record of a request (what `Mailbox.post` writes)."""
+    name = buffer_id.encode()
+    return _RECORD.pack(write, len(key_proof), len(name), offset, length) + key_proof + name
+
+
+def decode_request(record: bytes) -> SmallRequest:
+    """A request from its record; ProtocolError when it is malformed (the owner ends that connection)."""
+    if len(record) < _RECORD.size:
+        raise ProtocolError("a mailbox request shorter than its head")
+    write, proof_bytes, name_bytes, offset, length = _RECORD.unpack_from(record)
+    if write > 1 or length == 0 or len(record) != _RECORD.size + proof_bytes + name_bytes:
+        raise ProtocolError("a malformed mailbox request")
+    at = _RECORD.size + proof_bytes
+    try:
+        name = record[at:].decode()
+    except UnicodeDecodeError as exc:
+        raise ProtocolError("a mailbox request naming no buffer") from exc
+    return SmallRequest(bool(write), name, record[_RECORD.size : at], offset, length)
 
 
 def token_of(stream: FrameStream) -> int:
@@ -93,16 +136,16 @@ class Mailbox:
     def owner_awake(self) -> bool:
         return bool(self._words[_AWAKE])
 
-    def post(self, frame: bytes, stream: FrameStream, deadline: float) -> int:
-        """Write a request frame for the connection `stream`, ringing the owner's doorbell there (a Posted frame)
-        when it is not polling; returns the request's sequence number (its reply's)."""
-        if len(frame) > _MAX_RECORD:
-            raise ProtocolError(f"a {len(frame)}-byte request does not fit the mailbox")
+    def post(self, record: bytes, stream: FrameStream, deadline: float) -> int:
+        """Write a request record (`encode_request`) for the connection `stream`, ringing the owner's doorbell there
+        (a Posted frame) when it is not polling; returns the request's sequence number (its reply's)."""
+        if len(record) > _MAX_RECORD:
+            raise ProtocolError(f"a {len(record)}-byte request does not fit the mailbox")
         seq = self._next = (self._next + 1) & 0xFFFFFFFF or 1
         start = _REQUEST + _BODY
-        self._view[start : start + len(frame)] = frame
+        self._view[start : start + len(record)] = record
         self._words[self._request_seq + 1] = token_of(stream)
-        self._words[self._request_seq + 2] = len(frame)
+        self._words[self._request_seq + 2] = len(record)
         self._words[self._request_seq] = seq  # last: the owner reads the record only once it sees this
         if not self._words[_AWAKE]:
             stream.send(peer_pb2.PeerFrame(posted=peer_pb2.Posted(seq=seq)), deadline=deadline)
@@ -150,7 +193,7 @@ class Mailbox:
 
     def take(self, token: int, looks: int = 1) -> tuple[int, bytes] | None:
         """The request posted for connection `token` since the last one taken (looking up to `looks` times):
-        (sequence number, frame), or None."""
+        (sequence number, record), or None."""
         words, at, seen = self._words, self._request_seq, self.seen
         for _ in range(looks):
             if words[at] != seen:

@@ -134,10 +134,10 @@ class OwnerSegments:
             self.drain()
             old.close()
 
-    @property
-    def mailbox_segment(self) -> str:
-        """The ring whose mailbox is attached ("" when none)."""
-        return self._mailbox_at[0]
+    def mailbox_ring(self) -> tuple[PinnedMapping, int]:
+        """The ring whose mailbox is attached and the bytes before its page (its slots), for a request taken there."""
+        segment, page = self._mailbox_at
+        return self._mappings[segment], page
 
     def _forget_mailbox(self) -> None:
         """Stop using the mailbox (its ring is about to be unmapped), saying so to an initiator still looking."""

@@ -34,13 +34,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from google.protobuf.message import DecodeError
 
 from hmc.errors import AccessDeniedError, HMCError, OutOfRangeError, ProtocolError, TimeoutError, UnsupportedError
 from hmc.memory import MemoryKind
 from hmc.transport._pinned import PinnedMapping
 from hmc.transport._ranges import RangeList
-from hmc.transport._staged_mailbox import RECHECK_S, token_of
+from hmc.transport._staged_mailbox import RECHECK_S, SmallRequest, decode_request, token_of
 from hmc.transport._staged_owner import OwnerSegments, ReplyTo
 from hmc.transport._staged_tcp_ring import BOUNCE_WAIT_S, BounceSlots
 from hmc.transport._wire import FrameStream, error_reply
@@ -88,6 +87,10 @@ class DataConnections:
         token = token_of(stream)
         while True:
             frame, reply_to = _next_request(stream, segments, token)
+            if isinstance(frame, SmallRequest):  # from the ring's mailbox: one range through slot 0, answered there
+                self._small(stream, frame, segments, reply_to)
+                queued = True
+                continue
             kind = frame.WhichOneof("kind")
             if kind == "write":
                 request: peer_pb2.DataWrite | peer_pb2.DataRead = frame.write
@@ -95,7 +98,7 @@ class DataConnections:
                 request = frame.read
             else:
                 raise ProtocolError(f"{kind or 'empty frame'} is not a data request")
-            if reply_to is None and stream.inline_bytes and (kind != "write" or request.HasField("shm")):
+            if stream.inline_bytes and (kind != "write" or request.HasField("shm")):
                 raise ProtocolError(f"a {kind} request with {stream.inline_bytes} bytes of payload inline")
             deadline = expiry.deadline(request.transfer_id, request.expires_ms)
             if deadline < time.monotonic():  # its transfer has ended: nothing of it is written or read any more
@@ -104,14 +107,12 @@ class DataConnections:
                     stream.discard(_Side(request.ranges, "dst_offsets").total, time.monotonic() + self._timeout_s)
                 segments.drain()
                 queued = False
-                if reply_to is not None:
-                    reply_to(error_reply(late))
-                else:
-                    stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=error_reply(late)))
+                stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=error_reply(late)))
                 continue
             if request.HasField("shm"):
-                field = "dst_offsets" if kind == "write" else "src_offsets"
-                self._shm_copy(stream, frame.request_id, request, field, segments, write=kind == "write", reply_to=reply_to)
+                side = _Side(request.ranges, "dst_offsets" if kind == "write" else "src_offsets")
+                slot = segments.slot(request.shm, side.total)  # a malformed slot is a ProtocolError: the connection ends
+                self._slot_copy(stream, frame.request_id, request.buffer_id, request.key_proof, side, (slot, request.shm.offset), segments, write=kind == "write")
                 queued = True
                 continue
             if kind == "write":
@@ -129,17 +130,23 @@ class DataConnections:
                 queued = False
             stream.send(peer_pb2.PeerFrame(request_id=frame.request_id, reply=reply))
 
-    def _shm_copy(
-        self, stream: FrameStream, request_id: int, request: peer_pb2.DataWrite | peer_pb2.DataRead, field: str, segments: OwnerSegments,
-        *, write: bool, reply_to: ReplyTo | None,
+    def _small(self, stream: FrameStream, request: SmallRequest, segments: OwnerSegments, reply_to: ReplyTo) -> None:
+        """A request from the ring's mailbox: its one range through slot 0 of the mailbox's ring, answered there."""
+        ring, room = segments.mailbox_ring()
+        if request.length > room:
+            raise ProtocolError("a mailbox request reaches past its ring's slots")
+        side = _Side.single(request.offset, request.length)
+        self._slot_copy(stream, 0, request.buffer_id, request.key_proof, side, (ring, 0), segments, write=request.write, reply_to=reply_to)
+
+    def _slot_copy(
+        self, stream: FrameStream, request_id: int, buffer_id: str, key_proof: bytes, side: _Side, slot: tuple[PinnedMapping, int], segments: OwnerSegments,
+        *, write: bool, reply_to: ReplyTo | None = None,
     ) -> None:
-        """A staged chunk through a shared ring slot: queue the copy of the slot into the buffer (write) or the
-        buffer into it; `segments` replies once it finished (in frame order, or to `reply_to`: a request taken from
-        the ring's mailbox), and releases the buffer then."""
-        side = _Side(request.ranges, field)
-        slot = segments.slot(request.shm, side.total)  # a malformed slot is a ProtocolError: the connection ends
+        """A staged chunk through a shared ring slot (mapping, from byte): queue the copy of the slot into the buffer
+        (write) or the buffer into it; `segments` replies once it finished (in frame order, or to `reply_to`: a
+        request taken from the ring's mailbox), and releases the buffer then."""
         try:
-            buffer = self._buffers.acquire(request.buffer_id, prove=stream.proof, proof=request.key_proof, holder=stream)
+            buffer = self._buffers.acquire(buffer_id, prove=stream.proof, proof=key_proof, holder=stream)
         except HMCError as exc:
             segments.reply(request_id, error_reply(exc), reply_to)
             return
@@ -153,9 +160,7 @@ class DataConnections:
             return
         offsets, lengths = side.arrays()
         release = functools.partial(self._buffers.release, buffer.id, stream)
-        segments.start(
-            request_id, buffer.region, offsets, lengths, slot, request.shm.offset, total=side.total, to_slot=not write, release=release, reply_to=reply_to
-        )
+        segments.start(request_id, buffer.region, offsets, lengths, *slot, total=side.total, to_slot=not write, release=release, reply_to=reply_to)
 
     def _receive_write(
         self, stream: FrameStream, request_id: int, request: peer_pb2.DataWrite, segments: OwnerSegments, bounce: BounceSlots,
@@ -239,8 +244,9 @@ class DataConnections:
         return _SENT
 
 
-def _next_request(stream: FrameStream, segments: OwnerSegments, token: int) -> tuple[peer_pb2.PeerFrame, ReplyTo | None]:
-    """The next request and where its reply goes (None: the connection). Where the initiator's ring has a mailbox,
+def _next_request(stream: FrameStream, segments: OwnerSegments, token: int) -> tuple[peer_pb2.PeerFrame, None] | tuple[SmallRequest, ReplyTo]:
+    """The next request: a frame (answered on the connection) or one from the mailbox and what answers it there
+    (a malformed one is a ProtocolError: the connection ends). Where the initiator's ring has a mailbox,
     it is polled along with the socket for `_MAILBOX_SPIN_S`; the owner's flag says so until then (also while
     a frame from the socket is served: the mailbox is looked at before anything else). Then the thread lowers
     the flag, looks at the mailbox again, once more after `RECHECK_S` (`_staged_mailbox`'s "Ordering"), and
@@ -267,21 +273,7 @@ def _next_request(stream: FrameStream, segments: OwnerSegments, token: int) -> t
                 return frame, None
             if (posted := mailbox.take(token)) is None:  # taken while polling
                 continue
-        return _mailbox_request(stream, segments, posted), mailbox.replier(posted[0])
-
-
-def _mailbox_request(stream: FrameStream, segments: OwnerSegments, posted: tuple[int, bytes]) -> peer_pb2.PeerFrame:
-    """A request frame taken from the mailbox: a slot of the mailbox's own ring, else ProtocolError."""
-    frame = peer_pb2.PeerFrame()
-    try:
-        frame.ParseFromString(posted[1])
-    except DecodeError as exc:
-        raise ProtocolError(f"undecodable mailbox request from {stream.peer}") from exc
-    kind = frame.WhichOneof("kind")
-    request = frame.write if kind == "write" else frame.read
-    if kind not in ("write", "read") or not request.HasField("shm") or request.shm.segment != segments.mailbox_segment:
-        raise ProtocolError(f"a mailbox request from {stream.peer} that is not a slot of its ring")
-    return frame
+        return decode_request(posted[1]), mailbox.replier(posted[0])
 
 
 def _bounce_slot(bounce: BounceSlots, nbytes: int) -> PinnedMapping:
@@ -367,6 +359,13 @@ class _Side:
         if self.lengths and not 0 <= min(self.lengths) <= max(self.lengths) <= _MAX_RANGE:
             raise ProtocolError("range lengths in a data request are negative or absurd")
         self.total = sum(self.lengths)
+
+    @classmethod
+    def single(cls, offset: int, length: int) -> _Side:
+        """One range (a mailbox request's: decoded as unsigned ints, so never negative)."""
+        side = cls.__new__(cls)
+        side.ranges, side.offsets, side.lengths, side.total = None, [offset], [length], length
+        return side
 
     def check(self, size: int) -> None:
         """OutOfRangeError unless every range lies inside a buffer of `size` bytes."""

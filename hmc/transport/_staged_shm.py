@@ -73,7 +73,7 @@ from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutErro
 from hmc.memory._machine import host_id
 from hmc.transport._base import InlineCopy, TransferOp, TransferRequest
 from hmc.transport._pinned import PinnedMapping, SlotCopier, StuckCopy
-from hmc.transport._staged_mailbox import MAILBOX_BYTES, SUPPORTED, Mailbox, token_of
+from hmc.transport._staged_mailbox import MAILBOX_BYTES, SUPPORTED, Mailbox, encode_request, token_of
 from hmc.transport._wire import FrameStream, expires_ms, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
@@ -350,21 +350,21 @@ class ShmStaging:
         self._prepare(link, remote, deadline)
         stream, ring = link.stream, link.ring
         assert stream is not None and ring is not None
-        wire = common_pb2.RangeList(lengths=_I64.pack(length))
         if write:
             self._copier.copy(region, (local_offset,), (length,), ring, 0, to_slot=True, deadline=deadline)
-            wire.dst_offsets = _I64.pack(remote_offset)
-            message: peer_pb2.DataWrite | peer_pb2.DataRead = peer_pb2.DataWrite(buffer_id=remote.id, ranges=wire)
-        else:
-            wire.src_offsets = _I64.pack(remote_offset)
-            message = peer_pb2.DataRead(buffer_id=remote.id, ranges=wire)
-        message.key_proof = stream.proof(remote.access_key, remote.registry_epoch)
-        message.expires_ms = expires_ms(deadline)
+        proof = stream.proof(remote.access_key, remote.registry_epoch)
         mailbox = link.mailbox
         if mailbox is not None and mailbox.ready(token_of(stream)):
-            self._slot_of(link, message, 0)
-            mailbox.answer(mailbox.post(frame_of(message).SerializeToString(), stream, deadline), stream, deadline)
-        else:
+            mailbox.answer(mailbox.post(encode_request(write, remote.id, proof, remote_offset, length), stream, deadline), stream, deadline)
+        else:  # over the socket (naming the mailbox: the owner attaches it then)
+            wire = common_pb2.RangeList(lengths=_I64.pack(length))
+            if write:
+                wire.dst_offsets = _I64.pack(remote_offset)
+                message: peer_pb2.DataWrite | peer_pb2.DataRead = peer_pb2.DataWrite(buffer_id=remote.id, ranges=wire, key_proof=proof)
+            else:
+                wire.src_offsets = _I64.pack(remote_offset)
+                message = peer_pb2.DataRead(buffer_id=remote.id, ranges=wire, key_proof=proof)
+            message.expires_ms = expires_ms(deadline)
             self._hand_off(link, stream, message, 0, length, deadline)
             if write:
                 reply_of(stream, deadline, length)
