@@ -17,7 +17,7 @@ import hmc.transport._staged as staged
 from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
 from hmc.testing import PeerProcess
-from hmc.transport._ranges import RangeList, end_to_end, ramp
+from hmc.transport._ranges import RangeList, end_to_end
 from hmc.transport._staged_shm import ShmStaging
 
 POISON = 0xA5
@@ -64,26 +64,6 @@ def test_packing_fills_every_slot_but_the_last_and_keeps_every_byte(case: tuple[
     assert _stream(dst, joined.dst, joined.lengths) == _stream(dst, ranges.dst, ranges.lengths)
 
 
-@settings(max_examples=300, deadline=None)
-@given(case=scattered(), slot=st.integers(1, 3 * SLOT), first=st.integers(1, 2 * SLOT))
-def test_ramped_packing_follows_the_ramp_and_keeps_every_byte(case: tuple[int, int, RangeList], slot: int, first: int) -> None:
-    """With a ramp, chunk i holds exactly ramp(...)[i] bytes, ranges cut at those edges, every byte in order."""
-    _, _, ranges = case
-    chunks = ranges.packed(slot, first)
-    assert [chunk.total for chunk in chunks] == ramp(ranges.total, slot, first)
-    assert all(int(chunk.lengths.min()) > 0 for chunk in chunks)
-    joined = RangeList(*(np.concatenate([getattr(c, f) for c in chunks]) for f in ("src", "dst", "lengths")))
-    expanded = [(s + k, d + k) for s, d, n in zip(ranges.src.tolist(), ranges.dst.tolist(), ranges.lengths.tolist()) for k in range(n)]
-    assert [(s + k, d + k) for s, d, n in zip(joined.src.tolist(), joined.dst.tolist(), joined.lengths.tolist()) for k in range(n)] == expanded
-
-
-def test_the_ramp_doubles_up_to_the_slot_and_halves_down_at_the_end() -> None:
-    mib = 1 << 20
-    assert [size // mib for size in ramp(96 * mib, 16 * mib, 2 * mib)] == [2, 4, 8, 16, 16, 4, 16, 16, 8, 4, 2]  # what is left: mid-way
-    assert ramp(16 * mib, 16 * mib, 2 * mib) == [2 * mib, 4 * mib, 4 * mib, 4 * mib, 2 * mib]  # a short total: small at both ends
-    assert ramp(5, 16, 32) == [5] and ramp(1, 1, 1) == [1] and ramp(0, 16, 2) == []
-
-
 def test_packing_drops_empty_ranges_and_refuses_a_bad_slot() -> None:
     ranges = RangeList.build([0, 5, 9], [0, 5, 9], [0, 4, 0])
     assert [(c.src.tolist(), c.lengths.tolist()) for c in ranges.packed(3)] == [([5], [3]), ([8], [1])]
@@ -92,8 +72,6 @@ def test_packing_drops_empty_ranges_and_refuses_a_bad_slot() -> None:
 
     with pytest.raises(ArgumentError):
         ranges.packed(0)
-    with pytest.raises(ArgumentError):
-        ranges.packed(8, 0)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import numpy as np
 from hmc.errors import ArgumentError, OutOfRangeError, ProtocolError
 from hmc.v1 import common_pb2
 
-__all__ = ["MAX_TIMEOUT_S", "RangeList", "check_timeout", "end_to_end", "iovec_rows", "ramp"]
+__all__ = ["MAX_TIMEOUT_S", "RangeList", "check_timeout", "end_to_end", "iovec_rows"]
 
 _I64 = np.dtype("<i8")
 _I64_MAX = int(np.iinfo(np.int64).max)
@@ -259,17 +259,15 @@ class RangeList:
                 out.append(RangeList(flat.src[part], flat.dst[part], flat.lengths[part]))
         return out
 
-    def packed(self, slot_bytes: int, first: int | None = None) -> list[RangeList]:
-        """The ranges laid end to end and cut into chunks of `slot_bytes`: every chunk but the last is full. With
-        `first`, the chunks ramp instead: doubling from `first` up to `slot_bytes` at the start and halving back
-        down at the end (`ramp`), so a pipeline of chunks fills and drains in small steps.
+    def packed(self, slot_bytes: int) -> list[RangeList]:
+        """The ranges laid end to end and cut at every multiple of `slot_bytes`: every slot but the last is full.
 
-        A staging ring's chunks: range i of a chunk sits at the chunk's offset `end_to_end(lengths)[i]`. Ranges
-        that straddle a cut are split there (vectorized: no Python loop per range); empty ones go.
+        A staging ring's chunks: range i of a slot sits at the slot's offset `end_to_end(lengths)[i]`. Ranges
+        that straddle a slot boundary are split there (vectorized: no Python loop per range); empty ones go.
         """
-        if slot_bytes <= 0 or (first is not None and first <= 0):
-            raise ArgumentError("slot and chunk sizes must be positive")
-        if self.lengths.size == 1 and first is None:  # the small transfer's single range: no arrays to build
+        if slot_bytes <= 0:
+            raise ArgumentError("slot size must be positive")
+        if self.lengths.size == 1:  # the small transfer's single range: no arrays to build
             length = int(self.lengths[0])
             if 0 < length <= slot_bytes:
                 return [self]
@@ -279,20 +277,14 @@ class RangeList:
             return []
         ends = np.cumsum(lens)
         starts = ends - lens
-        total = int(ends[-1])
-        if first is None:
-            edges = np.arange(0, total + slot_bytes, slot_bytes, dtype=np.int64)
-        else:
-            edges = np.concatenate(([0], np.cumsum(ramp(total, slot_bytes, first))))
-        first_slot = np.searchsorted(edges, starts, side="right") - 1
-        last_slot = np.searchsorted(edges, ends - 1, side="right") - 1
-        if lens.size == 1 or int((last_slot - first_slot).max()) > 0:  # some range straddles: cut at the edges
+        first_slot, last_slot = starts // slot_bytes, (ends - 1) // slot_bytes
+        if lens.size == 1 or int((last_slot - first_slot).max()) > 0:  # some range straddles: cut at the boundaries
             counts = last_slot - first_slot + 1
             index = np.repeat(np.arange(lens.size), counts)
             within = np.arange(index.size) - np.repeat(np.cumsum(counts) - counts, counts)
             slot = first_slot[index] + within
-            piece_start = np.maximum(starts[index], edges[slot])
-            piece_end = np.minimum(ends[index], edges[slot + 1])
+            piece_start = np.maximum(starts[index], slot * slot_bytes)
+            piece_end = np.minimum(ends[index], (slot + 1) * slot_bytes)
             shift = piece_start - starts[index]
             src, dst, lens = src[index] + shift, dst[index] + shift, piece_end - piece_start
             first_slot = slot
@@ -340,27 +332,6 @@ def _disjoint_blocks(starts: np.ndarray, lengths: np.ndarray) -> bool:
     taken = np.zeros(span, np.bool_)
     taken[slots] = True
     return int(np.count_nonzero(taken)) == starts.size
-
-
-def ramp(total: int, size: int, first: int) -> list[int]:
-    """Chunk sizes adding up to `total`: `first`, twice that and so on below `size`, then `size`, with the same
-    steps halving at the end (taken from both ends in turn, so a short total gets small chunks at both ends)."""
-    steps = []
-    step = min(first, size)
-    while step < size:
-        steps.append(step)
-        step *= 2
-    head: list[int] = []
-    tail: list[int] = []
-    left, turn = total, 0
-    while left > 0:
-        step = steps[turn] if turn < len(steps) else size
-        for side in (head, tail):
-            if left > 0:
-                side.append(min(step, left))
-                left -= side[-1]
-        turn += 1
-    return head + tail[::-1]
 
 
 def end_to_end(lengths: np.ndarray) -> np.ndarray:

@@ -90,10 +90,6 @@ SMALL_BYTES = 256 << 10
 """Transfers up to this size run on the caller's thread when the ring is free (one hand-off each way), and the
 owner answers them from the thread that read the frame, when no copy is queued before them."""
 _I64 = struct.Struct("<q")
-_RAMP = 8
-"""A transfer's first and last chunks are 1/8 of a slot, doubling up to it (`RangeList.packed`): the pipeline (one
-end's copy into the ring while the other's copies out) starts after a small copy, not a whole slot's, and ends
-with one."""
 _SHORT_RANGE = 1 << 20
 """Ranges shorter than this on average make a transfer of many short ranges (`ShmStaging._layout`)."""
 _POLL_S = 200e-6
@@ -437,7 +433,7 @@ class ShmStaging:
         assert stream is not None and ring is not None
         remote, region, deadline, completion = request.remote, request.local.region, request.deadline, request.completion
         size, slots = self._layout(request)
-        chunks = request.ranges.packed(size, size // _RAMP)
+        chunks = request.ranges.packed(size)
         queued: collections.deque[tuple[Callable[[float], None], peer_pb2.DataWrite, int, int]] = collections.deque()  # copying into slots
         inflight: collections.deque[int] = collections.deque()  # bytes of chunks handed off, reply pending
         started = 0
@@ -477,7 +473,7 @@ class ShmStaging:
         assert stream is not None and ring is not None
         remote, region, deadline, completion = request.remote, request.local.region, request.deadline, request.completion
         size, slots = self._layout(request)
-        chunks = request.ranges.swapped().packed(size, size // _RAMP)  # src: local destinations, dst: remote sources
+        chunks = request.ranges.swapped().packed(size)  # src: local destinations, dst: remote sources
 
         def ask(index: int) -> None:
             chunk = chunks[index]
