@@ -13,7 +13,7 @@ import pytest
 from control_fixtures import REPO, DaemonSet, Hmcd, clean_env, daemon_set, start_peered
 
 from hmc.config import PathPolicy
-from hmc.errors import BufferWithdrawnError
+from hmc.errors import BufferWithdrawnError, CancelledError
 from hmc.v1 import common_pb2, daemon_pb2
 
 try:
@@ -105,6 +105,35 @@ def test_migrate_between_agent_processes_verifies_every_byte(node_a: Hmcd) -> No
                 assert np.array_equal(destination[d : d + (64 << 10)], source[s : s + (64 << 10)])
                 untouched[d : d + (64 << 10)] = False
             assert (destination[untouched] == 0xA5).all()
+    finally:
+        reap(child)
+
+
+def test_a_cancelled_migration_lands_nothing_after_it_ended(node_a: Hmcd) -> None:
+    """hmcd's cancel reaches the executing agent, whose transport stops before the transfer is reported ended: once
+    the client sees CANCELLED, the destination no longer changes (a later transfer between the same agents, done
+    by then, would have let a late write through)."""
+    child, _ = spawn_agent(node_a, "kv-prefill", seed=12)
+    destination = np.full(SIZE, 0xA5, dtype=np.uint8)
+    spare = np.full(4096, 0xA5, dtype=np.uint8)
+    try:
+        with Agent(node_a.config(), daemon=True) as agent, node_a.client() as client:
+            agent.register(destination, name="kv-decode")
+            agent.register(spare, name="kv-spare")
+            offsets = np.arange(0, SIZE, 4096)  # many small ranges: the transfer outlives the cancel's round trip
+            outcomes = set()
+            for _ in range(3):
+                status = client.submit("kv-prefill", "kv-decode", offsets, offsets[::-1], 4096, timeout=20.0)
+                client.cancel(status.transfer_id)
+                try:
+                    client.wait(status.transfer_id, timeout=20.0)
+                    outcomes.add("done")
+                except CancelledError:
+                    outcomes.add("cancelled")
+                    ended = destination.copy()
+                    client.migrate("kv-prefill", "kv-spare", (0, 0, 4096), timeout=10.0)
+                    assert np.array_equal(destination, ended), "bytes of a cancelled transfer landed after it ended"
+            assert "cancelled" in outcomes
     finally:
         reap(child)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterator
 
 import numpy as np
@@ -15,6 +16,8 @@ from hmc.control import Client
 from hmc.errors import AccessDeniedError, ArgumentError, BrokenResourceError, CancelledError, NoPathError, OutOfRangeError, ProtocolError, TimeoutError, UnknownBufferError
 from hmc.transport._ranges import RangeList
 from hmc.v1 import common_pb2, daemon_pb2
+
+FINAL = (common_pb2.TRANSFER_STATE_DONE, common_pb2.TRANSFER_STATE_FAILED, common_pb2.TRANSFER_STATE_CANCELLED)
 
 
 @pytest.fixture(scope="module")
@@ -108,18 +111,39 @@ def test_executor_leaving_fails_its_transfers_with_peer_lost(client: Client, hmc
         dst_agent.close()
 
 
-def test_cancel(client: Client, pair: tuple[FakeAgent, FakeAgent]) -> None:
+def test_cancel_ends_the_transfer_when_its_executor_confirms(client: Client, pair: tuple[FakeAgent, FakeAgent]) -> None:
+    """Cancel tells the executor and answers once it reported the end: until then nothing says it ended (it could
+    still land bytes); a report after the end changes nothing."""
     src_agent, dst_agent = pair
     src_agent.register("c-src", size=4096)
     dst_agent.register("c-dst", size=4096)
     status = client.submit("c-src", "c-dst", 0, 0, 4096, timeout=10.0)
-    cancelled = client.cancel(status.transfer_id)
-    assert cancelled.state == common_pb2.TRANSFER_STATE_CANCELLED
-    wait_until(lambda: status.transfer_id in src_agent.cancels, what="cancel pushed to the executor")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        cancelling = pool.submit(client.cancel, status.transfer_id)
+        wait_until(lambda: status.transfer_id in src_agent.cancels, what="cancel pushed to the executor")
+        assert client.status(status.transfer_id).state not in FINAL and not cancelling.done()
+        stopped = daemon_pb2.TransferReport(transfer_id=status.transfer_id, state=common_pb2.TRANSFER_STATE_CANCELLED)
+        stopped.error.code, stopped.error.message = int(CancelledError.code), "stopped"
+        src_agent.link.report(stopped)
+        assert cancelling.result(timeout=10).state == common_pb2.TRANSFER_STATE_CANCELLED
     with pytest.raises(CancelledError):
         client.wait(status.transfer_id, timeout=1.0)
     src_agent.link.report(daemon_pb2.TransferReport(transfer_id=status.transfer_id, state=common_pb2.TRANSFER_STATE_DONE))  # late: ignored
     assert client.status(status.transfer_id).state == common_pb2.TRANSFER_STATE_CANCELLED
+
+
+def test_a_cancel_the_executor_does_not_confirm_leaves_the_transfer_running(hmcd: Hmcd, pair: tuple[FakeAgent, FakeAgent]) -> None:
+    """An executor that finishes the transfer instead: Cancel answers (within its deadline) with it still running,
+    and the transfer ends DONE, as it did."""
+    src_agent, dst_agent = pair
+    src_agent.register("u-src", size=4096)
+    dst_agent.register("u-dst", size=4096)
+    with hmcd.client(timeout=1.0) as client:
+        status = client.submit("u-src", "u-dst", 0, 0, 4096, timeout=10.0)
+        answered = client.cancel(status.transfer_id)
+        assert answered.state not in FINAL
+        src_agent.link.report(daemon_pb2.TransferReport(transfer_id=status.transfer_id, state=common_pb2.TRANSFER_STATE_DONE, bytes_done=4096))
+        assert client.wait(status.transfer_id, timeout=5.0).state == common_pb2.TRANSFER_STATE_DONE
 
 
 def test_deadlines(client: Client, pair: tuple[FakeAgent, FakeAgent]) -> None:

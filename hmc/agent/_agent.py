@@ -539,7 +539,9 @@ class Agent:
         return self._events.drain(timeout if timeout is None or timeout == 0 else check_timeout(timeout))
 
     def _default_link(self, config: Config, info: common_pb2.AgentInfo, on_instruction: Callable[[daemon_pb2.TransferInstruction], None]) -> DaemonLink:
-        return DaemonLink(config, info, on_instruction, self._on_hmcd_event, on_lost=self._on_hmcd_lost, on_attached=self._on_hmcd_attached)
+        return DaemonLink(
+            config, info, on_instruction, self._on_hmcd_event, on_cancel=self._instructions.on_cancel, on_lost=self._on_hmcd_lost, on_attached=self._on_hmcd_attached
+        )
 
     def _on_hmcd_event(self, event: daemon_pb2.Event) -> None:
         """hmcd's word about another agent (thread "hmc-daemon-events"): act as on the peer's own, then tell the user."""

@@ -2,22 +2,28 @@
 
 The agent runs each instruction like its own write or read (same validation, path
 choice and notification), waits for it, and reports the outcome to hmcd as a
-TransferReport carrying the typed error's code.
+TransferReport carrying the typed error's code. A cancel from hmcd stops the
+transfer (the transport's stop: nothing of it lands afterwards) and only then is
+it reported CANCELLED; hmcd calls it ended when that report arrives. A cancel for an
+instruction still queued here keeps it from starting.
 
-Concurrency: instructions arrive on the hmcd link's thread and are handed at once
-to a small executor ("hmc-instr-N"), so the link never blocks on a transfer.
-`_lock` guards the executor's creation.
+Concurrency: instructions and cancels arrive on the hmcd link's thread and are handed
+at once to a small executor ("hmc-instr-N"), or a thread of their own for a cancel
+("hmc-instr-cancel": a transport's stop may wait for copies in flight), so the link
+never blocks. `_lock` guards the executor's creation, the running handles and the
+cancels seen before their transfer started.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import threading
 from collections.abc import Callable
 
 from hmc.agent._buffers import BufferTable, ConnBuffer
 from hmc.agent._transfer import TransferHandle
-from hmc.errors import HMCError
+from hmc.errors import CancelledError, HMCError
 from hmc.transport._base import TransferOp
 from hmc.transport._ranges import RangeList
 from hmc.v1 import common_pb2, daemon_pb2
@@ -25,6 +31,8 @@ from hmc.v1 import common_pb2, daemon_pb2
 __all__ = ["Instructions"]
 
 Submit = Callable[[TransferOp, ConnBuffer, common_pb2.BufferDescriptor, RangeList, "bytes | None", "float | None", str], TransferHandle]
+_EARLY_CANCELS = 4096
+"""Cancels remembered for transfers that had not started here (oldest forgotten first)."""
 
 
 class Instructions:
@@ -37,6 +45,8 @@ class Instructions:
         self._workers = workers
         self._lock = threading.Lock()  # guards _executor
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._running: dict[str, TransferHandle] = {}
+        self._early: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def on_instruction(self, instruction: daemon_pb2.TransferInstruction) -> None:
         """The link's callback: queue the instruction and return at once."""
@@ -46,20 +56,50 @@ class Instructions:
             executor = self._executor
         executor.submit(self._run, instruction)
 
+    def on_cancel(self, transfer_id: str) -> None:
+        """The link's callback: stop the transfer (on a thread of its own) or keep it from starting."""
+        with self._lock:
+            handle = self._running.get(transfer_id)
+            if handle is None:
+                self._early[transfer_id] = None
+                while len(self._early) > _EARLY_CANCELS:
+                    self._early.popitem(last=False)
+                return
+        threading.Thread(target=handle.cancel, name="hmc-instr-cancel", daemon=True).start()
+
+    def _take_early(self, transfer_id: str) -> bool:
+        """Whether a cancel came for `transfer_id` before its handle was known here (forgetting it)."""
+        with self._lock:
+            if transfer_id not in self._early:
+                return False
+            del self._early[transfer_id]
+            return True
+
     def _run(self, instruction: daemon_pb2.TransferInstruction) -> None:
-        report = daemon_pb2.TransferReport(transfer_id=instruction.transfer_id)
+        transfer_id = instruction.transfer_id
+        report = daemon_pb2.TransferReport(transfer_id=transfer_id)
         try:
+            if self._take_early(transfer_id):
+                raise CancelledError(f"transfer {transfer_id} was cancelled before it started")
             local = self._buffers.get(instruction.local_buffer_id)
             ranges = RangeList.from_proto(instruction.ranges)
             op = TransferOp.READ if instruction.op == common_pb2.TRANSFER_OP_READ else TransferOp.WRITE
             notify = instruction.notification or None
-            handle = self._submit(op, local, instruction.remote, ranges, notify, instruction.timeout_s or None, instruction.transfer_id)
+            handle = self._submit(op, local, instruction.remote, ranges, notify, instruction.timeout_s or None, transfer_id)
             report.path = handle.path
-            handle.wait()
+            with self._lock:
+                self._running[transfer_id] = handle
+            try:
+                if self._take_early(transfer_id):  # came while it was being submitted
+                    handle.cancel()
+                handle.wait()
+            finally:
+                with self._lock:
+                    self._running.pop(transfer_id, None)
             report.bytes_done = handle.bytes_done
             report.state = common_pb2.TRANSFER_STATE_DONE
         except HMCError as exc:
-            report.state = common_pb2.TRANSFER_STATE_FAILED
+            report.state = common_pb2.TRANSFER_STATE_CANCELLED if isinstance(exc, CancelledError) else common_pb2.TRANSFER_STATE_FAILED
             report.error.code = int(exc.code)
             report.error.message = str(exc)
         self._report(report)

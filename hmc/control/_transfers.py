@@ -54,6 +54,8 @@ Resolver = Callable[[daemon_pb2.BufferRef, bool, float], Awaitable[tuple[common_
 """(ref, local_only, timeout) -> (descriptor, peer that has it or None when local); raises UnknownBufferError."""
 
 _FINAL = frozenset({common_pb2.TRANSFER_STATE_DONE, common_pb2.TRANSFER_STATE_FAILED, common_pb2.TRANSFER_STATE_CANCELLED})
+_CANCEL_MARGIN_S = 0.2
+"""A Cancel call answers this long before its deadline when the executor has not confirmed yet."""
 
 def _grace(timeout_s: float) -> float:
     """How long after its deadline hmcd waits for the executor's own (more precise) report."""
@@ -227,13 +229,25 @@ class TransferTable:
         return _copy(record.status)
 
     async def cancel(self, ref: daemon_pb2.TransferRef, call_timeout: float) -> daemon_pb2.TransferStatus:
-        """Cancel an unfinished transfer (best effort: bytes may already have landed)."""
+        """Cancel an unfinished transfer (best effort: bytes may already have landed).
+
+        The executor is told, and the transfer ends when it says so (CANCELLED, or DONE or FAILED when it got
+        there first): only then has nothing more of it to land. The reply waits for that within the call's
+        time; an executor that has not confirmed by then leaves the transfer running, for a later Wait to see
+        end (an agent that stopped answering is failed PEER_LOST when its stream ends, or at the deadline).
+        """
         record = self._get(ref.transfer_id)
         if record.peer is not None and not record.final:
             self._update_forwarded(record, await record.peer.cancel(ref, call_timeout))
         elif not record.final:
-            self._tell_executor_cancel(record)
-            self._finish(record, common_pb2.TRANSFER_STATE_CANCELLED, error_to_proto(CancelledError(f"transfer {ref.transfer_id} was cancelled")))
+            if record.executor is None:  # never handed to an agent: nothing of it can land
+                self._finish(record, common_pb2.TRANSFER_STATE_CANCELLED, error_to_proto(CancelledError(f"transfer {ref.transfer_id} was cancelled")))
+            else:
+                self._tell_executor_cancel(record)
+                try:
+                    await asyncio.wait_for(record.done.wait(), max(call_timeout - _CANCEL_MARGIN_S, 0.0))
+                except asyncio.TimeoutError:
+                    log.info("transfer %s: its executor has not confirmed the cancel yet; it stays %s", ref.transfer_id, common_pb2.TransferState.Name(record.status.state))
         return _copy(record.status)
 
     def _update_forwarded(self, record: _Transfer, reply: daemon_pb2.TransferStatus) -> None:
