@@ -1,0 +1,106 @@
+// Status codes, the per-thread last error, and gRPC statuses turned into hmc_status.
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "internal.hpp"
+
+namespace {
+
+thread_local std::string last_error;
+
+const char *const kNames[] = {
+    "HMC_OK",
+    "HMC_ERR_INTERNAL",
+    "HMC_ERR_INVALID_ARGUMENT",
+    "HMC_ERR_OUT_OF_RANGE",
+    "HMC_ERR_ACCESS_DENIED",
+    "HMC_ERR_UNKNOWN_BUFFER",
+    "HMC_ERR_BUFFER_WITHDRAWN",
+    "HMC_ERR_AUTHENTICATION",
+    "HMC_ERR_PROTOCOL",
+    "HMC_ERR_VERSION_MISMATCH",
+    "HMC_ERR_TIMEOUT",
+    "HMC_ERR_CANCELLED",
+    "HMC_ERR_PEER_LOST",
+    "HMC_ERR_CLOSED",
+    "HMC_ERR_BUSY",
+    "HMC_ERR_NO_PATH",
+    "HMC_ERR_UNSUPPORTED",
+    "HMC_ERR_DEVICE",
+    "HMC_ERR_UNAVAILABLE",
+    "HMC_ERR_STALE_DESCRIPTOR",
+};
+constexpr int kCount = sizeof(kNames) / sizeof(kNames[0]);
+
+// For statuses without hmcd's code (raised by gRPC itself): as hmc/control/_errors.py's _FALLBACK.
+hmc_status fallback(grpc::StatusCode code) {
+    switch (code) {
+        case grpc::StatusCode::INVALID_ARGUMENT: return HMC_ERR_INVALID_ARGUMENT;
+        case grpc::StatusCode::OUT_OF_RANGE: return HMC_ERR_OUT_OF_RANGE;
+        case grpc::StatusCode::PERMISSION_DENIED: return HMC_ERR_ACCESS_DENIED;
+        case grpc::StatusCode::NOT_FOUND: return HMC_ERR_UNKNOWN_BUFFER;
+        case grpc::StatusCode::UNAUTHENTICATED: return HMC_ERR_AUTHENTICATION;
+        case grpc::StatusCode::FAILED_PRECONDITION: return HMC_ERR_PROTOCOL;
+        case grpc::StatusCode::DEADLINE_EXCEEDED: return HMC_ERR_TIMEOUT;
+        case grpc::StatusCode::CANCELLED: return HMC_ERR_CANCELLED;
+        case grpc::StatusCode::ABORTED: return HMC_ERR_PEER_LOST;
+        case grpc::StatusCode::RESOURCE_EXHAUSTED: return HMC_ERR_BUSY;
+        case grpc::StatusCode::UNIMPLEMENTED: return HMC_ERR_UNSUPPORTED;
+        case grpc::StatusCode::UNAVAILABLE: return HMC_ERR_UNAVAILABLE;
+        default: return HMC_ERR_INTERNAL;
+    }
+}
+
+}  // namespace
+
+extern "C" const char *hmc_status_name(hmc_status status) {
+    int value = static_cast<int>(status);
+    return value >= 0 && value < kCount ? kNames[value] : "HMC_ERR_UNKNOWN";
+}
+
+extern "C" const char *hmc_last_error(void) { return last_error.c_str(); }
+
+extern "C" const char *hmc_version(void) { return HMC_VERSION; }
+
+namespace hmc_internal {
+
+hmc_status fail(hmc_status status, const std::string &message) {
+    if (status != HMC_OK) last_error = message;
+    return status;
+}
+
+hmc_status from_rpc(const grpc::Status &status, const grpc::ClientContext &context, const std::string &address) {
+    if (status.ok()) return HMC_OK;
+    const auto &trailing = context.GetServerTrailingMetadata();
+    auto found = trailing.find("hmc-error-code");
+    if (found != trailing.end()) {
+        std::string text(found->second.data(), found->second.size());
+        char *end = nullptr;
+        long code = std::strtol(text.c_str(), &end, 10);
+        if (end != text.c_str() && *end == '\0' && code > 0 && code < kCount) {
+            return fail(static_cast<hmc_status>(code), status.error_message());
+        }
+    }
+    hmc_status mapped = fallback(status.error_code());
+    if (mapped == HMC_ERR_UNAVAILABLE) return fail(mapped, "hmcd at " + address + " is unavailable: " + status.error_message());
+    if (mapped == HMC_ERR_TIMEOUT) return fail(mapped, "hmcd at " + address + " did not answer before the deadline: " + status.error_message());
+    return fail(mapped, status.error_message());
+}
+
+bool valid_timeout(double seconds, bool zero_ok) {
+    return std::isfinite(seconds) && seconds <= 1e6 && (seconds > 0 || (zero_ok && seconds == 0));
+}
+
+bool to_ref(const char *text, hmc::v1::BufferRef *ref) {
+    if (text == nullptr || *text == '\0') return false;
+    if (std::strncmp(text, "id:", 3) == 0) {
+        if (text[3] == '\0') return false;
+        ref->set_id(text + 3);
+    } else {
+        ref->set_name(text);
+    }
+    return true;
+}
+
+}  // namespace hmc_internal

@@ -1,0 +1,147 @@
+"""The C tests' node: a real hmcd (unix socket, and TCP with a token over TLS) and two real agents attached to it,
+whose ConnBuffers are files the C tests map too (so a test writes a source, poisons a destination and checks
+every byte itself, while the agents move them).
+
+    python cluster.py start DIR    # returns once everything serves; DIR/state.env says where and what
+    python cluster.py stop DIR
+    python cluster.py agent NAME DIR SPEC...   # (internal) one agent: SPEC is name:bytes[:ro]
+
+state.env (key=value lines): socket, tcp, token, ca, hmcd_pid, python, dir, and per buffer its file and size.
+Buffers: agent "a" holds capi-src (64 MiB) and capi-ro (1 MiB, read-only); agent "b" holds capi-dst (64 MiB)
+and capi-small (64 KiB). Everything stops on `stop` (SIGTERM to the supervisor), or when the supervisor dies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+MIB = 1 << 20
+AGENTS = {"a": ("capi-src:67108864", "capi-ro:1048576:ro"), "b": ("capi-dst:67108864", "capi-small:65536")}
+TOKEN = "capi-test-token"
+_START_S = 60.0
+
+
+def _openssl(directory: Path) -> tuple[str, str, str]:
+    """A CA and a certificate for 127.0.0.1 signed by it: (ca, cert, key)."""
+    ca, ca_key, key, csr, cert, ext = (directory / n for n in ("ca.pem", "ca.key", "server.key", "server.csr", "server.pem", "ext.cnf"))
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca), "-days", "2", "-subj", "/CN=hmc-capi-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", "/CN=127.0.0.1")
+    run("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial", "-out", str(cert), "-days", "2", "-extfile", str(ext))
+    key.chmod(0o600)
+    return str(ca), str(cert), str(key)
+
+
+def agent(name: str, directory: str, specs: list[str]) -> None:
+    """One agent attached to the node's hmcd, registering a file-backed buffer per spec; runs until killed."""
+    import hmc
+
+    config = hmc.Config(node="node", socket=os.path.join(directory, "node.sock"), timeout_s=10.0)
+    with hmc.Agent(config, daemon=True) as held:
+        for spec in specs:
+            buffer, size, *mode = spec.split(":")
+            path = Path(directory, buffer)
+            path.write_bytes(bytes([0xA5]) * int(size))
+            data = np.memmap(path, dtype=np.uint8, mode="r" if mode == ["ro"] else "r+", shape=(int(size),))
+            held.register(memoryview(data) if mode == ["ro"] else data, name=buffer)
+        Path(directory, f"agent-{name}.ready").write_text(str(os.getpid()))
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        signal.sigwait({signal.SIGTERM, signal.SIGINT})
+
+
+def _supervise(directory: Path) -> None:
+    """Start hmcd and the agents, write state.env, and stop them all on SIGTERM."""
+    from hmc.testing import HmcdProcess
+
+    ca, cert, key = _openssl(directory)
+    hmcd = HmcdProcess.start(directory, "node", token=TOKEN, args=("--tls-cert", cert, "--tls-key", key))
+    agents = []
+    try:
+        for name, specs in AGENTS.items():
+            agents.append(subprocess.Popen([sys.executable, __file__, "agent", name, str(directory), *specs], stdin=subprocess.DEVNULL))
+        deadline = time.monotonic() + _START_S
+        while not all(Path(directory, f"agent-{name}.ready").exists() for name in AGENTS):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in agents):
+                raise SystemExit("an agent did not start")
+            time.sleep(0.05)
+        lines = {
+            "socket": f"unix:{hmcd.socket}", "tcp": f"127.0.0.1:{hmcd.port}", "token": TOKEN, "ca": ca, "hmcd_pid": hmcd.process.pid,
+            "python": sys.executable, "cluster": __file__, "dir": str(directory),
+        }
+        for specs in AGENTS.values():
+            for spec in specs:
+                buffer, size, *_ = spec.split(":")
+                lines[f"{buffer}.file"] = str(Path(directory, buffer))
+                lines[f"{buffer}.size"] = size
+        Path(directory, "state.env.tmp").write_text("".join(f"{k}={v}\n" for k, v in lines.items()))
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})  # after the children: they keep the default
+        os.replace(Path(directory, "state.env.tmp"), Path(directory, "state.env"))
+        signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    finally:
+        for process in agents:
+            process.terminate()
+        for process in agents:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        hmcd.stop()
+        Path(directory, "stopped").write_text("")
+
+
+def start(directory: Path) -> None:
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    for stale in ("state.env", "stopped", "agent-a.ready", "agent-b.ready"):
+        Path(directory, stale).unlink(missing_ok=True)
+    log = open(directory / "cluster.log", "ab")
+    supervisor = subprocess.Popen([sys.executable, __file__, "supervise", str(directory)], stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    Path(directory, "supervisor.pid").write_text(str(supervisor.pid))
+    deadline = time.monotonic() + _START_S + 30
+    while not Path(directory, "state.env").exists():
+        if supervisor.poll() is not None or time.monotonic() > deadline:
+            supervisor.kill()
+            raise SystemExit(f"the test node did not start:\n{Path(directory, 'cluster.log').read_text(errors='replace')[-4000:]}")
+        time.sleep(0.05)
+
+
+def stop(directory: Path) -> None:
+    pid_file = Path(directory, "supervisor.pid")
+    if not pid_file.exists():
+        return
+    pid = int(pid_file.read_text())
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 30
+    while not Path(directory, "stopped").exists():
+        if time.monotonic() > deadline:
+            os.killpg(pid, signal.SIGKILL)
+            return
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    verb, where = sys.argv[1], Path(sys.argv[2]) if len(sys.argv) > 2 else Path()
+    if verb == "agent":
+        agent(sys.argv[2], sys.argv[3], sys.argv[4:])
+    elif verb == "supervise":
+        _supervise(where)
+    elif verb == "start":
+        start(where)
+    elif verb == "stop":
+        stop(where)
+    else:
+        raise SystemExit(__doc__)
