@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ from hmc.config import Config
 from hmc.control import Client
 from hmc.control._etcd import EtcdClient, EtcdSettings, prefix_end
 from hmc.errors import ArgumentError, BusyResourceError, UnavailableError, UnknownBufferError
-from hmc.testing import EtcdServer, HmcdProcess, etcd_available
+from hmc.testing import EtcdServer, HmcdProcess, etcd_available, make_certificates
 
 TTL_S = 2
 
@@ -263,7 +262,7 @@ def test_one_buffer_id_on_two_nodes_is_never_confused(etcd: EtcdServer, daemons:
 def test_tls_to_etcd(tmp_path: Path, daemons: DaemonSet) -> None:
     if not etcd_available()[0]:
         pytest.skip(etcd_available()[1])
-    ca, cert, key = _certificates(tmp_path)
+    ca, cert, key = make_certificates(tmp_path)
     with EtcdServer(tls=(str(cert), str(key), str(ca))) as secure:
         prefix = _prefix()
         node = daemons.start("tls-node", extra_args=("--etcd", secure.endpoint, "--etcd-lease-ttl", str(TTL_S), "--etcd-prefix", prefix, "--etcd-ca", str(ca), "--etcd-cert", str(cert), "--etcd-key", str(key)))
@@ -283,19 +282,6 @@ def test_tls_to_etcd(tmp_path: Path, daemons: DaemonSet) -> None:
                 client.lookup("over-tls")
 
 
-def _certificates(directory: Path) -> tuple[Path, Path, Path]:
-    """A CA and a server certificate for 127.0.0.1, made with openssl."""
-    ca_key, ca, key, csr, cert = (directory / name for name in ("ca.key", "ca.pem", "server.key", "server.csr", "server.pem"))
-    ext = directory / "ext.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
-
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca), "-days", "2", "-subj", "/CN=hmc-test-ca")
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", "/CN=127.0.0.1")
-    openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial", "-out", str(cert), "-days", "2", "-extfile", str(ext))
-    return ca, cert, key
 
 
 @pytest.mark.parametrize(

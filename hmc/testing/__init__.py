@@ -8,6 +8,7 @@ from hmc.agent._peer_process import PeerProcess, ranges_digest
 from hmc.testing._etcd import EtcdServer, etcd_available
 from hmc.testing._hmcd import HmcdProcess
 from hmc.testing._netns import NetnsCluster, NetnsNode, netns_available
+from hmc.testing._tls import make_certificates
 
 __all__ = [
     "AgentOwner",
@@ -21,6 +22,7 @@ __all__ = [
     "TransportPair",
     "check_transport",
     "etcd_available",
+    "make_certificates",
     "netns_available",
     "ranges_digest",
 ]

@@ -28,6 +28,13 @@ static int poisoned_outside(const mapped *dst, size_t at, size_t n) {
 
 static int all_poison(const mapped *m) { return poisoned_outside(m, 0, 0); }
 
+/* capi-src filled with random bytes from `seed`, capi-dst poisoned, both mapped. */
+static void fresh_pair(uint64_t seed, mapped *src, mapped *dst) {
+    *src = map_buffer("capi-src"), *dst = map_buffer("capi-dst");
+    random_bytes(src->bytes, src->size, seed);
+    memset(dst->bytes, POISON, dst->size);
+}
+
 static void test_status_table(void) {
     CHECK(strcmp(hmc_status_name(HMC_OK), "HMC_OK") == 0);
     CHECK(strcmp(hmc_status_name(HMC_ERR_TIMEOUT), "HMC_ERR_TIMEOUT") == 0);
@@ -205,9 +212,8 @@ static void test_buffers_and_paths(void) {
 /* Scattered ranges, random bytes, every byte of the destination compared. */
 static void test_transfer_every_byte(void) {
     hmc_client *client = connect_unix();
-    mapped src = map_buffer("capi-src"), dst = map_buffer("capi-dst");
-    random_bytes(src.bytes, src.size, 11);
-    memset(dst.bytes, POISON, dst.size);
+    mapped src, dst;
+    fresh_pair(11, &src, &dst);
     enum { N = 64 };
     uint64_t so[N], dof[N], len[N];
     for (int i = 0; i < N; ++i) {  /* odd sizes, unaligned offsets, the last byte of the destination */
@@ -283,9 +289,8 @@ static void test_bad_ranges_write_nothing(void) {
 /* A wait shorter than the transfer: TIMEOUT, the status says it still runs; the transfer then ends by itself. */
 static void test_deadline_and_cancel(void) {
     hmc_client *client = connect_unix();
-    mapped src = map_buffer("capi-src"), dst = map_buffer("capi-dst");
-    random_bytes(src.bytes, src.size, 12);
-    memset(dst.bytes, POISON, dst.size);
+    mapped src, dst;
+    fresh_pair(12, &src, &dst);
     enum { N = 4096 };
     static uint64_t so[N], dof[N], len[N];
     for (int i = 0; i < N; ++i) so[i] = (uint64_t)((i * 2477) % N) * 16384, dof[i] = (uint64_t)i * 16384, len[i] = 16384;
@@ -335,9 +340,8 @@ static void *migrate_slice(void *arg) {
 /* One client, eight threads migrating disjoint slices at once. */
 static void test_threads_share_a_client(void) {
     hmc_client *client = connect_unix();
-    mapped src = map_buffer("capi-src"), dst = map_buffer("capi-dst");
-    random_bytes(src.bytes, src.size, 13);
-    memset(dst.bytes, POISON, dst.size);
+    mapped src, dst;
+    fresh_pair(13, &src, &dst);
     pthread_t threads[8];
     worker workers[8];
     for (int i = 0; i < 8; ++i) {
@@ -350,6 +354,30 @@ static void test_threads_share_a_client(void) {
     }
     CHECK(memcmp(src.bytes, dst.bytes, dst.size) == 0);
     unmap_buffer(src), unmap_buffer(dst);
+    hmc_client_close(client);
+}
+
+static void *fail_once(void *arg) {
+    hmc_buffer *none = NULL;
+    *(hmc_status *)arg = hmc_lookup(NULL, "x", &none);
+    return strcmp(hmc_last_error(), "the client is NULL") == 0 ? arg : NULL;
+}
+
+/* Each thread has its own last error: another thread's failure does not replace this one's. */
+static void test_last_error_is_per_thread(void) {
+    hmc_client *client = connect_unix();
+    hmc_buffer *none = NULL;
+    EXPECT(HMC_ERR_UNKNOWN_BUFFER, hmc_lookup(client, "not-here", &none));
+    char mine[256];
+    snprintf(mine, sizeof mine, "%s", hmc_last_error());
+    CHECK(strstr(mine, "not-here") != NULL);
+    pthread_t thread;
+    hmc_status theirs = HMC_OK;
+    void *result = NULL;
+    CHECK(pthread_create(&thread, NULL, fail_once, &theirs) == 0);
+    pthread_join(thread, &result);
+    CHECK(theirs == HMC_ERR_INVALID_ARGUMENT && result != NULL);
+    CHECK(strcmp(hmc_last_error(), mine) == 0);
     hmc_client_close(client);
 }
 
@@ -439,6 +467,7 @@ static const struct {
     {"bad_ranges_write_nothing", test_bad_ranges_write_nothing},
     {"deadline_and_cancel", test_deadline_and_cancel},
     {"threads_share_a_client", test_threads_share_a_client},
+    {"last_error_is_per_thread", test_last_error_is_per_thread},
     {"events", test_events},
     {"hmcd_gone_mid_call", test_hmcd_gone_mid_call},
 };

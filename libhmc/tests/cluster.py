@@ -28,21 +28,6 @@ TOKEN = "capi-test-token"
 _START_S = 60.0
 
 
-def _openssl(directory: Path) -> tuple[str, str, str]:
-    """A CA and a certificate for 127.0.0.1 signed by it: (ca, cert, key)."""
-    ca, ca_key, key, csr, cert, ext = (directory / n for n in ("ca.pem", "ca.key", "server.key", "server.csr", "server.pem", "ext.cnf"))
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
-
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca), "-days", "2", "-subj", "/CN=hmc-capi-ca")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", "/CN=127.0.0.1")
-    run("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial", "-out", str(cert), "-days", "2", "-extfile", str(ext))
-    key.chmod(0o600)
-    return str(ca), str(cert), str(key)
-
-
 def agent(name: str, directory: str, specs: list[str]) -> None:
     """One agent attached to the node's hmcd, registering a file-backed buffer per spec; runs until killed."""
     import hmc
@@ -62,9 +47,9 @@ def agent(name: str, directory: str, specs: list[str]) -> None:
 
 def _supervise(directory: Path) -> None:
     """Start hmcd and the agents, write state.env, and stop them all on SIGTERM."""
-    from hmc.testing import HmcdProcess
+    from hmc.testing import HmcdProcess, make_certificates
 
-    ca, cert, key = _openssl(directory)
+    ca, cert, key = (str(path) for path in make_certificates(directory))
     hmcd = HmcdProcess.start(directory, "node", token=TOKEN, args=("--tls-cert", cert, "--tls-key", key))
     agents = []
     try:
