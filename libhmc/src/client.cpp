@@ -67,8 +67,8 @@ void hmc_client::prepare(grpc::ClientContext &context, double seconds) const {
 
 hmc_status hmc_client::check_socket() const {
     if (socket_path.empty()) return HMC_OK;
-    std::string directory = socket_path.substr(0, socket_path.find_last_of('/') + 1);
-    if (directory.empty()) directory = ".";
+    size_t slash = socket_path.find_last_of('/');  // the directory without a trailing slash: lstat must not follow a link
+    std::string directory = slash == std::string::npos ? "." : slash == 0 ? "/" : socket_path.substr(0, slash);
     bool exists = false;
     hmc_status status = trusted(directory, "hmcd's socket directory", 022, true, &exists);
     if (status != HMC_OK || !exists) return status;

@@ -87,6 +87,15 @@ static void test_connect_refuses_an_untrusted_socket(void) {
     hmc_client *client = NULL;
     EXPECT(HMC_ERR_AUTHENTICATION, hmc_connect(target, NULL, NULL, 2.0, &client));
     CHECK(strstr(hmc_last_error(), "open to others") != NULL);
+    /* the real socket, reached through a symlinked directory: refused too */
+    char link[600], through[700];
+    snprintf(link, sizeof link, "%s/linked-dir", state("dir"));
+    unlink(link);
+    CHECK(symlink(state("dir"), link) == 0);
+    snprintf(through, sizeof through, "unix:%s/node.sock", link);
+    EXPECT(HMC_ERR_AUTHENTICATION, hmc_connect(through, NULL, NULL, 2.0, &client));
+    CHECK(strstr(hmc_last_error(), "symlink") != NULL);
+    unlink(link);
     close(fd);
 }
 
