@@ -8,9 +8,8 @@ a batch of ranges must be posted below Python. The C helpers here are the only c
   released in flight still completes; a flush then says when all have);
 - `hmc_wait`, `hmc_flush_worker`, `hmc_flush_ep`, `hmc_ep_close`: progress the worker until the request
   completes or a deadline passes (never without one). UCX cancels no RMA, flush or send: after a timeout
-  the operations go on, and memory they touch must stay until the worker is destroyed;
-- `hmc_am_*`: an active-message handler per worker that copies each message's header into a bounded queue,
-  drained by Python (no call from C into Python anywhere).
+  the operations go on, and memory they touch must stay until the worker is destroyed. No call goes from C
+  into Python anywhere.
 
 The module is `hmc.transport._ucx_c`; `hmc.transport._ucx_lib` loads it (after the wheel's libraries).
 """
@@ -42,7 +41,6 @@ typedef struct { uint64_t field_mask; void *address; size_t length; unsigned fla
 #define UCP_PARAM_FIELD_FEATURES ...
 #define UCP_PARAM_FIELD_MT_WORKERS_SHARED ...
 #define UCP_FEATURE_RMA ...
-#define UCP_FEATURE_AM ...
 #define UCP_FEATURE_WAKEUP ...
 #define UCP_WORKER_PARAM_FIELD_THREAD_MODE ...
 #define UCS_THREAD_MODE_SINGLE ...
@@ -80,7 +78,6 @@ void ucp_config_release(ucp_config_t *);
 ucs_status_t ucp_worker_get_efd(ucp_worker_h, int *);
 ucs_status_t ucp_worker_arm(ucp_worker_h);
 
-typedef struct hmc_am_queue hmc_am_queue;
 int hmc_post_batch(ucp_ep_h ep, int is_get, size_t n, const uint64_t *local, const uint64_t *remote, const uint64_t *lengths,
                    ucp_rkey_h rkey, ucp_mem_h memh, size_t *posted);
 int hmc_flush_worker(ucp_worker_h worker, double timeout_s);
@@ -94,11 +91,6 @@ unsigned hmc_progress(ucp_worker_h worker, unsigned rounds);
 int hmc_spin(ucp_worker_h worker, void **requests, size_t n, int *wake_fd, double spin_s);
 uint64_t hmc_memory_types(ucp_context_h context);
 int hmc_ep_close(ucp_worker_h worker, ucp_ep_h ep, double timeout_s);
-int hmc_am_send(ucp_worker_h worker, ucp_ep_h ep, unsigned id, const void *header, size_t length, double timeout_s);
-hmc_am_queue *hmc_am_install(ucp_worker_h worker, unsigned id, size_t capacity, size_t message_bytes);
-int hmc_am_take(hmc_am_queue *queue, unsigned char *out, size_t capacity, size_t *length);
-size_t hmc_am_dropped(hmc_am_queue *queue);
-void hmc_am_free(hmc_am_queue *queue);
 """
 
 SOURCE = r"""
@@ -252,78 +244,6 @@ int hmc_ep_close(ucp_worker_h worker, ucp_ep_h ep, double timeout_s) {
     ucp_request_param_t param;
     memset(&param, 0, sizeof(param));
     return hmc_wait(worker, ucp_ep_close_nbx(ep, &param), timeout_s);
-}
-
-int hmc_am_send(ucp_worker_h worker, ucp_ep_h ep, unsigned id, const void *header, size_t length, double timeout_s) {
-    ucp_request_param_t param;
-    memset(&param, 0, sizeof(param));
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_COPY_HEADER;  /* the caller's bytes may go at once */
-    return hmc_wait(worker, ucp_am_send_nbx(ep, id, header, length, NULL, 0, &param), timeout_s);
-}
-
-/* Active messages: the handler copies each header into a bounded ring (dropping, and counting, when full). */
-typedef struct hmc_am_queue hmc_am_queue;
-struct hmc_am_queue {
-    size_t capacity, message_bytes, head, tail, dropped;
-    size_t *lengths;
-    unsigned char *messages;
-};
-
-static ucs_status_t hmc_am_received(void *arg, const void *header, size_t header_length, void *data, size_t length,
-                                    const ucp_am_recv_param_t *param) {
-    struct hmc_am_queue *queue = arg;
-    if (queue->tail - queue->head >= queue->capacity || header_length > queue->message_bytes) {
-        queue->dropped++;
-        return UCS_OK;
-    }
-    size_t slot = queue->tail % queue->capacity;
-    memcpy(queue->messages + slot * queue->message_bytes, header, header_length);
-    queue->lengths[slot] = header_length;
-    queue->tail++;
-    return UCS_OK;
-}
-
-hmc_am_queue *hmc_am_install(ucp_worker_h worker, unsigned id, size_t capacity, size_t message_bytes) {
-    struct hmc_am_queue *queue = calloc(1, sizeof(*queue));
-    if (queue == NULL)
-        return NULL;
-    queue->capacity = capacity;
-    queue->message_bytes = message_bytes;
-    queue->lengths = calloc(capacity, sizeof(size_t));
-    queue->messages = calloc(capacity, message_bytes);
-    ucp_am_handler_param_t param;
-    memset(&param, 0, sizeof(param));
-    param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    param.id = id;
-    param.cb = hmc_am_received;
-    param.arg = queue;
-    if (queue->lengths == NULL || queue->messages == NULL || ucp_worker_set_am_recv_handler(worker, &param) != UCS_OK) {
-        free(queue->lengths);
-        free(queue->messages);
-        free(queue);
-        return NULL;
-    }
-    return queue;
-}
-
-int hmc_am_take(hmc_am_queue *queue, unsigned char *out, size_t capacity, size_t *length) {
-    if (queue->head == queue->tail)
-        return 0;
-    size_t slot = queue->head % queue->capacity;
-    size_t n = queue->lengths[slot] < capacity ? queue->lengths[slot] : capacity;
-    memcpy(out, queue->messages + slot * queue->message_bytes, n);
-    *length = n;
-    queue->head++;
-    return 1;
-}
-
-size_t hmc_am_dropped(hmc_am_queue *queue) { return queue->dropped; }
-
-void hmc_am_free(hmc_am_queue *queue) {
-    free(queue->lengths);
-    free(queue->messages);
-    free(queue);
 }
 """
 

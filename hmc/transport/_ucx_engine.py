@@ -31,10 +31,8 @@ import numpy as np
 from hmc.errors import ArgumentError, BrokenResourceError, ClosedResourceError, HMCError, TimeoutError, UnavailableError, UnsupportedError
 from hmc.transport._ranges import check_timeout
 
-__all__ = ["Context", "Endpoint", "Inbox", "Mapping", "RemoteKey", "Request", "Worker", "check", "load", "version"]
+__all__ = ["Context", "Endpoint", "Mapping", "RemoteKey", "Request", "Worker", "check", "load", "version"]
 
-_AM_CAPACITY = 4096
-_AM_MESSAGE_BYTES = 256
 
 
 _TUNING = {"CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
@@ -149,7 +147,7 @@ class Context(_Parent):
         ffi, lib = self._ffi, self._lib = load(library)
         params = ffi.new("ucp_params_t *")
         params.field_mask = lib.UCP_PARAM_FIELD_FEATURES | lib.UCP_PARAM_FIELD_MT_WORKERS_SHARED
-        params.features = lib.UCP_FEATURE_RMA | lib.UCP_FEATURE_AM | (lib.UCP_FEATURE_WAKEUP if wakeup else 0)
+        params.features = lib.UCP_FEATURE_RMA | (lib.UCP_FEATURE_WAKEUP if wakeup else 0)
         params.mt_workers_shared = 1
         config = ffi.new("ucp_config_t **")
         check(lib.ucp_config_read(ffi.NULL, ffi.NULL, config), "ucp_config_read")
@@ -232,7 +230,6 @@ class Worker(_Parent):
         self.address = bytes(ffi.buffer(address[0], length[0]))
         """What a peer needs to reach this worker (`connect`)."""
         lib.ucp_worker_release_address(self._worker, address[0])
-        self._queues: list[Any] = []
 
     def progress(self, rounds: int = 1) -> int:
         """Up to `rounds` rounds of progress, ending at the first that finds nothing; the events handled (the
@@ -289,15 +286,6 @@ class Worker(_Parent):
         self._check_open()
         check(self._lib.hmc_flush_worker(self._worker, check_timeout(timeout_s, "timeout_s")), "flushing the UCX worker")
 
-    def listen(self, message_id: int) -> Inbox:
-        """Receive header-only active messages with `message_id` into a bounded queue."""
-        self._check_open()
-        queue = self._lib.hmc_am_install(self._worker, message_id, _AM_CAPACITY, _AM_MESSAGE_BYTES)
-        if queue == self._ffi.NULL:
-            raise HMCError(f"cannot install the UCX active-message handler {message_id}")
-        self._queues.append(queue)
-        return Inbox(self, queue)
-
     def close(self) -> None:
         """Release what was made from the worker (keys, endpoints), then destroy it (ending what UCX still runs),
         and its own context; idempotent."""
@@ -306,8 +294,6 @@ class Worker(_Parent):
         self._release_owned()
         self._closed = True
         self._lib.ucp_worker_destroy(self._worker)
-        for queue in self._queues:
-            self._lib.hmc_am_free(queue)
         if self._own_context:
             self.context.close()
 
@@ -428,14 +414,6 @@ class Endpoint(_Owned):
         self._check_open()
         return Request(self._worker, self._worker._lib.hmc_flush_ep_start(self._handle), "flushing the UCX endpoint")
 
-    def send(self, message_id: int, header: bytes, timeout_s: float) -> None:
-        """A header-only active message (after `flush`: it arrives after the data). UCX copies the header."""
-        self._check_open()
-        if len(header) > _AM_MESSAGE_BYTES:
-            raise ArgumentError(f"an active message header is at most {_AM_MESSAGE_BYTES} bytes, got {len(header)}")
-        timeout_s = check_timeout(timeout_s, "timeout_s")
-        check(self._worker._lib.hmc_am_send(self._worker._worker, self._handle, message_id, header, len(header), timeout_s), "sending an active message")
-
     def close(self, timeout_s: float = 1.0) -> None:
         """Flush and close within `timeout_s` (after which it goes on in the background); idempotent."""
         self._close_timeout_s = check_timeout(timeout_s, "timeout_s")
@@ -465,26 +443,3 @@ class Request:
         if self._handle is not None and not self._worker._closed:
             self._worker._lib.hmc_request_free(self._handle)
         self._handle = None
-
-
-class Inbox:
-    """Active messages received by a worker (drained by `take`, while the worker progresses)."""
-
-    def __init__(self, worker: Worker, queue: Any) -> None:
-        self._worker, self._queue = worker, queue
-        self._buffer = worker._ffi.new(f"unsigned char[{_AM_MESSAGE_BYTES}]")
-        self._length = worker._ffi.new("size_t *")
-
-    def take(self) -> list[bytes]:
-        self._worker._check_open()
-        lib, ffi = self._worker._lib, self._worker._ffi
-        taken = []
-        while lib.hmc_am_take(self._queue, self._buffer, _AM_MESSAGE_BYTES, self._length):
-            taken.append(bytes(ffi.buffer(self._buffer, self._length[0])))
-        return taken
-
-    @property
-    def dropped(self) -> int:
-        """Messages lost because the queue was full (the receiver fell behind)."""
-        self._worker._check_open()
-        return int(self._worker._lib.hmc_am_dropped(self._queue))
