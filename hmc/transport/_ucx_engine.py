@@ -1,5 +1,5 @@
 """UCP for the `ucx` path: one context and worker, memory mapped once, endpoints from worker addresses,
-batches of ranges posted as puts or gets below Python, completion by flush, header-only active messages.
+batches of ranges posted as puts or gets below Python, completion by flush.
 
 `load()` finds the binding (`hmc.transport._ucx_c`, built at install by `_ucx_build`) after the `libucx`
 wheel's libraries (the binding has no rpath: `libucx.load_library()` loads them by soname), or says why it
@@ -203,7 +203,7 @@ class Context(_Parent):
 
 
 class Worker(_Parent):
-    """A UCP worker (on its own context unless given one): RMA and active messages."""
+    """A UCP worker (on its own context unless given one): RMA."""
 
     def __init__(self, context: Context | None = None, *, serialized: bool = False, wakeup: bool = False, transports: str = "", library: str = "") -> None:
         """`context`: the context to make it on (shared with other workers); None: a context of its own, made
