@@ -26,7 +26,7 @@ int main(int argc, char **argv) {
             from.push_back(a * block), to.push_back(b * block), lengths.push_back(block);
         }
         hmc::Path path = hmcd.negotiate(src, dst);
-        hmc_transfer_status status = hmcd.migrate(src, dst, from, to, lengths, 60.0);
+        hmc::TransferStatus status = hmcd.migrate(src, dst, from, to, lengths, 60.0);
         std::cout << "moved " << lengths.size() << " blocks (" << status.bytes_done << " bytes) " << src << " -> " << dst << " over " << status.path
                   << " (" << path.reason << ")\n";
     } catch (const hmc::Error &error) {

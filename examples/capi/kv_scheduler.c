@@ -33,6 +33,7 @@ static const char *event_name(hmc_event_kind kind) {
         case HMC_EVENT_PEER_DOWN: return "peer down";
         case HMC_EVENT_AGENT_UP: return "agent up";
         case HMC_EVENT_AGENT_DOWN: return "agent down";
+        case HMC_EVENT_UNKNOWN: break;
     }
     return "event";
 }

@@ -219,6 +219,11 @@ class TransferServicer(daemon_pb2_grpc.TransferServiceServicer):
         return await self._daemon.transfers.cancel(request, call_timeout(self._daemon, context))
 
 
+SUBSCRIBED_KEY = "hmc-subscribed"
+"""Initial metadata of a Watch that is subscribed (a failed call sends none: clients without a poll on the call, as
+gRPC C++'s, tell the two apart by it)."""
+
+
 class EventServicer(daemon_pb2_grpc.EventServiceServicer):
     def __init__(self, daemon: Daemon) -> None:
         self._daemon = daemon
@@ -226,7 +231,7 @@ class EventServicer(daemon_pb2_grpc.EventServiceServicer):
     async def Watch(self, request: daemon_pb2.WatchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[daemon_pb2.Event]:
         subscription = self._daemon.events.subscribe(request.include_peers)
         try:
-            await context.send_initial_metadata(())  # the client's cue that it is subscribed
+            await context.send_initial_metadata(((SUBSCRIBED_KEY, "1"),))  # the client's cue that it is subscribed
             async for event in subscription:
                 yield event
         finally:

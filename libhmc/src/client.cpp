@@ -50,6 +50,33 @@ bool read_file(const char *path, std::string *out) {
     return true;
 }
 
+// The socket path with "//" and "/./" collapsed and no trailing "/": the directory is then checked by lstat on its
+// own name (a symlinked directory named with a trailing "/" would be followed). "" when it holds a "..".
+std::string normalized(const std::string &path) {
+    std::string out = path[0] == '/' ? "/" : "";
+    std::string part;
+    size_t at = 0;
+    while (at <= path.size()) {
+        size_t next = path.find('/', at);
+        if (next == std::string::npos) next = path.size();
+        part = path.substr(at, next - at);
+        if (part == "..") return "";
+        if (!part.empty() && part != ".") {
+            if (!out.empty() && out.back() != '/') out += '/';
+            out += part;
+        }
+        at = next + 1;
+    }
+    return out;
+}
+
+bool printable(const char *text) {
+    for (const char *c = text; *c; ++c) {
+        if (*c < 0x20 || *c > 0x7e) return false;
+    }
+    return true;
+}
+
 template <typename Out>
 hmc_status need(hmc_client *client, Out **out) {
     if (out == nullptr) return fail(HMC_ERR_INVALID_ARGUMENT, "the out pointer is NULL");
@@ -85,26 +112,30 @@ extern "C" hmc_status hmc_connect(const char *address, const char *token, const 
     client->timeout_s = timeout_s;
     std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
     if (std::strncmp(address, "unix:", 5) == 0) {
-        client->socket_path = address + 5;
-        if (client->socket_path.rfind("//", 0) == 0) client->socket_path = client->socket_path.substr(2);
-        if (client->socket_path.empty()) return fail(HMC_ERR_INVALID_ARGUMENT, "a unix: address names no socket");
+        std::string given = address + 5;
+        if (given.rfind("//", 0) == 0) given = given.substr(2);
+        if (given.empty()) return fail(HMC_ERR_INVALID_ARGUMENT, "a unix: address names no socket");
         if (token != nullptr && *token != '\0') return fail(HMC_ERR_INVALID_ARGUMENT, "a token goes with TCP addresses only (the unix socket checks who connects)");
         if (tls_ca != nullptr && *tls_ca != '\0') return fail(HMC_ERR_INVALID_ARGUMENT, "TLS goes with TCP addresses only");
+        client->socket_path = normalized(given);
+        if (client->socket_path.empty()) return fail(HMC_ERR_AUTHENTICATION, "refusing the socket path " + given + ": it holds \"..\"");
+        client->address = "unix:" + client->socket_path;
         hmc_status status = client->check_socket();
         if (status != HMC_OK) return status;
     } else {
         client->token = token == nullptr ? "" : token;
+        if (!printable(client->token.c_str())) return fail(HMC_ERR_INVALID_ARGUMENT, "a token is printable ASCII (no control characters, nothing past 0x7e)");
         if (tls_ca != nullptr && *tls_ca != '\0') {
             grpc::SslCredentialsOptions options;
-            if (!read_file(tls_ca, &options.pem_root_certs) || options.pem_root_certs.empty()) {
-                return fail(HMC_ERR_INVALID_ARGUMENT, std::string("cannot read the TLS CA file ") + tls_ca);
+            if (!read_file(tls_ca, &options.pem_root_certs) || options.pem_root_certs.find("-----BEGIN CERTIFICATE-----") == std::string::npos) {
+                return fail(HMC_ERR_INVALID_ARGUMENT, std::string("the TLS CA file ") + tls_ca + " is missing or holds no PEM certificate");
             }
             credentials = grpc::SslCredentials(options);
         }
     }
     grpc::ChannelArguments arguments;
     arguments.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
-    client->channel = grpc::CreateCustomChannel(address, credentials, arguments);
+    client->channel = grpc::CreateCustomChannel(client->address, credentials, arguments);
     client->nodes = hmc::v1::NodeService::NewStub(client->channel);
     client->registry = hmc::v1::RegistryService::NewStub(client->channel);
     client->paths = hmc::v1::PathService::NewStub(client->channel);
@@ -119,6 +150,7 @@ extern "C" hmc_status hmc_connect(const char *address, const char *token, const 
     if (status == HMC_ERR_TIMEOUT && client->channel->GetState(false) != GRPC_CHANNEL_READY) {  // never reached hmcd at all
         return fail(HMC_ERR_UNAVAILABLE, "no hmcd answered at " + client->address + " within " + std::to_string(timeout_s) + " s");
     }
+    if (status == HMC_OK) status = client->check_socket();  // what answered is still what was checked
     if (status != HMC_OK) return status;
     *out = client.release();
     return HMC_OK;
@@ -153,8 +185,8 @@ extern "C" hmc_status hmc_node_info_device(const hmc_node_info *info, size_t i, 
     }
     const hmc::v1::DeviceInfo &device = info->info.devices(static_cast<int>(i));
     out->name = device.name().c_str();
-    out->kind = static_cast<hmc_device_kind>(device.kind());
-    out->vendor = static_cast<hmc_vendor>(device.vendor());
+    out->kind = hmc_internal::known<hmc_device_kind>(device.kind(), HMC_DEVICE_HIP);
+    out->vendor = hmc_internal::known<hmc_vendor>(device.vendor(), HMC_VENDOR_AMD);
     out->index = device.index();
     out->total_memory = device.total_memory();
     out->model = device.model().c_str();

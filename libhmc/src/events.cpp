@@ -1,5 +1,6 @@
-// Event subscriptions: a reader thread per subscription fills a queue; an eventfd is readable while it holds
-// events (or the stream ended), for a scheduler's poll/epoll loop; hmc_events_next takes them in order.
+// Event subscriptions: a reader thread per subscription fills a queue (bounded); an eventfd is readable while it
+// holds events (or the stream ended), for a scheduler's poll/epoll loop; hmc_events_next takes them in order.
+// A subscription keeps its own channel, stub, address and token: it may outlive the client it came from.
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -8,6 +9,7 @@
 #include <deque>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 
 #include "internal.hpp"
@@ -16,8 +18,17 @@ using hmc_internal::fail;
 using hmc_internal::from_rpc;
 using hmc_internal::valid_timeout;
 
+namespace {
+
+constexpr size_t kMaxQueued = 65536;  // events waiting to be taken; past it the subscriber has fallen behind
+constexpr const char *kSubscribed = "hmc-subscribed";  // hmcd's initial metadata once the subscription exists
+
+}  // namespace
+
 struct hmc_events {
-    hmc_client *client = nullptr;
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<hmc::v1::EventService::Stub> stub;
+    std::string address;
     grpc::ClientContext context;
     std::thread reader;
     int fd = -1;
@@ -60,27 +71,38 @@ void hmc_events::finish(hmc_status status, const std::string &message) {
 }
 
 void hmc_events::run(hmc::v1::WatchRequest request) {
-    std::unique_ptr<grpc::ClientReader<hmc::v1::Event>> stream = client->events->Watch(&context, request);
-    stream->WaitForInitialMetadata();  // hmcd sends it once the subscription exists (or the call failed: Read says)
-    {
+    std::unique_ptr<grpc::ClientReader<hmc::v1::Event>> stream = stub->Watch(&context, request);
+    stream->WaitForInitialMetadata();  // returns on failure too: hmcd's marker tells the two apart
+    if (context.GetServerInitialMetadata().count(kSubscribed)) {
         std::lock_guard<std::mutex> hold(lock);
         subscribed = true;
         changed.notify_all();
     }
     hmc::v1::Event event;
-    while (stream->Read(&event)) {
+    bool behind = false;
+    while (!behind && stream->Read(&event)) {
         std::lock_guard<std::mutex> hold(lock);
+        if (queue.size() >= kMaxQueued) {
+            behind = true;
+            context.TryCancel();
+            break;
+        }
         queue.push_back(std::move(event));
+        subscribed = true;
         signal(fd);
         changed.notify_all();
     }
     grpc::Status status = stream->Finish();
+    if (behind) {
+        finish(HMC_ERR_BUSY, "the subscriber fell behind: " + std::to_string(kMaxQueued) + " events were waiting to be taken");
+        return;
+    }
     if (status.ok()) {
         finish(HMC_ERR_CLOSED, "hmcd ended the event stream");
     } else if (status.error_code() == grpc::StatusCode::CANCELLED) {
         finish(HMC_ERR_CLOSED, "the subscription was closed");
     } else {
-        hmc_status code = from_rpc(status, context, client->address);  // recorded as the reader thread's last error
+        hmc_status code = from_rpc(status, context, address);  // recorded as the reader thread's last error
         finish(code, hmc_last_error());
     }
 }
@@ -95,13 +117,20 @@ extern "C" hmc_status hmc_events_subscribe(hmc_client *client, int include_peers
     hmc_node_info_free(info);
     if (status != HMC_OK) return status;
     auto events = std::make_unique<hmc_events>();
-    events->client = client;
+    events->channel = client->channel;
+    events->stub = hmc::v1::EventService::NewStub(client->channel);
+    events->address = client->address;
     events->fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (events->fd < 0) return fail(HMC_ERR_INTERNAL, "cannot make an eventfd");
     if (!client->token.empty()) events->context.AddMetadata("authorization", "Bearer " + client->token);
     hmc::v1::WatchRequest request;
     request.set_include_peers(include_peers != 0);
-    events->reader = std::thread(&hmc_events::run, events.get(), request);
+    try {
+        events->reader = std::thread(&hmc_events::run, events.get(), request);
+    } catch (const std::system_error &error) {
+        close(events->fd);
+        return fail(HMC_ERR_INTERNAL, std::string("cannot start the subscription's reader thread: ") + error.what());
+    }
     std::unique_lock<std::mutex> hold(events->lock);
     bool settled = events->changed.wait_for(hold, std::chrono::duration<double>(client->timeout_s), [&] { return events->subscribed || events->ended; });
     if (events->subscribed) {
@@ -115,7 +144,7 @@ extern "C" hmc_status hmc_events_subscribe(hmc_client *client, int include_peers
     events->context.TryCancel();
     events->reader.join();
     close(events->fd);
-    if (!settled) return fail(HMC_ERR_TIMEOUT, "hmcd at " + client->address + " did not take the subscription before the deadline");
+    if (!settled) return fail(HMC_ERR_TIMEOUT, "hmcd at " + events->address + " did not take the subscription before the deadline");
     return fail(end, message);
 }
 
@@ -135,7 +164,7 @@ extern "C" hmc_status hmc_events_next(hmc_events *events, double timeout_s, hmc_
     if (events->queue.empty() && !events->ended) drain(events->fd);
     hold.unlock();
     const hmc::v1::Event &event = events->current;
-    out->kind = static_cast<hmc_event_kind>(event.kind());
+    out->kind = hmc_internal::known<hmc_event_kind>(event.kind(), HMC_EVENT_AGENT_DOWN);
     out->sequence = event.sequence();
     out->time = event.time();
     out->node = event.node().c_str();

@@ -27,6 +27,15 @@ bool valid_timeout(double seconds, bool zero_ok = false);
 // A buffer reference: "id:<id>" or a name (non-empty, NUL-terminated).
 bool to_ref(const char *text, hmc::v1::BufferRef *ref);
 
+// A wire error code as an hmc_status: the table's own values, anything else (a newer hmcd's) HMC_ERR_INTERNAL.
+hmc_status to_status(int code);
+
+// A wire enum value as a C enum whose values run 0..last: unknown ones (a newer hmcd's) become 0.
+template <typename Enum>
+Enum known(int value, int last) {
+    return static_cast<Enum>(value >= 0 && value <= last ? value : 0);
+}
+
 }  // namespace hmc_internal
 
 struct hmc_client {

@@ -1,9 +1,14 @@
 // Status codes, the per-thread last error, and gRPC statuses turned into hmc_status.
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <string>
 
 #include "internal.hpp"
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "libhmc sends range arrays as the wire's little-endian int64s straight from memory: a little-endian machine only"
+#endif
 
 namespace {
 
@@ -87,6 +92,8 @@ hmc_status from_rpc(const grpc::Status &status, const grpc::ClientContext &conte
     if (mapped == HMC_ERR_TIMEOUT) return fail(mapped, "hmcd at " + address + " did not answer before the deadline: " + status.error_message());
     return fail(mapped, status.error_message());
 }
+
+hmc_status to_status(int code) { return code >= 0 && code < kCount ? static_cast<hmc_status>(code) : HMC_ERR_INTERNAL; }
 
 bool valid_timeout(double seconds, bool zero_ok) {
     return std::isfinite(seconds) && seconds <= 1e6 && (seconds > 0 || (zero_ok && seconds == 0));

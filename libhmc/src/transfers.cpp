@@ -19,11 +19,15 @@ bool final_state(int state) {
     return state == hmc::v1::TRANSFER_STATE_DONE || state == hmc::v1::TRANSFER_STATE_FAILED || state == hmc::v1::TRANSFER_STATE_CANCELLED;
 }
 
+void clear(hmc_transfer_status *out) {
+    if (out != nullptr) *out = hmc_transfer_status{HMC_TRANSFER_UNKNOWN, HMC_OK, 0, 0, ""};
+}
+
 void report(const hmc_transfer &transfer, hmc_transfer_status *out) {
     if (out == nullptr) return;
     const hmc::v1::TransferStatus &last = transfer.last;
-    out->state = static_cast<hmc_transfer_state>(last.state());
-    out->error = static_cast<hmc_status>(last.error().code());
+    out->state = hmc_internal::known<hmc_transfer_state>(last.state(), HMC_TRANSFER_CANCELLED);
+    out->error = hmc_internal::to_status(last.error().code());
     out->bytes_total = last.bytes_total();
     out->bytes_done = last.bytes_done();
     out->path = last.path().c_str();
@@ -33,20 +37,20 @@ void report(const hmc_transfer &transfer, hmc_transfer_status *out) {
 hmc_status outcome(const hmc_transfer &transfer) {
     const hmc::v1::TransferStatus &last = transfer.last;
     if (last.state() == hmc::v1::TRANSFER_STATE_DONE) return HMC_OK;
-    hmc_status error = static_cast<hmc_status>(last.error().code());
+    hmc_status error = hmc_internal::to_status(last.error().code());
     if (error == HMC_OK) error = last.state() == hmc::v1::TRANSFER_STATE_CANCELLED ? HMC_ERR_CANCELLED : HMC_ERR_INTERNAL;
     std::string message = last.error().message();
     if (message.empty()) message = "transfer " + transfer.id + " ended " + hmc::v1::TransferState_Name(last.state());
     return fail(error, message);
 }
 
-// One Wait call: hmcd holds it up to `seconds` (0: answers at once).
-hmc_status ask(hmc_client *client, hmc_transfer *transfer, double seconds) {
+// One Wait call: hmcd holds it up to `seconds` (0: answers at once), the call itself bounded by `call_s`.
+hmc_status ask(hmc_client *client, hmc_transfer *transfer, double seconds, double call_s) {
     hmc::v1::TransferRef ref;
     ref.set_transfer_id(transfer->id);
     ref.set_timeout_s(seconds);
     grpc::ClientContext context;
-    client->prepare(context, seconds + kWaitSlackS);
+    client->prepare(context, call_s);
     hmc::v1::TransferStatus status;
     hmc_status result = from_rpc(client->transfers->Wait(&context, ref, &status), context, client->address);
     if (result == HMC_OK) transfer->last.Swap(&status);
@@ -105,19 +109,21 @@ extern "C" hmc_status hmc_poll(hmc_client *client, hmc_transfer *transfer, hmc_t
     hmc_status status = check(client, transfer);
     if (status != HMC_OK) return status;
     if (out == nullptr) return fail(HMC_ERR_INVALID_ARGUMENT, "the out pointer is NULL");
-    status = ask(client, transfer, 0.0);
-    if (status == HMC_OK) report(*transfer, out);
+    status = ask(client, transfer, 0.0, client->timeout_s);
+    report(*transfer, out);
     return status;
 }
 
 extern "C" hmc_status hmc_wait(hmc_client *client, hmc_transfer *transfer, double timeout_s, hmc_transfer_status *out) {
+    clear(out);
     hmc_status status = check(client, transfer);
     if (status != HMC_OK) return status;
+    report(*transfer, out);
     if (!valid_timeout(timeout_s)) return fail(HMC_ERR_INVALID_ARGUMENT, "the timeout must be finite seconds in (0, 1e6]");
     auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
     while (!final_state(transfer->last.state())) {
         double left = std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count();
-        status = ask(client, transfer, left > 0 ? left : 0.0);
+        status = ask(client, transfer, left > 0 ? left : 0.0, (left > 0 ? left : 0.0) + kWaitSlackS);
         if (status != HMC_OK) return status;
         if (!final_state(transfer->last.state()) && std::chrono::steady_clock::now() >= deadline) {
             report(*transfer, out);
@@ -146,10 +152,16 @@ extern "C" void hmc_transfer_free(hmc_transfer *transfer) { delete transfer; }
 
 extern "C" hmc_status hmc_migrate(hmc_client *client, const char *src, const char *dst, const uint64_t *src_offsets, const uint64_t *dst_offsets,
                                   const uint64_t *lengths, size_t count, double timeout_s, hmc_transfer_status *out) {
+    clear(out);
     hmc_transfer *transfer = nullptr;
     hmc_status status = hmc_submit(client, src, dst, src_offsets, dst_offsets, lengths, count, timeout_s, &transfer);
     if (status != HMC_OK) return status;
     status = hmc_wait(client, transfer, std::min(timeout_s + kWaitSlackS, 1e6), nullptr);
+    if (!final_state(transfer->last.state())) {  // not ended: stop it before saying so (its id is not the caller's)
+        std::string why = hmc_last_error();
+        hmc_cancel(client, transfer);
+        fail(status, why);
+    }
     migrated.id.swap(transfer->id);
     migrated.last.Swap(&transfer->last);
     hmc_transfer_free(transfer);

@@ -43,8 +43,12 @@ static void test_status_table(void) {
     CHECK(strcmp(hmc_status_name((hmc_status)-1), "HMC_ERR_UNKNOWN") == 0);
     CHECK(strcmp(hmc_last_error(), "") == 0);
     CHECK(strlen(hmc_version()) > 0);
-    /* every status line of the table: hmc_status -> name round trip */
-    for (int code = 0; code < 20; ++code) CHECK(strncmp(hmc_status_name((hmc_status)code), "HMC_", 4) == 0);
+    static const char *const names[] = {"HMC_OK", "HMC_ERR_INTERNAL", "HMC_ERR_INVALID_ARGUMENT", "HMC_ERR_OUT_OF_RANGE", "HMC_ERR_ACCESS_DENIED",
+                                        "HMC_ERR_UNKNOWN_BUFFER", "HMC_ERR_BUFFER_WITHDRAWN", "HMC_ERR_AUTHENTICATION", "HMC_ERR_PROTOCOL",
+                                        "HMC_ERR_VERSION_MISMATCH", "HMC_ERR_TIMEOUT", "HMC_ERR_CANCELLED", "HMC_ERR_PEER_LOST", "HMC_ERR_CLOSED",
+                                        "HMC_ERR_BUSY", "HMC_ERR_NO_PATH", "HMC_ERR_UNSUPPORTED", "HMC_ERR_DEVICE", "HMC_ERR_UNAVAILABLE",
+                                        "HMC_ERR_STALE_DESCRIPTOR"};
+    for (int code = 0; code < 20; ++code) CHECK(strcmp(hmc_status_name((hmc_status)code), names[code]) == 0);
 }
 
 static void test_connect_bad_input(void) {
@@ -87,15 +91,26 @@ static void test_connect_refuses_an_untrusted_socket(void) {
     hmc_client *client = NULL;
     EXPECT(HMC_ERR_AUTHENTICATION, hmc_connect(target, NULL, NULL, 2.0, &client));
     CHECK(strstr(hmc_last_error(), "open to others") != NULL);
-    /* the real socket, reached through a symlinked directory: refused too */
+    /* the real socket, reached through a symlinked directory, however the path is spelled: refused too */
     char link[600], through[700];
     snprintf(link, sizeof link, "%s/linked-dir", state("dir"));
     unlink(link);
     CHECK(symlink(state("dir"), link) == 0);
-    snprintf(through, sizeof through, "unix:%s/node.sock", link);
+    const char *spellings[] = {"%s/node.sock", "%s//node.sock", "%s/./node.sock", "%s/.//./node.sock"};
+    for (size_t i = 0; i < sizeof spellings / sizeof spellings[0]; ++i) {
+        char path_through[650];
+        snprintf(path_through, sizeof path_through, spellings[i], link);
+        snprintf(through, sizeof through, "unix:%s", path_through);
+        EXPECT(HMC_ERR_AUTHENTICATION, hmc_connect(through, NULL, NULL, 2.0, &client));
+        CHECK(strstr(hmc_last_error(), "symlink") != NULL);
+    }
+    snprintf(through, sizeof through, "unix:%s/../%s/node.sock", link, strrchr(state("dir"), '/') + 1);
     EXPECT(HMC_ERR_AUTHENTICATION, hmc_connect(through, NULL, NULL, 2.0, &client));
-    CHECK(strstr(hmc_last_error(), "symlink") != NULL);
     unlink(link);
+    /* the real socket, spelled with "//" and "/./" but no link: accepted */
+    snprintf(through, sizeof through, "unix:%s//./node.sock", state("dir"));
+    EXPECT(HMC_OK, hmc_connect(through, NULL, NULL, 10.0, &client));
+    hmc_client_close(client);
     close(fd);
 }
 
@@ -111,6 +126,15 @@ static void test_tcp_token_and_tls(void) {
     EXPECT(HMC_ERR_AUTHENTICATION, hmc_connect(state("tcp"), "wrong-token", state("ca"), 10.0, &client));
     CHECK(client == NULL);
     EXPECT(HMC_ERR_AUTHENTICATION, hmc_connect(state("tcp"), NULL, state("ca"), 10.0, &client));
+    /* a token with a control character (a newline read along with it) or past ASCII: refused here, at once */
+    EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_connect(state("tcp"), "capi-test-token\n", state("ca"), 10.0, &client));
+    EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_connect(state("tcp"), "tok\xc3\xa9n", state("ca"), 10.0, &client));
+    /* a CA file that holds no certificate: refused at once, not after the timeout */
+    char bogus[600];
+    snprintf(bogus, sizeof bogus, "%s/ext.cnf", state("dir"));
+    double started = now_s();
+    EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_connect(state("tcp"), state("token"), bogus, 10.0, &client));
+    CHECK(now_s() - started < 2.0);
     char missing[600];
     snprintf(missing, sizeof missing, "%s/no-such-ca.pem", state("dir"));
     EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_connect(state("tcp"), state("token"), missing, 10.0, &client));
@@ -161,6 +185,9 @@ static void test_null_handles(void) {
     hmc_transfer *transfer = NULL;
     EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_submit(NULL, "capi-src", "capi-dst", &zero, &zero, &one, 1, 10.0, &transfer));
     hmc_transfer_status status;
+    memset(&status, 0x5a, sizeof status);
+    EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_wait(NULL, NULL, 1.0, &status));
+    CHECK(status.state == HMC_TRANSFER_UNKNOWN && status.error == HMC_OK && status.bytes_done == 0 && strcmp(status.path, "") == 0);
     EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_poll(NULL, NULL, &status));
     EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_wait(NULL, NULL, 1.0, &status));
     EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_cancel(NULL, NULL));
@@ -269,6 +296,7 @@ static void test_bad_ranges_write_nothing(void) {
     /* an offset near 2^63, a length of 2^63, NULL arrays, no ranges: refused here, before anything is sent */
     uint64_t huge = UINT64_C(1) << 63, big = (UINT64_C(1) << 63) - 1;
     EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_submit(client, "capi-src", "capi-dst", so, &huge, len, 1, 10.0, &transfer));
+    EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_submit(client, "capi-src", "capi-dst", &huge, dof, len, 1, 10.0, &transfer));
     EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_submit(client, "capi-src", "capi-dst", so, dof, &huge, 1, 10.0, &transfer));
     got = hmc_submit(client, "capi-src", "capi-dst", so, &big, len, 1, 10.0, &transfer);
     if (got == HMC_OK) got = hmc_wait(client, transfer, 10.0, &status);
@@ -309,7 +337,10 @@ static void test_deadline_and_cancel(void) {
     hmc_status got = hmc_wait(client, transfer, 1e-6, &status);
     CHECK(got == HMC_ERR_TIMEOUT || got == HMC_OK);
     if (got == HMC_ERR_TIMEOUT) CHECK(status.state == HMC_TRANSFER_PENDING || status.state == HMC_TRANSFER_RUNNING);
+    memset(&status, 0x5a, sizeof status);
     EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_wait(client, transfer, 0.0, &status));
+    /* refused before asking hmcd: the last known status (not what was in memory) */
+    CHECK((status.state == HMC_TRANSFER_PENDING || status.state == HMC_TRANSFER_RUNNING) && status.error == HMC_OK && strlen(status.path) < 64);
     EXPECT(HMC_OK, hmc_wait(client, transfer, 30.0, &status));
     for (int i = 0; i < N; ++i) CHECK(memcmp(dst.bytes + dof[i], src.bytes + so[i], len[i]) == 0);
     hmc_transfer_free(transfer);
@@ -428,7 +459,11 @@ static void test_events(void) {
         gone |= event.kind == HMC_EVENT_BUFFER_WITHDRAWN && strcmp(event.buffer_name, "capi-extra") == 0;
     }
     hmc_events_close(events);
+    /* a subscription outlives the client it came from */
+    EXPECT(HMC_OK, hmc_events_subscribe(client, 0, &events));
     hmc_client_close(client);
+    EXPECT(HMC_ERR_TIMEOUT, hmc_events_next(events, 0.05, &event));
+    hmc_events_close(events);
 }
 
 /* hmcd killed while a wait and a subscription are outstanding: both end typed, within their deadlines. Last. */

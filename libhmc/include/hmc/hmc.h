@@ -84,9 +84,10 @@ HMC_API const char *hmc_version(void);
 typedef struct hmc_client hmc_client;
 
 /* Connect to hmcd at `address`: "unix:/path/hmcd.sock" (the socket and its directory must belong
- * to this user or root and be closed to others: HMC_ERR_AUTHENTICATION otherwise) or "host:port"
- * (TCP; `token`, when not NULL, goes with every call; `tls_ca`, when not NULL, is a PEM file: TLS,
- * trusting that CA only). `timeout_s` bounds every later call that takes no timeout of its own.
+ * to this user or root and be closed to others, and the path hold no symlinked directory and no
+ * "..": HMC_ERR_AUTHENTICATION otherwise; a token or a CA with it is HMC_ERR_INVALID_ARGUMENT) or
+ * "host:port" (TCP; `token`, when not NULL, printable ASCII, goes with every call; `tls_ca`, when not
+ * NULL, is a PEM file of CA certificates: TLS, trusting that CA only). `timeout_s` bounds every later call that takes no timeout of its own.
  * Returns once hmcd answered (HMC_ERR_UNAVAILABLE naming the address when nothing serves there
  * within the timeout). */
 HMC_API hmc_status hmc_connect(const char *address, const char *token, const char *tls_ca, double timeout_s, hmc_client **out);
@@ -94,8 +95,9 @@ HMC_API void hmc_client_close(hmc_client *client);
 
 /* -- the node ---------------------------------------------------------------------------- */
 
-typedef enum hmc_device_kind { HMC_DEVICE_HOST = 1, HMC_DEVICE_CUDA = 2, HMC_DEVICE_HIP = 3 } hmc_device_kind;
-typedef enum hmc_vendor { HMC_VENDOR_HOST = 1, HMC_VENDOR_NVIDIA = 2, HMC_VENDOR_AMD = 3 } hmc_vendor;
+/* 0 in any of the enums below: a value this library does not know (from a newer hmcd). */
+typedef enum hmc_device_kind { HMC_DEVICE_UNKNOWN = 0, HMC_DEVICE_HOST = 1, HMC_DEVICE_CUDA = 2, HMC_DEVICE_HIP = 3 } hmc_device_kind;
+typedef enum hmc_vendor { HMC_VENDOR_UNKNOWN = 0, HMC_VENDOR_HOST = 1, HMC_VENDOR_NVIDIA = 2, HMC_VENDOR_AMD = 3 } hmc_vendor;
 
 typedef struct hmc_device {
     const char *name;      /* "cuda:0", "hip:1", "host" */
@@ -155,6 +157,7 @@ HMC_API hmc_status hmc_negotiate(hmc_client *client, const char *src, const char
 HMC_API const char *hmc_path_name(const hmc_path *path);
 HMC_API const char *hmc_path_reason(const hmc_path *path);
 HMC_API size_t hmc_path_rejected_count(const hmc_path *path);
+/* Rejected path `i`'s name and reason; NULL past the end. */
 HMC_API const char *hmc_path_rejected_name(const hmc_path *path, size_t i);
 HMC_API const char *hmc_path_rejected_reason(const hmc_path *path, size_t i);
 HMC_API void hmc_path_free(hmc_path *path);
@@ -162,6 +165,7 @@ HMC_API void hmc_path_free(hmc_path *path);
 /* -- third-party transfers ---------------------------------------------------------------- */
 
 typedef enum hmc_transfer_state {
+    HMC_TRANSFER_UNKNOWN = 0,
     HMC_TRANSFER_PENDING = 1,
     HMC_TRANSFER_RUNNING = 2,
     HMC_TRANSFER_DONE = 3,
@@ -175,7 +179,7 @@ typedef struct hmc_transfer_status {
     uint64_t bytes_total;
     uint64_t bytes_done;
     const char *path;      /* the path it took ("" until known); valid until the next call on its transfer */
-} hmc_transfer_status;
+} hmc_transfer_status;     /* a call that fills one sets every field, to zeros and "" when it knows nothing */
 
 typedef struct hmc_transfer hmc_transfer;
 
@@ -190,21 +194,24 @@ HMC_API const char *hmc_transfer_id(const hmc_transfer *transfer);
 HMC_API hmc_status hmc_poll(hmc_client *client, hmc_transfer *transfer, hmc_transfer_status *out);
 /* Wait up to `timeout_s` for the transfer to end: HMC_OK once DONE; its error once FAILED;
  * HMC_ERR_CANCELLED once cancelled; HMC_ERR_TIMEOUT if it is still running then. `out` (may be
- * NULL) gets its last status either way. */
+ * NULL) gets its last known status either way. */
 HMC_API hmc_status hmc_wait(hmc_client *client, hmc_transfer *transfer, double timeout_s, hmc_transfer_status *out);
 /* Cancel the transfer (best effort: ranges already moved stay moved; nothing lands after it ends). */
 HMC_API hmc_status hmc_cancel(hmc_client *client, hmc_transfer *transfer);
 HMC_API void hmc_transfer_free(hmc_transfer *transfer);
 
 /* hmc_submit then hmc_wait (KV-cache blocks from one agent's buffer to another's): HMC_OK once
- * every byte landed. `out` (may be NULL) gets the final status; its `path` is valid until the next
- * hmc_migrate on this thread. */
+ * every byte landed. A migration that does not end by its timeout (or whose wait fails) is
+ * cancelled before the call returns its error (best effort, within the client's timeout): a
+ * scheduler that reuses the blocks is not written into later. `out` (may be NULL) gets the last
+ * known status; its `path` is valid until the next hmc_migrate on this thread. */
 HMC_API hmc_status hmc_migrate(hmc_client *client, const char *src, const char *dst, const uint64_t *src_offsets, const uint64_t *dst_offsets,
                                const uint64_t *lengths, size_t count, double timeout_s, hmc_transfer_status *out);
 
 /* -- events ------------------------------------------------------------------------------ */
 
 typedef enum hmc_event_kind {
+    HMC_EVENT_UNKNOWN = 0,
     HMC_EVENT_BUFFER_ADDED = 1,
     HMC_EVENT_BUFFER_WITHDRAWN = 2,
     HMC_EVENT_PEER_UP = 3,
@@ -226,7 +233,10 @@ typedef struct hmc_event {
 
 typedef struct hmc_events hmc_events;
 
-/* Subscribe to hmcd's events (also its peers' with `include_peers`); returns once subscribed. */
+/* Subscribe to hmcd's events (also its peers' with `include_peers`); returns once subscribed (hmcd's
+ * refusal as its error). The subscription keeps its own connection: it may outlive its client. Up to
+ * 65536 events wait to be taken; a subscriber that falls further behind has its subscription ended
+ * with HMC_ERR_BUSY. */
 HMC_API hmc_status hmc_events_subscribe(hmc_client *client, int include_peers, hmc_events **out);
 /* A file descriptor that is readable while events wait to be taken (or the subscription ended):
  * for poll/epoll in a scheduler's event loop. Owned by the subscription. */

@@ -55,6 +55,15 @@ struct Buffer {
     uint64_t size = 0;
 };
 
+// A transfer's status with its path copied (hmc_transfer_status's points into the transfer).
+struct TransferStatus {
+    hmc_transfer_state state = HMC_TRANSFER_UNKNOWN;
+    hmc_status error = HMC_OK;
+    uint64_t bytes_total = 0, bytes_done = 0;
+    std::string path;
+    static TransferStatus of(const hmc_transfer_status &s) { return TransferStatus{s.state, s.error, s.bytes_total, s.bytes_done, s.path ? s.path : ""}; }
+};
+
 struct Event {
     hmc_event_kind kind;
     uint64_t sequence;
@@ -67,16 +76,16 @@ class Client;
 class Transfer {
 public:
     const char *id() const { return hmc_transfer_id(handle_.get()); }
-    hmc_transfer_status poll() {
+    TransferStatus poll() {
         hmc_transfer_status status{};
         detail::check(hmc_poll(client_, handle_.get(), &status));
-        return status;
+        return TransferStatus::of(status);
     }
     // Throws the transfer's error (or HMC_ERR_TIMEOUT) unless it ended DONE.
-    hmc_transfer_status wait(double timeout_s) {
+    TransferStatus wait(double timeout_s) {
         hmc_transfer_status status{};
         detail::check(hmc_wait(client_, handle_.get(), timeout_s, &status));
-        return status;
+        return TransferStatus::of(status);
     }
     void cancel() { detail::check(hmc_cancel(client_, handle_.get())); }
 
@@ -144,8 +153,11 @@ public:
         return out;
     }
 
+    // A transfer uses its client: it must not outlive it (submit on a temporary Client does not compile).
     Transfer submit(const std::string &src, const std::string &dst, const std::vector<uint64_t> &src_offsets, const std::vector<uint64_t> &dst_offsets,
-                    const std::vector<uint64_t> &lengths, double timeout_s) {
+                    const std::vector<uint64_t> &lengths, double timeout_s) && = delete;
+    Transfer submit(const std::string &src, const std::string &dst, const std::vector<uint64_t> &src_offsets, const std::vector<uint64_t> &dst_offsets,
+                    const std::vector<uint64_t> &lengths, double timeout_s) & {
         same_sizes(src_offsets, dst_offsets, lengths);
         hmc_transfer *transfer = nullptr;
         detail::check(hmc_submit(handle_.get(), src.c_str(), dst.c_str(), src_offsets.data(), dst_offsets.data(), lengths.data(), lengths.size(), timeout_s,
@@ -153,13 +165,13 @@ public:
         return Transfer(handle_.get(), transfer);
     }
 
-    hmc_transfer_status migrate(const std::string &src, const std::string &dst, const std::vector<uint64_t> &src_offsets,
-                                const std::vector<uint64_t> &dst_offsets, const std::vector<uint64_t> &lengths, double timeout_s) {
+    TransferStatus migrate(const std::string &src, const std::string &dst, const std::vector<uint64_t> &src_offsets,
+                           const std::vector<uint64_t> &dst_offsets, const std::vector<uint64_t> &lengths, double timeout_s) {
         same_sizes(src_offsets, dst_offsets, lengths);
         hmc_transfer_status status{};
         detail::check(hmc_migrate(handle_.get(), src.c_str(), dst.c_str(), src_offsets.data(), dst_offsets.data(), lengths.data(), lengths.size(), timeout_s,
                                   &status));
-        return status;
+        return TransferStatus::of(status);
     }
 
     Events subscribe(bool include_peers = false) {
