@@ -148,7 +148,7 @@ static void test_node_devices_and_metrics(void) {
     EXPECT(HMC_OK, hmc_node_info_get(client, &info));
     CHECK(strcmp(hmc_node_info_node(info), "node") == 0);
     CHECK(strlen(hmc_node_info_host_id(info)) > 0 && strlen(hmc_node_info_version(info)) > 0);
-    CHECK(hmc_node_info_agents(info) == 2 && hmc_node_info_buffers(info) == 4);
+    CHECK(hmc_node_info_agents(info) == 2 && hmc_node_info_buffers(info) == 4);  /* this node's: not the far one's */
     size_t count = hmc_node_info_device_count(info);
     CHECK(count >= 1);
     int host = 0;
@@ -242,6 +242,42 @@ static void test_buffers_and_paths(void) {
     CHECK(hmc_path_rejected_name(path, hmc_path_rejected_count(path)) == NULL);
     hmc_path_free(path);
     EXPECT(HMC_ERR_UNKNOWN_BUFFER, hmc_negotiate(client, "capi-src", "no-such-buffer", &path));
+    hmc_client_close(client);
+}
+
+/* A buffer of another node (another hmcd, another host to negotiation): found by name and by listing through
+ * this node's hmcd, a path between hosts negotiated, and a migration into it verified byte by byte. */
+static void test_across_nodes(void) {
+    hmc_client *client = connect_unix();
+    hmc_buffer *far = NULL;
+    EXPECT(HMC_OK, hmc_lookup(client, "capi-far", &far));
+    CHECK(strcmp(hmc_buffer_node(far), "far") == 0 && hmc_buffer_size(far) == MIB);
+    char by_id[200];
+    snprintf(by_id, sizeof by_id, "id:%s", hmc_buffer_id(far));
+    hmc_buffer_free(far);
+    hmc_buffer_list *list = NULL;
+    int everywhere = 0, here = 0;
+    EXPECT(HMC_OK, hmc_list_buffers(client, 0, &list));
+    for (size_t i = 0; i < hmc_buffer_list_count(list); ++i) everywhere += strcmp(hmc_buffer_name(hmc_buffer_list_at(list, i)), "capi-far") == 0;
+    hmc_buffer_list_free(list);
+    EXPECT(HMC_OK, hmc_list_buffers(client, 1, &list));
+    for (size_t i = 0; i < hmc_buffer_list_count(list); ++i) here += strcmp(hmc_buffer_name(hmc_buffer_list_at(list, i)), "capi-far") == 0;
+    hmc_buffer_list_free(list);
+    CHECK(everywhere == 1 && here == 0);
+    hmc_path *path = NULL;
+    EXPECT(HMC_OK, hmc_negotiate(client, "capi-src", by_id, &path));
+    CHECK(strcmp(hmc_path_name(path), "ipc") != 0);  /* another host: never the same-host path */
+    hmc_path_free(path);
+    mapped src = map_buffer("capi-src"), dst = map_buffer("capi-far");
+    random_bytes(src.bytes, MIB, 21);
+    memset(dst.bytes, POISON, dst.size);
+    uint64_t so[2] = {4096, 0}, dof[2] = {0, MIB / 2}, len[2] = {MIB / 2, MIB / 2 - 1};
+    hmc_transfer_status status;
+    EXPECT(HMC_OK, hmc_migrate(client, "capi-src", by_id, so, dof, len, 2, 30.0, &status));
+    CHECK(status.bytes_done == MIB - 1 && strcmp(status.path, "ipc") != 0);
+    CHECK(memcmp(dst.bytes, src.bytes + 4096, MIB / 2) == 0 && memcmp(dst.bytes + MIB / 2, src.bytes, MIB / 2 - 1) == 0);
+    CHECK(dst.bytes[MIB - 1] == POISON);
+    unmap_buffer(src), unmap_buffer(dst);
     hmc_client_close(client);
 }
 
@@ -436,7 +472,7 @@ static void test_events(void) {
     pid_t child = fork();
     CHECK(child >= 0);
     if (child == 0) {
-        execl(state("python"), state("python"), state("cluster"), "agent", "extra", state("dir"), "capi-extra:4096", (char *)NULL);
+        execl(state("python"), state("python"), state("cluster"), "agent", "extra", state("dir"), "node", "capi-extra:4096", (char *)NULL);
         _exit(127);
     }
     int added = 0, up = 0;
@@ -507,6 +543,7 @@ static const struct {
     {"node_devices_and_metrics", test_node_devices_and_metrics},
     {"null_handles", test_null_handles},
     {"buffers_and_paths", test_buffers_and_paths},
+    {"across_nodes", test_across_nodes},
     {"transfer_every_byte", test_transfer_every_byte},
     {"bad_ranges_write_nothing", test_bad_ranges_write_nothing},
     {"deadline_and_cancel", test_deadline_and_cancel},

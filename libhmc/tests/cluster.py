@@ -1,14 +1,16 @@
 """The C tests' node: a real hmcd (unix socket, and TCP with a token over TLS) and two real agents attached to it,
 whose ConnBuffers are files the C tests map too (so a test writes a source, poisons a destination and checks
-every byte itself, while the agents move them).
+every byte itself, while the agents move them); and a second node, "far", an hmcd the first knows as a static
+peer, declaring another host, with one agent of its own.
 
     python cluster.py start DIR    # returns once everything serves; DIR/state.env says where and what
     python cluster.py stop DIR
-    python cluster.py agent NAME DIR SPEC...   # (internal) one agent: SPEC is name:bytes[:ro]
+    python cluster.py agent NAME DIR NODE SPEC...   # (internal) one agent of NODE: SPEC is name:bytes[:ro]
 
 state.env (key=value lines): socket, tcp, token, ca, hmcd_pid, python, dir, and per buffer its file and size.
 Buffers: agent "a" holds capi-src (64 MiB) and capi-ro (1 MiB, read-only); agent "b" holds capi-dst (64 MiB)
-and capi-small (64 KiB). Everything stops on `stop` (SIGTERM to the supervisor), or when the supervisor dies.
+and capi-small (64 KiB); the far node's agent holds capi-far (1 MiB). Everything stops on `stop` (SIGTERM to the
+supervisor), or when the supervisor dies.
 """
 
 from __future__ import annotations
@@ -23,16 +25,18 @@ from pathlib import Path
 import numpy as np
 
 MIB = 1 << 20
-AGENTS = {"a": ("capi-src:67108864", "capi-ro:1048576:ro"), "b": ("capi-dst:67108864", "capi-small:65536")}
+AGENTS = {"a": ("node", ("capi-src:67108864", "capi-ro:1048576:ro")), "b": ("node", ("capi-dst:67108864", "capi-small:65536")), "far": ("far", ("capi-far:1048576",))}
+FAR_HOST = "capi-far-host"
+"""The far node's host id: its agent is another host's to negotiation (staged or ucx over TCP, not ipc)."""
 TOKEN = "capi-test-token"
 _START_S = 60.0
 
 
-def agent(name: str, directory: str, specs: list[str]) -> None:
-    """One agent attached to the node's hmcd, registering a file-backed buffer per spec; runs until killed."""
+def agent(name: str, directory: str, node: str, specs: list[str]) -> None:
+    """One agent attached to `node`'s hmcd, registering a file-backed buffer per spec; runs until killed."""
     import hmc
 
-    config = hmc.Config(node="node", socket=os.path.join(directory, "node.sock"), timeout_s=10.0)
+    config = hmc.Config(node=node, socket=os.path.join(directory, f"{node}.sock"), timeout_s=10.0)
     with hmc.Agent(config, daemon=True) as held:
         for spec in specs:
             buffer, size, *mode = spec.split(":")
@@ -48,13 +52,16 @@ def agent(name: str, directory: str, specs: list[str]) -> None:
 def _supervise(directory: Path) -> None:
     """Start hmcd and the agents, write state.env, and stop them all on SIGTERM."""
     from hmc.testing import HmcdProcess, make_certificates
+    from hmc.testing._hmcd import clean_env
 
     ca, cert, key = (str(path) for path in make_certificates(directory))
-    hmcd = HmcdProcess.start(directory, "node", token=TOKEN, args=("--tls-cert", cert, "--tls-key", key))
+    far = HmcdProcess.start(directory, "far", token=TOKEN, env=clean_env(HMC_HOST_ID=FAR_HOST))
+    hmcd = HmcdProcess.start(directory, "node", token=TOKEN, args=("--tls-cert", cert, "--tls-key", key, "--static-peer", far.tcp_address))
     agents = []
     try:
-        for name, specs in AGENTS.items():
-            agents.append(subprocess.Popen([sys.executable, __file__, "agent", name, str(directory), *specs], stdin=subprocess.DEVNULL))
+        for name, (node, specs) in AGENTS.items():
+            env = {**os.environ, "HMC_HOST_ID": FAR_HOST} if node == "far" else None
+            agents.append(subprocess.Popen([sys.executable, __file__, "agent", name, str(directory), node, *specs], stdin=subprocess.DEVNULL, env=env))
         deadline = time.monotonic() + _START_S
         while not all(Path(directory, f"agent-{name}.ready").exists() for name in AGENTS):
             if time.monotonic() > deadline or any(p.poll() is not None for p in agents):
@@ -64,7 +71,7 @@ def _supervise(directory: Path) -> None:
             "socket": f"unix:{hmcd.socket}", "tcp": f"127.0.0.1:{hmcd.port}", "token": TOKEN, "ca": ca, "hmcd_pid": hmcd.process.pid,
             "python": sys.executable, "cluster": __file__, "dir": str(directory),
         }
-        for specs in AGENTS.values():
+        for _, specs in AGENTS.values():
             for spec in specs:
                 buffer, size, *_ = spec.split(":")
                 lines[f"{buffer}.file"] = str(Path(directory, buffer))
@@ -82,13 +89,14 @@ def _supervise(directory: Path) -> None:
             except subprocess.TimeoutExpired:
                 process.kill()
         hmcd.stop()
+        far.stop()
         Path(directory, "stopped").write_text("")
 
 
 def start(directory: Path) -> None:
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     directory.chmod(0o700)
-    for stale in ("state.env", "stopped", "agent-a.ready", "agent-b.ready"):
+    for stale in ("state.env", "stopped", *(f"agent-{name}.ready" for name in AGENTS)):
         Path(directory, stale).unlink(missing_ok=True)
     log = open(directory / "cluster.log", "ab")
     supervisor = subprocess.Popen([sys.executable, __file__, "supervise", str(directory)], stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
@@ -121,7 +129,7 @@ def stop(directory: Path) -> None:
 if __name__ == "__main__":
     verb, where = sys.argv[1], Path(sys.argv[2]) if len(sys.argv) > 2 else Path()
     if verb == "agent":
-        agent(sys.argv[2], sys.argv[3], sys.argv[4:])
+        agent(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
     elif verb == "supervise":
         _supervise(where)
     elif verb == "start":
