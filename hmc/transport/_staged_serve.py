@@ -34,7 +34,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-
 from hmc.errors import AccessDeniedError, HMCError, OutOfRangeError, ProtocolError, TimeoutError, UnsupportedError
 from hmc.memory import MemoryKind
 from hmc.transport._pinned import PinnedMapping
