@@ -132,6 +132,23 @@ def test_cancel_ends_the_transfer_when_its_executor_confirms(client: Client, pai
     assert client.status(status.transfer_id).state == common_pb2.TRANSFER_STATE_CANCELLED
 
 
+def test_a_cancel_waiting_for_an_executor_that_dies_ends_with_peer_lost(client: Client, hmcd: Hmcd) -> None:
+    """The executor's stream ends while Cancel waits for its confirmation: Cancel answers at once with PEER_LOST."""
+    src_agent, dst_agent = FakeAgent(hmcd.config()), FakeAgent(hmcd.config())
+    try:
+        src_agent.register("x-src", size=4096)
+        dst_agent.register("x-dst", size=4096)
+        status = client.submit("x-src", "x-dst", 0, 0, 4096, timeout=10.0)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            cancelling = pool.submit(client.cancel, status.transfer_id)
+            wait_until(lambda: status.transfer_id in src_agent.cancels, what="cancel pushed to the executor")
+            src_agent.close()
+            ended = cancelling.result(timeout=10)
+        assert ended.state == common_pb2.TRANSFER_STATE_FAILED and ended.error.code == int(BrokenResourceError.code)
+    finally:
+        dst_agent.close()
+
+
 def test_a_cancel_the_executor_does_not_confirm_leaves_the_transfer_running(hmcd: Hmcd, pair: tuple[FakeAgent, FakeAgent]) -> None:
     """An executor that finishes the transfer instead: Cancel answers (within its deadline) with it still running,
     and the transfer ends DONE, as it did."""

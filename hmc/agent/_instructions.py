@@ -43,7 +43,7 @@ class Instructions:
         self._buffers = buffers
         self._report = report
         self._workers = workers
-        self._lock = threading.Lock()  # guards _executor
+        self._lock = threading.Lock()  # guards _executor, _running and _early
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._running: dict[str, TransferHandle] = {}
         self._early: collections.OrderedDict[str, None] = collections.OrderedDict()
