@@ -64,14 +64,34 @@ def test_packing_fills_every_slot_but_the_last_and_keeps_every_byte(case: tuple[
     assert _stream(dst, joined.dst, joined.lengths) == _stream(dst, ranges.dst, ranges.lengths)
 
 
+@settings(max_examples=200, deadline=None)
+@given(per_slot=st.integers(1, 9), block=st.integers(1, 64), count=st.integers(2, 200), seed=st.integers(0, 2**32 - 1))
+def test_blocks_that_divide_the_slot_are_cut_between_blocks(per_slot: int, block: int, count: int, seed: int) -> None:
+    """KV blocks in random order, `per_slot` of them filling a slot exactly: no block is split, every slot holds
+    the next `per_slot` blocks in the given order (the path that finds the cuts without looking at every range)."""
+    rng = np.random.default_rng(seed)
+    src = rng.permutation(count).astype(np.int64) * block
+    dst = rng.permutation(count).astype(np.int64) * block
+    chunks = RangeList.build(src, dst, block).packed(per_slot * block)
+    assert len(chunks) == -(-count // per_slot)
+    for index, chunk in enumerate(chunks):
+        rows = slice(index * per_slot, (index + 1) * per_slot)
+        assert chunk.src.tolist() == src[rows].tolist() and chunk.dst.tolist() == dst[rows].tolist()
+        assert chunk.lengths.tolist() == [block] * len(src[rows])
+    assert chunks[-1].src.tolist() == chunks[len(chunks) - 1].src.tolist() and [c.total for c in chunks[:]] == [c.total for c in chunks]
+    with pytest.raises(IndexError):
+        chunks[len(chunks)]
+
+
 def test_packing_drops_empty_ranges_and_refuses_a_bad_slot() -> None:
     ranges = RangeList.build([0, 5, 9], [0, 5, 9], [0, 4, 0])
     assert [(c.src.tolist(), c.lengths.tolist()) for c in ranges.packed(3)] == [([5], [3]), ([8], [1])]
-    assert RangeList.build([0], [0], [0]).packed(8) == []
+    assert len(RangeList.build([0], [0], [0]).packed(8)) == 0
     from hmc.errors import ArgumentError
 
-    with pytest.raises(ArgumentError):
-        ranges.packed(0)
+    for slot in (0, -4):
+        with pytest.raises(ArgumentError):
+            ranges.packed(slot)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,7 +24,7 @@ from hmc.errors import HMCError, ProtocolError, TimeoutError
 from hmc.memory import DeviceKind, MemoryKind
 from hmc.transport._ranges import end_to_end
 
-__all__ = ["PinnedMapping", "SlotCopier", "StuckCopy", "gpu_backends", "no_wait"]
+__all__ = ["Pending", "PinnedMapping", "SlotCopier", "StuckCopy", "gpu_backends", "no_wait"]
 
 _log = logging.getLogger(__name__)
 _CLOSE_S = 5.0
@@ -109,8 +108,33 @@ class StuckCopy(TimeoutError):
     or reused (its pinned ring is abandoned, not unmapped)."""
 
 
-def no_wait(deadline: float) -> None:
-    """The wait of a copy that already finished (host memory, copied on the spot)."""
+class Pending:
+    """A queued copy's wait: calling it waits until the copy finished (StuckCopy when `deadline` passes first) and
+    lets go of its event; `done()` looks once without waiting (for a caller with something else to wait for)."""
+
+    __slots__ = ("_event", "_lane")
+
+    def __init__(self, lane: Any, event: Any) -> None:
+        self._lane = lane
+        self._event = event
+
+    def done(self) -> bool:
+        """True once the copy finished (DeviceError if it failed); no event is let go of."""
+        return self._event is None or bool(self._lane.event_done(self._event))
+
+    def __call__(self, deadline: float) -> None:
+        event, self._event = self._event, None
+        if event is None:
+            return
+        try:
+            if not self._lane.event_wait(event, deadline, yield_s=0.0):  # napping: the owner's reader shares the GIL
+                raise StuckCopy("a staging copy did not finish before the deadline")
+        finally:
+            self._lane.release_event(event)
+
+
+no_wait = Pending(None, None)
+"""The wait of a copy that already finished (host memory, copied on the spot)."""
 
 
 class _GpuSide:
@@ -253,7 +277,7 @@ class SlotCopier:
 
     def start(
         self, region: Any, offsets: Any, lengths: Any, slot: PinnedMapping, at: int, *, to_slot: bool, deadline: float
-    ) -> Callable[[float], None]:
+    ) -> Pending:
         """Queue the copy between the region's ranges and `slot` from byte `at`, the ranges end to end (device memory:
         on this GPU's stream, behind the ones queued before); returns the wait for it. `deadline` bounds the queueing."""
         base = region.address
@@ -285,15 +309,7 @@ class SlotCopier:
             lane, event = gpu.gather(offsets, base, positions, lengths, pointer, deadline)
         else:  # one copy-engine copy into scratch, one kernel scatters it
             lane, event = gpu.scatter(pointer, positions, offsets, base, lengths, deadline)
-
-        def wait(deadline: float) -> None:
-            try:
-                if not lane.event_wait(event, deadline, yield_s=0.0):  # napping: the owner's reader shares the GIL
-                    raise StuckCopy("a staging copy did not finish before the deadline")
-            finally:
-                lane.release_event(event)
-
-        return wait
+        return Pending(lane, event)
 
     def close(self) -> None:
         """Free the GPU sides (each waits, bounded, for the copies still queued on it)."""
