@@ -31,7 +31,8 @@ when its slot is free (`RangeList.packed`). Small slots keep
 the pipeline's fill and drain short; eight of them absorb the hand-off latency. One H100, both
 ends on it, 256 MiB of KV blocks: the GPU timeline showed the copy engine idle 0.5 ms once per
 transfer while a reply waited behind a copy, and 0.2-0.6 ms before the first copy while all
-chunks were cut; without both, KV went from 0.70-0.78x to 0.76-0.81x of the 1 GiB rate.
+chunks were cut; without both, KV went from 0.68-0.77x to 0.76-0.82x of the 1 GiB rate
+(bench/results/gpu-1x-nvidia-h100-2026-11-25.json).
 
 Either side's memory may be host memory (copied with memmove) or CUDA device
 memory. Every wait (socket and GPU) is bounded by the request's deadline, the
