@@ -47,10 +47,12 @@ def clean_env(**extra: str) -> dict[str, str]:
     return hmcd_env(HMC_PEER_CHECK_INTERVAL_S=str(PEER_CHECK_INTERVAL_S), **extra)
 
 
-def start_hmcd(directory: str, name: str, *, token: str = "", static_peers: tuple[str, ...] = (), extra_args: tuple[str, ...] = ()) -> Hmcd:
-    """Start `python -m hmc.control._hmcd_main` and wait (bounded) until it serves."""
+def start_hmcd(
+    directory: str, name: str, *, token: str = "", static_peers: tuple[str, ...] = (), extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None
+) -> Hmcd:
+    """Start `python -m hmc.control._hmcd_main` (with `env`'s HMC_* settings added) and wait (bounded) until it serves."""
     args = ["--log-level", "debug", *extra_args, *(f"--static-peer={peer}" for peer in static_peers)]
-    return HmcdProcess.start(directory, name, token=token, args=args, env=clean_env(), cwd=str(REPO))
+    return HmcdProcess.start(directory, name, token=token, args=args, env=clean_env(**(env or {})), cwd=str(REPO))
 
 
 @dataclasses.dataclass

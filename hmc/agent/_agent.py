@@ -27,7 +27,6 @@ touches the link, so transfers go on while hmcd is down.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import secrets
@@ -142,7 +141,7 @@ class Agent:
         )
         self._unavailable: dict[PathName, str] = {}
         """Paths this agent does not offer, and why (carried to peers: negotiation names the reason)."""
-        self._transports = self._usable(transports if transports is not None else default_transports(self.config, self._buffers, self._peers))
+        self._transports = self._usable(transports if transports is not None else default_transports(self.config, self._buffers, self._peers, self._measured))
         self.info = common_pb2.AgentInfo(
             id=self.id,
             node=self.config.node,
@@ -480,8 +479,8 @@ class Agent:
         measured = self._transports[choice.path].measured(local, descriptor)
         if measured is None:
             return choice
-        note, preferred_op = measured
-        return dataclasses.replace(choice, reason=f"{choice.reason}; {note}", preferred_op=preferred_op)
+        measured.measured_by = self.id
+        return choice.with_measurement(measured)
 
     def _choose(self, local: ConnBuffer, descriptor: common_pb2.BufferDescriptor, path: str | None) -> PathChoice:
         """Negotiate (or, with `path`, check that path) for the pair; cached per device pair and agent."""
@@ -559,6 +558,13 @@ class Agent:
 
     def _on_hmcd_attached(self, hello: daemon_pb2.DaemonHello) -> None:
         self._events.deliver(AgentEvent(AgentEventKind.HMCD_ATTACHED, agent_id=self.id, node=hello.node, detail=f"registry epoch {hello.registry_epoch}"))
+
+    def _measured(self, measured: common_pb2.PathMeasurement) -> None:
+        """A path measured a pair (on the transfer's thread): hmcd hears of it, for `hmc path` and its own transfers."""
+        measured.measured_by = self.id
+        link = self._link
+        if link is not None:
+            link.measured(measured)
 
     def _report(self, report: daemon_pb2.TransferReport) -> None:
         if self._link is not None:

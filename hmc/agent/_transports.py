@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 from hmc.agent._buffers import BufferTable
 from hmc.agent._peers import Peers
@@ -15,12 +16,14 @@ from hmc.transport._ipc_path import IpcPath
 from hmc.transport._local import LocalTransport
 from hmc.transport._staged import StagedTransport
 from hmc.transport._ucx import UcxTransport
+from hmc.v1 import common_pb2
 
 __all__ = ["default_transports"]
 
 
-def default_transports(config: Config, buffers: BufferTable, peers: Peers) -> list[Transport]:
-    """local, ipc (a mover per memory kind this process has), rdma and ucx (one UCX engine each), staged."""
+def default_transports(config: Config, buffers: BufferTable, peers: Peers, on_measured: Callable[[common_pb2.PathMeasurement], None] | None = None) -> list[Transport]:
+    """local, ipc (a mover per memory kind this process has), rdma and ucx (one UCX engine each; `on_measured` hears
+    what they measure between pairs), staged."""
     local = LocalTransport(buffers)
     host_ipc = IpcTransport(peers.open_grant, threads=config.ipc_threads)
     ipc_movers: dict[DeviceKind, Transport] = {DeviceKind.HOST: host_ipc}
@@ -32,6 +35,7 @@ def default_transports(config: Config, buffers: BufferTable, peers: Peers) -> li
         UcxTransport(
             functools.partial(peers.open_grant, path=path.value), peers.push, path=path,
             transports=config.ucx_transports, library=config.ucx_library, workers=config.ucx_workers, timeout_s=config.timeout_s,
+            on_measured=on_measured,
         )  # fmt: skip
         for path in (PathName.RDMA, PathName.UCX)
     ]

@@ -146,6 +146,7 @@ def _path(args: argparse.Namespace, config: Config) -> int:
                 "path": choice.path.value,
                 "reason": choice.reason,
                 "preferred_op": choice.preferred_op,
+                "measured": None if choice.measured is None else _as_dict(choice.measured),
                 "rejected": [{"path": p.value, "reason": r} for p, r in choice.rejected],
             }
         )

@@ -20,7 +20,10 @@ down:
 - `lookup()` raises UnavailableError at once, saying hmcd is down and the link
   is reconnecting;
 - `report()` drops the report with a log line (hmcd failed that transfer when
-  the stream broke).
+  the stream broke);
+- `measured()` keeps the measurement (the latest per pair and kinds of memory,
+  at most `MEASURED_KEPT`), sent with every attach to an hmcd that takes them
+  (its hello says so: an hmcd of an older release would end the stream).
 
 Only the first attach, in the constructor, fails outright (UnavailableError,
 BusyResourceError, VersionMismatchError): an agent that never attached runs
@@ -34,7 +37,7 @@ sleeps out the backoff (woken by `close()`). Events and the link's own losses
 and re-attaches go to their callbacks on a second named thread,
 "hmc-daemon-events", so a slow handler never delays an acknowledgement.
 `_lock` guards the pending-ack table, the request counter, the published
-buffers, the current stream (queue, call, channel, stub) and the link's state;
+buffers, the measurements, the current stream (queue, call, channel, stub) and the link's state;
 every public method is safe from any thread.
 """
 
@@ -67,6 +70,8 @@ log = logging.getLogger("hmc.agent.link")
 PROTOCOL_VERSION = common_pb2.PROTOCOL_VERSION_1
 RETRY_MIN_S = 0.05
 RETRY_MAX_S = 0.5
+MEASURED_KEPT = 256
+"""Measurements a link keeps to send again (the oldest goes first); hmcd keeps as many per agent."""
 _CHANNEL_OPTIONS = (
     # A stalled hmcd (stopped, wedged) ends the stream within ~15 s instead of never;
     # hmcd permits pings every 5 s (hmc.control._hmcd.SERVER_OPTIONS).
@@ -144,6 +149,10 @@ class DaemonLink:
         """Every buffer registered through this link and not unregistered: what a re-attach registers again."""
         self._refused: set[str] = set()
         """Ids hmcd refused to take back on the latest re-attach (held locally, unknown to hmcd)."""
+        self._measured: dict[tuple[str, str, int, int], common_pb2.PathMeasurement] = {}
+        """What this agent's paths measured (`measured()`): sent again with every attach."""
+        self._takes_measurements = False
+        """Whether the hmcd attached to last takes PathMeasurement messages."""
         self._wake = threading.Event()  # set by close(): ends the backoff wait
         self._hello: concurrent.futures.Future[daemon_pb2.DaemonHello] = concurrent.futures.Future()
         # Callbacks for "hmc-daemon-events"; None ends that thread.
@@ -164,6 +173,8 @@ class DaemonLink:
         self.node: str = hello.node
         self.host_id: str = hello.host_id
         self.registry_epoch: int = hello.registry_epoch
+        with self._lock:
+            self._takes_measurements = hello.takes_measurements
         self.past_epochs: frozenset[int] = frozenset()
         """Earlier epochs of hmcd's registry this link was attached under (the last 16)."""
 
@@ -215,6 +226,20 @@ class DaemonLink:
                 self._stream.requests.put(Message(report=report))
                 return
         log.info("hmcd is down: dropped the report of transfer %s (hmcd failed it when the stream broke)", report.transfer_id)
+
+    def measured(self, measured: common_pb2.PathMeasurement) -> None:
+        """Tell hmcd what a path measured between this agent and another (kept, and sent again with every attach;
+        not sent to an hmcd that does not take them, nor while hmcd is down; nothing once the link is closed)."""
+        key = (measured.path, measured.owner_agent, measured.local_kind, measured.remote_kind)
+        with self._lock:
+            if self._closed:
+                return
+            self._measured.pop(key, None)
+            while len(self._measured) >= MEASURED_KEPT:
+                del self._measured[next(iter(self._measured))]
+            self._measured[key] = measured
+            if self._down is None and self._takes_measurements:
+                self._stream.requests.put(Message(measured=measured))
 
     def lookup(self, ref: str) -> common_pb2.BufferDescriptor:
         """A ConnBuffer's descriptor by id, else by name, here or at hmcd's peers (UnavailableError while hmcd is down)."""
@@ -337,6 +362,10 @@ class DaemonLink:
                 future.add_done_callback(functools.partial(self._registered_again, descriptor))
                 self._stream.requests.put(Message(register=daemon_pb2.RegisterBuffer(request_id=request_id, descriptor=descriptor)))
             count = len(self._published)
+            self._takes_measurements = hello.takes_measurements
+            if hello.takes_measurements:
+                for measured in self._measured.values():
+                    self._stream.requests.put(Message(measured=measured))
             down_for = time.monotonic() - self._down_since
             self._down = None
             if hello.registry_epoch != self.registry_epoch:

@@ -44,6 +44,7 @@ from hmc.control._leases import state_path_for
 from hmc.control._metrics import DaemonMetrics
 from hmc.control._registry import Registry, describe_ref
 from hmc.control._services import PROTOCOL_VERSION, add_services
+from hmc.control._measurements import Measurements
 from hmc.control._transfers import TransferTable
 from hmc.errors import ArgumentError, BufferWithdrawnError, ClosedResourceError, UnavailableError, UnknownBufferError
 from hmc.v1 import common_pb2, daemon_pb2
@@ -81,7 +82,8 @@ class Daemon:
         self.events.add_listener(self._observe_event)
         self.registry = Registry(config.node, self.events, state_path=state_path_for(config.socket), grace_s=lease_grace_s, host_id=self.inventory.host_id)
         self.directory = open_directory(config, self.events, self.metrics, self.registry, self.node_record)
-        self.transfers = TransferTable(config, self.registry, self.resolve, self.metrics)
+        self.measurements = Measurements(config.policy)
+        self.transfers = TransferTable(config, self.registry, self.resolve, self.metrics, self.measurements.choose)
         self.tcp_address = ""
         self.metrics_port = 0
         self.health = health.aio.HealthServicer()

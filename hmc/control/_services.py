@@ -22,7 +22,6 @@ from grpc_health.v1 import health_pb2_grpc
 from hmc.control._errors import abort
 from hmc.control._registry import AgentSession, describe_ref
 from hmc.errors import ErrorCode, HMCError, ProtocolError, TimeoutError, UnsupportedError, VersionMismatchError
-from hmc.transport._negotiate import Endpoint, negotiate
 from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
 if TYPE_CHECKING:
@@ -73,7 +72,10 @@ class RegistryServicer(daemon_pb2_grpc.RegistryServiceServicer):
         clean = False  # the agent closed its stream (EOF): it is gone; otherwise it may come back (registry: "Sessions")
         registering: dict[str, asyncio.Task[None]] = {}  # buffer id -> its registration, waiting for the directory
         try:
-            greeting = daemon_pb2.DaemonHello(protocol_version=PROTOCOL_VERSION, node=daemon.config.node, host_id=daemon.inventory.host_id, registry_epoch=daemon.registry.epoch)
+            greeting = daemon_pb2.DaemonHello(
+                protocol_version=PROTOCOL_VERSION, node=daemon.config.node, host_id=daemon.inventory.host_id, registry_epoch=daemon.registry.epoch,
+                takes_measurements=True,
+            )
             await context.write(daemon_pb2.DaemonMessage(hello=greeting))
             writer = asyncio.create_task(_drain(session, context), name=f"hmc-attach-writer:{session.agent_id}")
             while True:
@@ -89,6 +91,7 @@ class RegistryServicer(daemon_pb2_grpc.RegistryServiceServicer):
             if writer is not None:
                 writer.cancel()
             daemon.transfers.agent_lost(session)
+            daemon.measurements.forget(session.agent_id)
             daemon.registry.detach(session, clean=clean)
 
     async def _read_hello(self, context: grpc.aio.ServicerContext) -> daemon_pb2.AgentHello | None:
@@ -131,6 +134,8 @@ class RegistryServicer(daemon_pb2_grpc.RegistryServiceServicer):
             await session.outbox.put(daemon_pb2.DaemonMessage(ack=daemon_pb2.Ack(request_id=message.unregister.request_id, error=error)))
         elif kind == "report":
             self._daemon.transfers.report(session, message.report)
+        elif kind == "measured":
+            self._daemon.measurements.record(session.agent_id, message.measured)
         else:
             raise ProtocolError(f"unexpected {kind or 'empty'} message on the Attach stream of agent {session.agent_id!r}")
 
@@ -202,7 +207,7 @@ class PathServicer(daemon_pb2_grpc.PathServiceServicer):
         timeout = call_timeout(self._daemon, context)
         describe_ref(request.src), describe_ref(request.dst)
         (src, _), (dst, _) = await asyncio.gather(self._daemon.resolve(request.src, False, timeout), self._daemon.resolve(request.dst, False, timeout))
-        return negotiate(Endpoint.of(src), Endpoint.of(dst), self._daemon.config.policy).to_proto()
+        return self._daemon.measurements.choose(src, dst).to_proto()
 
 
 class TransferServicer(daemon_pb2_grpc.TransferServiceServicer):

@@ -5,7 +5,8 @@ both sizes, negotiates the path (so NoPathError comes back at once), and picks
 the executor:
 
 - src is local: its owner WRITEs to dst (the default; pushes are never slower);
-- the pair prefers reads and dst is local: dst's owner READs from src;
+- the pair prefers reads (measured: dst's agent gets faster than src's pushes) and dst is
+  local: dst's owner READs from src;
 - src lives under a peer hmcd: the Submit is forwarded there (`local_only`, same
   transfer id) and Wait/Cancel follow it.
 
@@ -42,7 +43,7 @@ from hmc.errors import (
     TimeoutError,
     UnavailableError,
 )
-from hmc.transport._negotiate import Endpoint, negotiate
+from hmc.transport._negotiate import PathChoice
 from hmc.transport._ranges import RangeList, check_timeout
 from hmc.v1 import common_pb2, daemon_pb2
 
@@ -51,6 +52,7 @@ __all__ = ["Resolver", "TransferTable"]
 log = logging.getLogger("hmc.hmcd")
 
 Resolver = Callable[[daemon_pb2.BufferRef, bool, float], Awaitable[tuple[common_pb2.BufferDescriptor, Peer | None]]]
+Choose = Callable[[common_pb2.BufferDescriptor, common_pb2.BufferDescriptor], PathChoice]
 """(ref, local_only, timeout) -> (descriptor, peer that has it or None when local); raises UnknownBufferError."""
 
 _FINAL = frozenset({common_pb2.TRANSFER_STATE_DONE, common_pb2.TRANSFER_STATE_FAILED, common_pb2.TRANSFER_STATE_CANCELLED})
@@ -79,8 +81,10 @@ class _Transfer:
 class TransferTable:
     """Every third-party transfer this hmcd started or forwarded."""
 
-    def __init__(self, config: Config, registry: Registry, resolve: Resolver, metrics: DaemonMetrics, *, keep_finished: int = 10_000) -> None:
+    def __init__(self, config: Config, registry: Registry, resolve: Resolver, metrics: DaemonMetrics, choose: Choose, *, keep_finished: int = 10_000) -> None:
+        """`choose`: negotiation for a pair of buffers, src then dst (hmcd's, with what agents measured)."""
         self._config = config
+        self._choose = choose
         self._registry = registry
         self._resolve = resolve
         self._metrics = metrics
@@ -103,7 +107,7 @@ class TransferTable:
             dst, _ = await self._resolve(request.dst, False, call_timeout)
         ranges.check(src.size, dst.size)
         ranges.check_disjoint_dst()
-        choice = negotiate(Endpoint.of(src), Endpoint.of(dst), self._config.policy)
+        choice = self._choose(src, dst)
         transfer_id = request.transfer_id or uuid.uuid4().hex
         if transfer_id in self._active or transfer_id in self._finished:
             raise ArgumentError(f"transfer id {transfer_id!r} is already in use")

@@ -24,7 +24,7 @@ from hmc.v1 import common_pb2
 if TYPE_CHECKING:
     from hmc.transport._ranges import RangeList
 
-__all__ = ["Capabilities", "Completion", "InlineCopy", "PathName", "Transport", "TransferOp", "TransferRequest"]
+__all__ = ["Capabilities", "Completion", "InlineCopy", "PathName", "Transport", "TransferOp", "TransferRequest", "kind_to_proto"]
 
 
 class PathName(str, enum.Enum):
@@ -50,6 +50,11 @@ _KIND_TO_PROTO = {
     DeviceKind.HIP: common_pb2.DEVICE_KIND_HIP,
 }
 _KIND_FROM_PROTO = {value: key for key, value in _KIND_TO_PROTO.items()}
+
+
+def kind_to_proto(kind: DeviceKind) -> int:
+    """The wire's DeviceKind of a memory kind."""
+    return _KIND_TO_PROTO[kind]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,9 +172,13 @@ class Transport(abc.ABC):
         memory, then `done(None)`, or `done(error)`; at most once, by `deadline`."""
         raise UnsupportedError(f"the {self.capabilities.path.value} path does not push reads")
 
-    def measured(self, local: Any, remote: common_pb2.BufferDescriptor) -> tuple[str, str] | None:
-        """What this path measured between the pair (a note for `path_to`, and the op reads become), if anything."""
+    def measured(self, local: Any, remote: common_pb2.BufferDescriptor) -> common_pb2.PathMeasurement | None:
+        """What this path measured reading `remote`'s owner's memory into memory of `local`'s kind, if anything."""
         return None
+
+    def measurements(self) -> list[common_pb2.PathMeasurement]:
+        """Everything this path measured so far (sent to hmcd again when the agent attaches)."""
+        return []
 
     def withdraw(self, buffer_id: str) -> None:
         """Forget a ConnBuffer that was unregistered (local) or withdrawn (remote)."""

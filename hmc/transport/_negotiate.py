@@ -45,6 +45,18 @@ class PathChoice:
     reason: str
     rejected: tuple[tuple[PathName, str], ...]
     preferred_op: str = "write"
+    measured: common_pb2.PathMeasurement | None = None
+    """The pair's measurement `preferred_op` comes from (`with_measurement`), if the path measured one."""
+
+    def with_measurement(self, measured: common_pb2.PathMeasurement) -> PathChoice:
+        """This choice with what the path measured between the pair: the figures in the reason, and the faster
+        direction as the preferred op (a read where gets beat the owner's pushes)."""
+        how = "reads are pushed by the owner" if measured.push_reads else "reads are gets"
+        note = (
+            f"measured by agent {measured.measured_by} reading {measured.nbytes} bytes of agent {measured.owner_agent}'s: "
+            f"get {measured.get_bps / 1e9:.2f} GB/s, owner's push {measured.push_bps / 1e9:.2f} GB/s: {how}"
+        )
+        return dataclasses.replace(self, reason=f"{self.reason}; {note}", preferred_op="write" if measured.push_reads else "read", measured=measured)
 
     def to_proto(self) -> common_pb2.PathDecision:
         return common_pb2.PathDecision(
@@ -52,6 +64,7 @@ class PathChoice:
             reason=self.reason,
             rejected=[common_pb2.RejectedPath(path=p.value, reason=r) for p, r in self.rejected],
             preferred_op=self.preferred_op,
+            measured=self.measured,
         )
 
     @classmethod
@@ -61,6 +74,7 @@ class PathChoice:
             reason=message.reason,
             rejected=tuple((PathName(r.path), r.reason) for r in message.rejected),
             preferred_op=message.preferred_op or "write",
+            measured=message.measured if message.HasField("measured") else None,
         )
 
 

@@ -29,7 +29,6 @@ worker.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -43,7 +42,7 @@ from hmc import memory
 from hmc.memory import DeviceKind, MemoryKind
 from hmc.memory._machine import rdma_nics
 from hmc.transport import _ucx_engine as engine
-from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport
+from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport, kind_to_proto
 from hmc.transport._ranges import RangeList
 from hmc.transport._ucx_lanes import STOP_WAIT_S, Grant, Lanes, connect, memory_kind
 from hmc.transport._wire import raise_for_reply
@@ -74,16 +73,6 @@ _TARGETS = 256
 """Askers' memories of pushed reads kept unpacked."""
 _KINDS = {"host": DeviceKind.HOST, "cuda": DeviceKind.CUDA, "rocm": DeviceKind.HIP}
 _UCX_MEMORY = {DeviceKind.HOST: "host", DeviceKind.CUDA: "cuda", DeviceKind.HIP: "rocm"}
-
-
-@dataclasses.dataclass(frozen=True)
-class _Probe:
-    """A get and a push by the owner, timed once per (owner, local memory kind, remote memory kind)."""
-
-    nbytes: int
-    get_bps: float
-    push_bps: float
-    push_reads: bool
 
 
 class _Scratch:
@@ -133,8 +122,9 @@ class UcxTransport(Transport):
 
     def __init__(
         self, open_grant: OpenGrant, request_push: RequestPush, *, path: PathName = PathName.UCX, transports: str = "", library: str = "",
-        workers: int = 2, timeout_s: float = 30.0,
+        workers: int = 2, timeout_s: float = 30.0, on_measured: Callable[[common_pb2.PathMeasurement], None] | None = None,
     ) -> None:  # fmt: skip
+        """`on_measured`: told of each pair's first measurement (the agent passes it on to hmcd); it must not raise."""
         if path not in (PathName.UCX, PathName.RDMA):
             raise ArgumentError(f"the UCX engine serves the ucx and rdma paths, not {path.value}")
         if not 1 <= workers <= 64:
@@ -147,6 +137,7 @@ class UcxTransport(Transport):
         self._workers = workers
         self._timeout_s = timeout_s
         """The deadline of an inline copy (the agent gives those no timeout of their own)."""
+        self._on_measured = on_measured
         self._capabilities = Capabilities(path=path, memory_kinds=frozenset(), one_sided=True)
         self._context: engine.Context | None = None
         self._lanes: Lanes | None = None
@@ -154,7 +145,7 @@ class UcxTransport(Transport):
         self._lock = threading.Lock()  # guards _grants, _probes, _targets and every grant's flights
         self._drained = threading.Condition(self._lock)  # a grant's last transfer ended
         self._grants: dict[str, Grant] = {}
-        self._probes: dict[tuple[str, DeviceKind, int], _Probe] = {}
+        self._probes: dict[tuple[str, DeviceKind, int], common_pb2.PathMeasurement] = {}
         """(owner agent, local memory kind, the remote descriptor's device kind) -> what the first read measured."""
         self._targets: dict[tuple[bytes, int, int, tuple[bytes, ...]], Grant] = {}
         self._scratches: dict[str, _Scratch] = {}
@@ -275,9 +266,11 @@ class UcxTransport(Transport):
             probe = self._probe(request, grant, mapping)
             with self._lock:
                 self._probes[key] = probe
+            if self._on_measured is not None:
+                self._on_measured(_copy(probe))
         return probe.push_reads
 
-    def _probe(self, request: TransferRequest, grant: Grant, mapping: engine.Mapping) -> _Probe:
+    def _probe(self, request: TransferRequest, grant: Grant, mapping: engine.Mapping) -> common_pb2.PathMeasurement:
         """Time a get and a push by the owner of (up to) `_PROBE_BYTES` of the remote buffer into a scratch buffer of
         this agent in the read's kind of memory, each the second of two (the first sets up what a pair sets up once)."""
         length = min(_PROBE_BYTES, grant.size)
@@ -295,7 +288,10 @@ class UcxTransport(Transport):
             push_s = _second_of_two(push)
         except UnsupportedError:  # an owner that pushes nothing: reads stay gets
             push_s = float("inf")
-        return _Probe(length, length / get_s, length / push_s, push_s < _PUSH_PREFERRED * get_s)
+        return common_pb2.PathMeasurement(
+            path=self._path.value, owner_agent=grant.owner, local_kind=kind_to_proto(memory_kind(request.local)), remote_kind=request.remote.device.kind,
+            nbytes=length, get_bps=length / get_s, push_bps=length / push_s, push_reads=push_s < _PUSH_PREFERRED * get_s,
+        )  # fmt: skip
 
     def _scratch(self, device: Any, size: int) -> _Scratch:
         """A registered buffer of this agent on `device` for probes (made once per device, freed on close)."""
@@ -386,14 +382,14 @@ class UcxTransport(Transport):
                 target = self._targets[key] = Grant(handle, buffer_id="(a pushed read's target)", size=size, read_only=False, key=b"", owner="", lanes=self._workers)
         return target
 
-    def measured(self, local: Any, remote: common_pb2.BufferDescriptor) -> tuple[str, str] | None:
+    def measured(self, local: Any, remote: common_pb2.BufferDescriptor) -> common_pb2.PathMeasurement | None:
         with self._lock:
             probe = self._probes.get((remote.owner.id, memory_kind(local), remote.device.kind))
-        if probe is None:
-            return None
-        how = "reads are pushed by the owner" if probe.push_reads else "reads are gets"
-        note = f"measured with agent {remote.owner.id} on {probe.nbytes} bytes: get {probe.get_bps / 1e9:.2f} GB/s, owner's push {probe.push_bps / 1e9:.2f} GB/s: {how}"
-        return note, "write" if probe.push_reads else "read"
+        return None if probe is None else _copy(probe)
+
+    def measurements(self) -> list[common_pb2.PathMeasurement]:
+        with self._lock:
+            return [_copy(probe) for probe in self._probes.values()]
 
     def _copy_inline(self, op: TransferOp, grant: Grant, mapping: engine.Mapping, local_addresses: Any, remote_offsets: Any, lengths: Any, timeout_s: float) -> None:
         """Ranges (ints: one; arrays: a batch) on the caller's thread through the callers' worker, checked by the
@@ -540,3 +536,10 @@ def _reply_error(reply: peer_pb2.PeerReply | None) -> HMCError | None:
     except HMCError as exc:
         return exc
     return None
+
+
+def _copy(measured: common_pb2.PathMeasurement) -> common_pb2.PathMeasurement:
+    """A copy for a caller (the table's own messages are never handed out: protobuf messages are mutable)."""
+    copy = common_pb2.PathMeasurement()
+    copy.CopyFrom(measured)
+    return copy
