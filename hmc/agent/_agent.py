@@ -141,7 +141,7 @@ class Agent:
         )
         self._unavailable: dict[PathName, str] = {}
         """Paths this agent does not offer, and why (carried to peers: negotiation names the reason)."""
-        self._transports = self._usable(transports if transports is not None else default_transports(self.config, self._buffers, self._peers, self._measured))
+        self._transports = self._usable(transports if transports is not None else default_transports(self.config, self._buffers, self._peers, self.id, self._measured))
         self.info = common_pb2.AgentInfo(
             id=self.id,
             node=self.config.node,
@@ -477,10 +477,7 @@ class Agent:
         descriptor = remote.descriptor if isinstance(remote, ConnBuffer) else remote
         choice = self._choose(local, descriptor, None)
         measured = self._transports[choice.path].measured(local, descriptor)
-        if measured is None:
-            return choice
-        measured.measured_by = self.id
-        return choice.with_measurement(measured)
+        return choice if measured is None else choice.with_measurement(measured)
 
     def _choose(self, local: ConnBuffer, descriptor: common_pb2.BufferDescriptor, path: str | None) -> PathChoice:
         """Negotiate (or, with `path`, check that path) for the pair; cached per device pair and agent."""
@@ -560,11 +557,8 @@ class Agent:
         self._events.deliver(AgentEvent(AgentEventKind.HMCD_ATTACHED, agent_id=self.id, node=hello.node, detail=f"registry epoch {hello.registry_epoch}"))
 
     def _measured(self, measured: common_pb2.PathMeasurement) -> None:
-        """A path measured a pair (on the transfer's thread): hmcd hears of it, for `hmc path` and its own transfers."""
-        measured.measured_by = self.id
-        link = self._link
-        if link is not None:
-            link.measured(measured)
+        if self._link is not None:  # hmcd hears what a path measured, for `hmc path` and its own transfers
+            self._link.measured(measured)
 
     def _report(self, report: daemon_pb2.TransferReport) -> None:
         if self._link is not None:

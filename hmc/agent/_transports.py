@@ -21,9 +21,11 @@ from hmc.v1 import common_pb2
 __all__ = ["default_transports"]
 
 
-def default_transports(config: Config, buffers: BufferTable, peers: Peers, on_measured: Callable[[common_pb2.PathMeasurement], None] | None = None) -> list[Transport]:
+def default_transports(
+    config: Config, buffers: BufferTable, peers: Peers, agent_id: str = "", on_measured: Callable[[common_pb2.PathMeasurement], None] | None = None
+) -> list[Transport]:
     """local, ipc (a mover per memory kind this process has), rdma and ucx (one UCX engine each; `on_measured` hears
-    what they measure between pairs), staged."""
+    what they measure between agent `agent_id` and others), staged."""
     local = LocalTransport(buffers)
     host_ipc = IpcTransport(peers.open_grant, threads=config.ipc_threads)
     ipc_movers: dict[DeviceKind, Transport] = {DeviceKind.HOST: host_ipc}
@@ -35,7 +37,7 @@ def default_transports(config: Config, buffers: BufferTable, peers: Peers, on_me
         UcxTransport(
             functools.partial(peers.open_grant, path=path.value), peers.push, path=path,
             transports=config.ucx_transports, library=config.ucx_library, workers=config.ucx_workers, timeout_s=config.timeout_s,
-            on_measured=on_measured,
+            agent_id=agent_id, on_measured=on_measured,
         )  # fmt: skip
         for path in (PathName.RDMA, PathName.UCX)
     ]

@@ -122,9 +122,10 @@ class UcxTransport(Transport):
 
     def __init__(
         self, open_grant: OpenGrant, request_push: RequestPush, *, path: PathName = PathName.UCX, transports: str = "", library: str = "",
-        workers: int = 2, timeout_s: float = 30.0, on_measured: Callable[[common_pb2.PathMeasurement], None] | None = None,
+        workers: int = 2, timeout_s: float = 30.0, agent_id: str = "", on_measured: Callable[[common_pb2.PathMeasurement], None] | None = None,
     ) -> None:  # fmt: skip
-        """`on_measured`: told of each pair's first measurement (the agent passes it on to hmcd); it must not raise."""
+        """`agent_id`: the agent's, named in its measurements; `on_measured`: told of each pair's first measurement (the
+        agent passes it on to hmcd); it must not raise."""
         if path not in (PathName.UCX, PathName.RDMA):
             raise ArgumentError(f"the UCX engine serves the ucx and rdma paths, not {path.value}")
         if not 1 <= workers <= 64:
@@ -137,6 +138,7 @@ class UcxTransport(Transport):
         self._workers = workers
         self._timeout_s = timeout_s
         """The deadline of an inline copy (the agent gives those no timeout of their own)."""
+        self._agent_id = agent_id
         self._on_measured = on_measured
         self._capabilities = Capabilities(path=path, memory_kinds=frozenset(), one_sided=True)
         self._context: engine.Context | None = None
@@ -289,7 +291,7 @@ class UcxTransport(Transport):
         except UnsupportedError:  # an owner that pushes nothing: reads stay gets
             push_s = float("inf")
         return common_pb2.PathMeasurement(
-            path=self._path.value, owner_agent=grant.owner, local_kind=kind_to_proto(memory_kind(request.local)), remote_kind=request.remote.device.kind,
+            path=self._path.value, measured_by=self._agent_id, owner_agent=grant.owner, local_kind=kind_to_proto(memory_kind(request.local)), remote_kind=request.remote.device.kind,
             nbytes=length, get_bps=length / get_s, push_bps=length / push_s, push_reads=push_s < _PUSH_PREFERRED * get_s,
         )  # fmt: skip
 
