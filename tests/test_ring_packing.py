@@ -18,6 +18,7 @@ from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
 from hmc.testing import PeerProcess
 from hmc.transport._ranges import RangeList, end_to_end
+from hmc.transport._pinned import Pending, SlotCopier
 from hmc.transport._staged_shm import ShmStaging
 
 POISON = 0xA5
@@ -140,6 +141,54 @@ def test_every_byte_through_the_ring_both_ways(ring: tuple[Agent, PeerProcess], 
             agent.unregister(out)
     finally:
         agent.unregister(src)
+        peer.unregister(remote.id)
+
+
+class _Late:
+    """A copy that says it is still running for its first `looks` looks, as a GPU copy does (host memory's copy is
+    done on the spot): the initiator then takes the replies that arrive meanwhile and queues more copies first."""
+
+    def __init__(self, copy: Pending, looks: int) -> None:
+        self.copy, self.looks = copy, looks
+
+    def done(self) -> bool:
+        self.looks -= 1
+        return self.looks < 0 and self.copy.done()
+
+    def __call__(self, deadline: float) -> None:
+        self.copy(deadline)
+
+
+@pytest.mark.parametrize("looks", [1, 40])
+def test_replies_taken_while_a_copy_is_waited_for_keep_every_byte_in_order(
+    ring: tuple[Agent, PeerProcess], looks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """20 slots' worth of ranges through the 8-slot ring while every copy is slow to finish: replies come first,
+    freed slots are refilled before older copies are handed off (WRITE) or waited for (READ)."""
+    agent, peer = ring
+    start = SlotCopier.start
+    monkeypatch.setattr(SlotCopier, "start", lambda self, *a, **k: _Late(start(self, *a, **k), looks))
+    rng = np.random.default_rng(looks)
+    size = 20 * SLOT + 11
+    data = rng.integers(0, 256, size, np.uint8)
+    blocks = rng.permutation(size // 97)[: size // 97 - 3].astype(np.int64) * 97  # many short ranges: pairs of slots
+    remote = peer.register(size, fill=POISON)
+    src = agent.register(data)
+    back = agent.register(np.full(size, POISON ^ 0xFF, np.uint8))
+    try:
+        agent.write(src, remote, blocks, blocks[::-1].copy(), 97).wait()
+        expected = np.full(size, POISON, np.uint8)
+        for s, d in zip(blocks.tolist(), blocks[::-1].tolist()):
+            expected[d : d + 97] = data[s : s + 97]
+        assert peer.contents(remote.id) == expected.tobytes()
+        agent.read(back, remote, blocks, blocks, 97).wait()
+        wanted = np.full(size, POISON ^ 0xFF, np.uint8)
+        for b in blocks.tolist():
+            wanted[b : b + 97] = expected[b : b + 97]
+        assert np.array_equal(back.numpy(), wanted)
+    finally:
+        agent.unregister(src)
+        agent.unregister(back)
         peer.unregister(remote.id)
 
 
