@@ -5,12 +5,15 @@ Real hmcd processes, real agents over UCX (tcp), real gRPC; `Measurements` itsel
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -19,6 +22,7 @@ from control_fixtures import REPO, DaemonSet, Hmcd, agent_info, clean_env, daemo
 
 from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
+from hmc.control._agent_link import DaemonLink
 from hmc.control._measurements import Measurements
 from hmc.errors import ProtocolError, UnavailableError, UnsupportedError
 from hmc.memory import DeviceKind
@@ -168,6 +172,44 @@ def test_a_measurement_speaks_only_for_its_sender_and_a_malformed_one_ends_only_
             assert client.health().serving and {b.name for b in client.listing().buffers} >= {"s-src", "s-dst"}
         reader.read(sink, src.descriptor, 0, 0, 4096).wait()  # the reader's own stream still works: it measures
         wait_until(lambda: _measured_path(hmcd, "s-src", "s-dst") is not None, what="the reader's own measurement")
+
+
+class _Hmcd(daemon_pb2_grpc.RegistryServiceServicer):
+    """An hmcd's Attach as another release answers it (`takes` or not), over real gRPC: what the agent sent, by kind."""
+
+    def __init__(self, takes: bool) -> None:
+        self.takes = takes
+        self.kinds: list[str] = []
+        self.ended = threading.Event()
+
+    def Attach(self, request_iterator: Iterator[daemon_pb2.AgentMessage], context: grpc.ServicerContext) -> Iterator[daemon_pb2.DaemonMessage]:
+        next(request_iterator)  # the hello
+        yield daemon_pb2.DaemonMessage(hello=daemon_pb2.DaemonHello(protocol_version=1, node="other-release", takes_measurements=self.takes))
+        for message in request_iterator:
+            self.kinds.append(message.WhichOneof("kind") or "")
+        self.ended.set()
+
+
+@pytest.mark.parametrize("takes", [False, True])
+def test_an_agent_sends_measurements_only_to_an_hmcd_that_takes_them(tmp_path: Path, takes: bool) -> None:
+    """An hmcd of an older release ends the stream on a message it does not know: the agent sends it none."""
+    directory = tmp_path / "run"
+    directory.mkdir(mode=0o700)
+    socket = directory / "hmcd.sock"
+    hmcd = _Hmcd(takes)
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+    daemon_pb2_grpc.add_RegistryServiceServicer_to_server(hmcd, server)
+    server.add_insecure_port(f"unix:{socket}")
+    server.start()
+    try:
+        link = DaemonLink(Config(socket=str(socket), timeout_s=5.0), agent_info(), lambda _: None)
+        link.measured(_valid("owner"))
+        link.report(daemon_pb2.TransferReport(transfer_id="t", state=common_pb2.TRANSFER_STATE_DONE))  # after it, in order
+        link.close()
+        assert hmcd.ended.wait(10)
+        assert hmcd.kinds == (["measured", "report"] if takes else ["report"])
+    finally:
+        server.stop(0)
 
 
 # -- Measurements -------------------------------------------------------------------------
