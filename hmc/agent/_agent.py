@@ -74,8 +74,6 @@ __all__ = ["Agent"]
 _log = logging.getLogger(__name__)
 _UNREGISTER_GRACE_S = 5.0
 """How long unregister() lets transfers into a buffer finish before it cuts their connections."""
-_INLINE_MAX = 1 << 20
-"""Largest single range the inline fast path copies on the caller's thread."""
 
 _DESCRIPTOR = common_pb2.BufferDescriptor
 _FOREVER = 1 << 63
@@ -87,11 +85,12 @@ LinkFactory = Callable[[Config, common_pb2.AgentInfo, Callable[[daemon_pb2.Trans
 class _Route:
     """A cached inline copy to one remote buffer (see the module's "Hot path")."""
 
-    __slots__ = ("key", "local_size", "max_bytes", "path", "read", "read_size", "remote_size", "waits", "write")
+    __slots__ = ("key", "local_size", "max_bytes", "path", "read", "read_max_bytes", "read_size", "remote_size", "waits", "write")
 
     def __init__(self, copy: InlineCopy, key: bytes, path: str, local_writable: bool) -> None:
         self.write, self.read = copy.write, copy.read
-        self.max_bytes = min(copy.max_bytes, _INLINE_MAX)
+        self.max_bytes = copy.max_bytes
+        self.read_max_bytes = copy.max_bytes if copy.read_max_bytes is None else copy.read_max_bytes
         self.waits = copy.waits
         """The copy waits on the peer (a round trip): calls that bring their own timeout take the slow path."""
         self.local_size = copy.local_size
@@ -315,7 +314,7 @@ class Agent:
                 route = None
             if (
                 route is not None
-                and 0 < lengths <= route.max_bytes
+                and 0 < lengths <= route.read_max_bytes
                 and (timeout is None or (not route.waits and (type(timeout) is float or type(timeout) is int) and 0 < timeout <= MAX_TIMEOUT_S))
                 and 0 <= local_offsets <= route.read_size - lengths
                 and 0 <= remote_offsets <= route.remote_size - lengths

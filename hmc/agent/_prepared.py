@@ -97,16 +97,17 @@ class PreparedTransfer:
         if self._args is None or (self._timeout is not None and route.waits):
             return False
         local_offset, remote_offset, length = self._args
-        local_size = route.local_size if self._op is TransferOp.WRITE else route.read_size
+        write = self._op is TransferOp.WRITE
+        local_size, max_bytes = (route.local_size, route.max_bytes) if write else (route.read_size, route.read_max_bytes)
         descriptor = self._remote.descriptor if isinstance(self._remote, ConnBuffer) else self._remote
         if not (
-            0 < length <= route.max_bytes
+            0 < length <= max_bytes
             and 0 <= local_offset <= local_size - length
             and 0 <= remote_offset <= route.remote_size - length
             and route.key == descriptor.access_key
         ):
             return False
-        self._copy = route.write if self._op is TransferOp.WRITE else route.read
+        self._copy = route.write if write else route.read
         self._done = TransferHandle.finished(route.path, length)
         self._vetted = route
         return True

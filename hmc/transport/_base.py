@@ -145,6 +145,8 @@ class InlineCopy:
     remote_size: int
     max_bytes: int = 1 << 20
     """Longest range the copy takes."""
+    read_max_bytes: int | None = None
+    """Longest range `read` takes, where it differs from `max_bytes` (a read that may go as the owner's push)."""
     waits: bool = False
     """True when the copy waits on the peer (a network round trip): it then runs within the transport's
     default deadline, and the agent uses it only for calls that set no timeout of their own."""

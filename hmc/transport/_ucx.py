@@ -60,7 +60,7 @@ RDMA_TRANSPORTS = "rc,dc,ud"
 """UCX's verbs transports: what the `rdma` path restricts its context to."""
 _INLINE_BYTES = 1 << 20
 """Largest single range of host memory moved on the caller's thread: one put or get and a flush, no thread hop
-(device memory always is: its copies end within microseconds)."""
+(device memory always is: its copies end within microseconds; its writes of any size take the agent's fast path)."""
 _INLINE_RANGES = 64
 """Device memory in up to this many ranges is moved on the caller's thread; more ranges are posted by the lanes
 side by side (UCX costs several microseconds of CPU per range: two threads post about 1.5x the ranges of one)."""
@@ -447,7 +447,11 @@ class UcxTransport(Transport):
         def read(local_offset: int, remote_offset: int, length: int) -> None:
             self._copy_inline(TransferOp.READ, grant, mapping, base + local_offset, remote_offset, length, self._timeout_s)
 
-        return InlineCopy(write=write, read=read, local_size=local.size, remote_size=grant.size, max_bytes=_INLINE_BYTES, waits=True)
+        if memory_kind(local) is DeviceKind.HOST:
+            return InlineCopy(write=write, read=read, local_size=local.size, remote_size=grant.size, max_bytes=_INLINE_BYTES, waits=True)
+        # Device memory: a range of any size (post() moves it on the caller's thread too, after ~80 us of request
+        # building that this skips); reads past _INLINE_BYTES take the slow path, which may have the owner push them.
+        return InlineCopy(write=write, read=read, local_size=local.size, remote_size=grant.size, max_bytes=local.size, read_max_bytes=_INLINE_BYTES, waits=True)
 
     def _release(self, grant: Grant) -> None:
         """A transfer of `grant` has nothing in flight any more (a withdrawal waits for all of them)."""
