@@ -5,7 +5,8 @@ peer's on `peer_device` (conftest.py: cuda:1, or cuda:0 on a one-GPU machine).""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -83,10 +84,12 @@ def write_then_read(
     *,
     peer_device: str,
     negotiated: PathName | None = None,
+    before: Callable[[ConnBuffer, Any], None] | None = None,
 ) -> None:
     """One range written into the peer's buffer on `peer_device` on `path` and read back, every byte of both buffers compared.
 
-    With `negotiated`, also asserts that path negotiation picks it before the write.
+    With `negotiated`, also asserts that path negotiation picks it before the write; `before(local, remote)` runs
+    once both buffers exist, before the write.
     """
     remote_size = remote_offset + length + slack
     data = random_bytes(local_offset + length + 3, length)
@@ -94,6 +97,8 @@ def write_then_read(
     with gpu_buffer(agent, data) as local:
         if negotiated is not None:
             assert agent.path_to(local, remote).path is negotiated
+        if before is not None:
+            before(local, remote)
         handle = agent.write(local, remote, local_offset, remote_offset, length)
         handle.wait()
         assert handle.path == path

@@ -12,18 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import pytest
 
-from hmc import memory
-from hmc.agent import Agent, TransferState
+from hmc.agent import Agent, ConnBuffer
 from hmc.config import Config, PathPolicy
 from hmc.errors import UnsupportedError
 from hmc.testing import PeerProcess
 from hmc.v1 import common_pb2
 
-from ._support import ODD_CASES, POISON, assert_bytes_equal, gpu_buffer, host_copy, kv_write_then_read, random_bytes, write_then_read
+from ._support import ODD_CASES, kv_write_then_read, write_then_read
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
 
@@ -70,25 +69,14 @@ def test_device_writes_of_any_size_take_the_fast_path_and_large_reads_the_measur
     """Once a pair moved a range, its route carries device writes of any size straight to the C call (no request
     building), while reads past 1 MiB keep the slow path, which has the owner push them where pushes win: 64 MiB
     (and 7 bytes, unaligned) written and read back, every byte compared."""
-    length, remote_offset, local_offset = (64 << 20) + 7, 3, 5
-    data = random_bytes(local_offset + length + 1, 64)
-    remote = gpu_peer.register(remote_offset + length + 2, fill=POISON, device=peer_device)
-    with gpu_buffer(gpu_agent, data) as local:
-        gpu_agent.write(local, remote, 0, 0, 4096).wait()  # the pair's first transfer: its route is learned
+    length = (64 << 20) + 7
+
+    def learned(local: ConnBuffer, remote: Any) -> None:
+        gpu_agent.write(local, remote, 5, 3, 4096).wait()  # the pair's first transfer (the write below covers it)
         route = local.inline_routes[remote.id]
         assert route.path == "ucx" and route.max_bytes >= length and route.read_max_bytes == 1 << 20
-        handle = gpu_agent.write(local, remote, local_offset, remote_offset, length)
-        assert handle.state is TransferState.DONE and handle.bytes_total == length  # finished on the caller's thread
-        expected = np.full(remote_offset + length + 2, POISON, np.uint8)
-        expected[:4096] = data[:4096]
-        expected[remote_offset : remote_offset + length] = data[local_offset : local_offset + length]
-        assert_bytes_equal(np.frombuffer(gpu_peer.contents(remote.id), np.uint8), expected, "write")
-        memory.fill(local.region, POISON)
-        gpu_agent.read(local, remote, remote_offset, local_offset, length).wait()
-        mine = np.full(local.size, POISON, np.uint8)
-        mine[local_offset : local_offset + length] = expected[remote_offset : remote_offset + length]
-        assert_bytes_equal(host_copy(local), mine, "read")
-    gpu_peer.unregister(remote.id)
+
+    write_then_read(gpu_agent, gpu_peer, "ucx", length, 3, 5, 2, peer_device=peer_device, before=learned)
 
 
 @pytest.mark.parametrize(("count", "block"), [(4096, 64 << 10), (16384, 16 << 10)])
