@@ -44,6 +44,14 @@ def pair(hmcd: Hmcd) -> Iterator[tuple[FakeAgent, FakeAgent]]:
     dst.close()
 
 
+def submit_4k(client: Client, pair: tuple[FakeAgent, FakeAgent], prefix: str, timeout: float) -> daemon_pb2.TransferStatus:
+    """4 KiB from `<prefix>-src` (the pair's first agent) to `<prefix>-dst` (its second), submitted through `client`."""
+    src_agent, dst_agent = pair
+    src_agent.register(f"{prefix}-src", size=4096)
+    dst_agent.register(f"{prefix}-dst", size=4096)
+    return client.submit(f"{prefix}-src", f"{prefix}-dst", 0, 0, 4096, timeout=timeout)
+
+
 def test_src_owner_is_instructed_to_write(client: Client, pair: tuple[FakeAgent, FakeAgent]) -> None:
     src_agent, dst_agent = pair
     src = src_agent.register("t-src", size=1 << 16)
@@ -86,10 +94,8 @@ def test_migrate_waits_for_done(hmcd: Hmcd, client: Client) -> None:
 
 
 def test_reported_failure_is_the_typed_error(client: Client, pair: tuple[FakeAgent, FakeAgent]) -> None:
-    src_agent, dst_agent = pair
-    src_agent.register("f-src", size=4096)
-    dst_agent.register("f-dst", size=4096)
-    status = client.submit("f-src", "f-dst", 0, 0, 4096, timeout=3.0)
+    src_agent = pair[0]
+    status = submit_4k(client, pair, "f", 3.0)
     wait_until(lambda: src_agent.instructions, what="instruction")
     error = common_pb2.Error(code=common_pb2.ERROR_CODE_ACCESS_DENIED, message="wrong access key for buffer f-dst")
     src_agent.link.report(daemon_pb2.TransferReport(transfer_id=status.transfer_id, state=common_pb2.TRANSFER_STATE_FAILED, error=error))
@@ -97,27 +103,20 @@ def test_reported_failure_is_the_typed_error(client: Client, pair: tuple[FakeAge
         client.wait(status.transfer_id, timeout=3.0)
 
 
-def test_executor_leaving_fails_its_transfers_with_peer_lost(client: Client, hmcd: Hmcd) -> None:
-    src_agent, dst_agent = FakeAgent(hmcd.config()), FakeAgent(hmcd.config())
-    try:
-        src_agent.register("l-src", size=4096)
-        dst_agent.register("l-dst", size=4096)
-        status = client.submit("l-src", "l-dst", 0, 0, 4096, timeout=10.0)
-        wait_until(lambda: src_agent.instructions, what="instruction")
-        src_agent.close()
-        with pytest.raises(BrokenResourceError, match="disconnected"):
-            client.wait(status.transfer_id, timeout=3.0)
-    finally:
-        dst_agent.close()
+def test_executor_leaving_fails_its_transfers_with_peer_lost(client: Client, pair: tuple[FakeAgent, FakeAgent]) -> None:
+    src_agent = pair[0]
+    status = submit_4k(client, pair, "l", 10.0)
+    wait_until(lambda: src_agent.instructions, what="instruction")
+    src_agent.close()
+    with pytest.raises(BrokenResourceError, match="disconnected"):
+        client.wait(status.transfer_id, timeout=3.0)
 
 
 def test_cancel_ends_the_transfer_when_its_executor_confirms(client: Client, pair: tuple[FakeAgent, FakeAgent]) -> None:
     """Cancel tells the executor and answers once it reported the end: until then nothing says it ended (it could
     still land bytes); a report after the end changes nothing."""
-    src_agent, dst_agent = pair
-    src_agent.register("c-src", size=4096)
-    dst_agent.register("c-dst", size=4096)
-    status = client.submit("c-src", "c-dst", 0, 0, 4096, timeout=10.0)
+    src_agent = pair[0]
+    status = submit_4k(client, pair, "c", 10.0)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         cancelling = pool.submit(client.cancel, status.transfer_id)
         wait_until(lambda: status.transfer_id in src_agent.cancels, what="cancel pushed to the executor")
@@ -132,31 +131,24 @@ def test_cancel_ends_the_transfer_when_its_executor_confirms(client: Client, pai
     assert client.status(status.transfer_id).state == common_pb2.TRANSFER_STATE_CANCELLED
 
 
-def test_a_cancel_waiting_for_an_executor_that_dies_ends_with_peer_lost(client: Client, hmcd: Hmcd) -> None:
+def test_a_cancel_waiting_for_an_executor_that_dies_ends_with_peer_lost(client: Client, pair: tuple[FakeAgent, FakeAgent]) -> None:
     """The executor's stream ends while Cancel waits for its confirmation: Cancel answers at once with PEER_LOST."""
-    src_agent, dst_agent = FakeAgent(hmcd.config()), FakeAgent(hmcd.config())
-    try:
-        src_agent.register("x-src", size=4096)
-        dst_agent.register("x-dst", size=4096)
-        status = client.submit("x-src", "x-dst", 0, 0, 4096, timeout=10.0)
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            cancelling = pool.submit(client.cancel, status.transfer_id)
-            wait_until(lambda: status.transfer_id in src_agent.cancels, what="cancel pushed to the executor")
-            src_agent.close()
-            ended = cancelling.result(timeout=10)
-        assert ended.state == common_pb2.TRANSFER_STATE_FAILED and ended.error.code == int(BrokenResourceError.code)
-    finally:
-        dst_agent.close()
+    src_agent = pair[0]
+    status = submit_4k(client, pair, "x", 10.0)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        cancelling = pool.submit(client.cancel, status.transfer_id)
+        wait_until(lambda: status.transfer_id in src_agent.cancels, what="cancel pushed to the executor")
+        src_agent.close()
+        ended = cancelling.result(timeout=10)
+    assert ended.state == common_pb2.TRANSFER_STATE_FAILED and ended.error.code == int(BrokenResourceError.code)
 
 
 def test_a_cancel_the_executor_does_not_confirm_leaves_the_transfer_running(hmcd: Hmcd, pair: tuple[FakeAgent, FakeAgent]) -> None:
     """An executor that finishes the transfer instead: Cancel answers (within its deadline) with it still running,
     and the transfer ends DONE, as it did."""
-    src_agent, dst_agent = pair
-    src_agent.register("u-src", size=4096)
-    dst_agent.register("u-dst", size=4096)
+    src_agent = pair[0]
     with hmcd.client(timeout=1.0) as client:
-        status = client.submit("u-src", "u-dst", 0, 0, 4096, timeout=10.0)
+        status = submit_4k(client, pair, "u", 10.0)
         answered = client.cancel(status.transfer_id)
         assert answered.state not in FINAL
         src_agent.link.report(daemon_pb2.TransferReport(transfer_id=status.transfer_id, state=common_pb2.TRANSFER_STATE_DONE, bytes_done=4096))
@@ -164,10 +156,7 @@ def test_a_cancel_the_executor_does_not_confirm_leaves_the_transfer_running(hmcd
 
 
 def test_deadlines(client: Client, pair: tuple[FakeAgent, FakeAgent]) -> None:
-    src_agent, dst_agent = pair
-    src_agent.register("d-src", size=4096)
-    dst_agent.register("d-dst", size=4096)
-    status = client.submit("d-src", "d-dst", 0, 0, 4096, timeout=0.2)
+    status = submit_4k(client, pair, "d", 0.2)
     with pytest.raises(TimeoutError, match="still"):
         client.wait(status.transfer_id, timeout=0.2)
     with pytest.raises(TimeoutError, match="did not finish within"):  # hmcd's own deadline: timeout_s + grace
