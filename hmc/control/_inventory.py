@@ -18,19 +18,18 @@ from pathlib import Path
 from hmc.config import Config
 from hmc.memory import Device, DeviceKind, Vendor, absent_backends, devices
 from hmc.memory._machine import host_id, rdma_nics
-from hmc.transport._base import Capabilities, PathName
+from hmc.transport._base import Capabilities, PathName, kind_to_proto
 from hmc.v1 import common_pb2, daemon_pb2
 
 __all__ = ["Inventory", "apply_vendor_override", "device_to_proto", "rdma_devices", "transports"]
 
-_KIND = {DeviceKind.HOST: common_pb2.DEVICE_KIND_HOST, DeviceKind.CUDA: common_pb2.DEVICE_KIND_CUDA, DeviceKind.HIP: common_pb2.DEVICE_KIND_HIP}
 _VENDOR = {Vendor.HOST: common_pb2.VENDOR_HOST, Vendor.NVIDIA: common_pb2.VENDOR_NVIDIA, Vendor.AMD: common_pb2.VENDOR_AMD}
 
 
 def device_to_proto(device: Device) -> common_pb2.DeviceInfo:
     return common_pb2.DeviceInfo(
         name=device.name,
-        kind=_KIND[device.kind],
+        kind=kind_to_proto(device.kind),
         index=device.index,
         vendor=_VENDOR[device.vendor],
         physical_vendor=_VENDOR[device.physical_vendor],

@@ -59,7 +59,7 @@ from hmc.errors import (
 )
 from hmc.memory import DeviceKind, MemoryKind, MemoryRegion
 from hmc.memory import backend_for as memory_backend
-from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport
+from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport, kind_to_proto
 from hmc.transport._gpu_copy import Lane
 from hmc.transport._gpu_ipc_completion import _CLOSE_S, _Latch, _Pending, _Waiter
 from hmc.transport._gpu_ipc_mappings import OpenGrant, _enter, _leave, _Mapping, _MappingCache, _Pinned, _Use
@@ -73,7 +73,6 @@ __all__ = ["GpuIpcTransport"]
 
 _log = logging.getLogger(__name__)
 
-_PROTO_KIND = {DeviceKind.CUDA: common_pb2.DEVICE_KIND_CUDA, DeviceKind.HIP: common_pb2.DEVICE_KIND_HIP}
 _HANDLE = {DeviceKind.CUDA: "cuda_ipc", DeviceKind.HIP: "hip_ipc"}
 """The grant field carrying each family's IPC handle."""
 _WITHDRAW_S = 5.0
@@ -106,7 +105,7 @@ class GpuIpcTransport(Transport, _MappingCache):
     ) -> None:
         self._backend = backend
         self._kind = backend.kind
-        self._proto_kind = _PROTO_KIND[backend.kind]
+        self._proto_kind = kind_to_proto(backend.kind)
         self._handle = _HANDLE[backend.kind]
         family = backend.kind.value
         self.capabilities = Capabilities(
