@@ -27,6 +27,7 @@ TOML layout (every key optional; each key has exactly one home)::
     transports = ""                     # HMC_UCX_TRANSPORTS (UCX_TLS syntax, e.g. "tcp" or "sm,cma"; "": UCX's choice)
     library = ""                        # HMC_UCX_LIBRARY (a system UCX's library directory; "": the libucx wheel)
     workers = 2                         # HMC_UCX_WORKERS
+    map_peers = true                    # HMC_UCX_MAP_PEERS
     [paths]
     allow = ["ipc", "staged"]           # HMC_PATHS_ALLOW="ipc,staged" (and _DENY, _PREFER)
     deny = []
@@ -203,6 +204,9 @@ class Config(_Frozen):
     UCX's own choice. The `rdma` path always uses UCX's verbs transports (rc, dc, ud)."""
     ucx_workers: Annotated[int, Field(ge=1, le=64)] = 2
     """UCX workers per path, each on its own progress thread: a large transfer is split across them."""
+    ucx_map_peers: bool = True
+    """Where UCX maps a peer's GPU memory into this process (cuda_ipc, GPUs of one host), move ranges through that
+    mapping with the ipc path's batched copy (one kernel launch a batch) instead of one UCX put or get per range."""
     ucx_library: str = ""
     """Directory of a UCX installation to load instead of the libucx wheel's (a verbs-enabled system UCX for
     InfiniBand/RoCE, e.g. /usr/lib/x86_64-linux-gnu); empty: the wheel."""
@@ -275,7 +279,7 @@ def _optional(fields: Mapping[str, str], *metadata: Any, alias: str = "") -> dic
 
 _TABLES = {
     "transfer": {"timeout_s": "timeout_s", "streams": "staged_streams", "chunk_bytes": "staged_chunk_bytes", "socket_buffer_bytes": "socket_buffer_bytes", "ipc_threads": "ipc_threads"},
-    "ucx": {"transports": "ucx_transports", "library": "ucx_library", "workers": "ucx_workers"},
+    "ucx": {"transports": "ucx_transports", "library": "ucx_library", "workers": "ucx_workers", "map_peers": "ucx_map_peers"},
     "directory": {"kind": "directory", "endpoints": "etcd_endpoints", "prefix": "etcd_prefix", "lease_ttl_s": "etcd_lease_ttl_s", "ca": "etcd_ca", "cert": "etcd_cert", "key": "etcd_key"},
 }
 """[table] key -> Config field; every other scalar field is a top-level key of its own name."""

@@ -82,6 +82,8 @@ def test_scattered_puts_and_gets_in_one_call(peer: tuple) -> None:
         local_src, local_sink = worker.map(source.ctypes.data, SIZE), worker.map(sink.ctypes.data, SIZE)
         endpoint = worker.connect(address)
         to_poisoned, from_pattern = endpoint.unpack(poisoned_key), endpoint.unpack(pattern_key)
+        # another process's host memory: no transport here maps it (tcp sends, cma copies), so ranges go as puts and gets
+        assert to_poisoned.pointer(poisoned_base) is None
         # 512 ranges of 4 KiB, in random order, to random disjoint places
         count, length = 512, 4096
         src_slots = rng.permutation(SIZE // length)[:count].astype(np.uint64) * length
@@ -107,6 +109,8 @@ def test_scattered_puts_and_gets_in_one_call(peer: tuple) -> None:
         assert np.array_equal(sink, expected)
         for key in (to_poisoned, from_pattern):
             key.destroy()
+        with pytest.raises(ClosedResourceError):
+            to_poisoned.pointer(poisoned_base)
         endpoint.close()
         local_src.unmap()
         local_sink.unmap()

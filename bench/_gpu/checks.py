@@ -197,8 +197,12 @@ def floor_checks(workloads: Sequence[Workload], rows: Sequence[Row]) -> list[dic
     return out
 
 
-REFERENCES = (("copy-kernel", "push"), ("cuda-ipc", "kernel"), ("cuda-ipc", "memcpy"), ("device-copy", ""), ("peer-copy", ""), ("torch-gather", ""), ("nccl", ""))
-"""The ceilings and baselines set against NIXL (UCX defaults) in `reference_ratios`."""
+REFERENCES = (
+    ("copy-kernel", "push"), ("cuda-ipc", "kernel"), ("cuda-ipc", "memcpy"), ("device-copy", ""), ("peer-copy", ""), ("torch-gather", ""), ("nccl", ""),
+    ("hmc", "ucx-puts"),
+)
+"""The ceilings and baselines set against NIXL (UCX defaults) in `reference_ratios`; hmc ucx-puts: the ucx path's UCX puts
+(what crosses hosts) on the same UCX as NIXL."""
 
 
 def reference_ratios(workloads: Sequence[Workload], rows: Sequence[Row]) -> list[dict[str, Any]]:

@@ -17,8 +17,11 @@ peer says, and the initiator measures every workload against it:
     staged-hip   the peer runs HMC's HIP backend through the HIP-on-CUDA runtime (HMC_HIP_ON_CUDA=1:
                  its tensors register as hip:N, vendor AMD): a CUDA <-> HIP pair over the shared
                  pinned ring, the HIP end's copies and kernels through hipMemcpyAsync and hiprtc
-    ucx          a plain peer, the ucx path forced (negotiation picks ipc): UCX's puts and gets
-                 with CUDA memory registered, where the UCX of the libucx wheel is installed
+    ucx          a plain peer, the ucx path forced (negotiation picks ipc), where the UCX of the
+                 libucx wheel is installed: CUDA memory registered with UCX, ranges moved through
+                 the peer memory cuda_ipc maps here (HMC's batched copy)
+    ucx-puts     the same, from a second initiator Agent that maps no peer memory
+                 (`ucx_map_peers` off): one UCX put or get per range, what crosses hosts
 
 No path is forced: the first transfer of each row checks that the handle
 reports the path the peer stands for (a row whose negotiation picks another
@@ -73,6 +76,8 @@ class Peer:
     """The target process's environment."""
     what: str
     """For the rows' `detail`."""
+    maps: bool = True
+    """The initiator maps the peer's memory where UCX can (`Config.ucx_map_peers`)."""
 
 
 PEERS = (
@@ -80,7 +85,8 @@ PEERS = (
     Peer("staged", "staged", True, {}, "the peer declares its GPU AMD (vendor override): the shared pinned ring"),
     Peer("staged-tcp", "staged", False, {HOST_ID_ENV: "hmc-gpu-bench-another-host"}, "the peer declares another host (HMC_HOST_ID): pinned rings over TCP"),
     Peer("staged-hip", "staged", False, {SWITCH: "1"}, "the peer runs HMC's HIP backend on the HIP-on-CUDA runtime: a CUDA <-> HIP pair, the shared pinned ring"),
-    Peer("ucx", "ucx", False, {}, "a plain peer, the ucx path forced: UCX's one-sided puts and gets (cuda_ipc, cuda_copy) between the two processes"),
+    Peer("ucx", "ucx", False, {}, "a plain peer, the ucx path forced: UCX (cuda_ipc, cuda_copy), ranges through the peer memory cuda_ipc maps here"),
+    Peer("ucx-puts", "ucx", False, {}, "a plain peer, the ucx path forced, an initiator that maps no peer memory: one UCX put or get per range (cuda_ipc, cuda_copy)", maps=False),
 )
 HMC_PATHS = tuple(p.label for p in PEERS)
 
@@ -157,16 +163,27 @@ def hmc_rows(workloads: Sequence[Workload], timing: Timing, on_row: Callable[[Ro
 
     size = sizes_of(workloads)
     rows: list[Row] = []
-    with Agent(Config(), daemon=False) as agent:
+    with contextlib.ExitStack() as stack:
         tensors = src, dst = source_and_destination(size, devices.src)
-        mine = _Side(agent.register(src, name="gpu-bench-src"), agent.register(dst, name="gpu-bench-dst"))
-        offered = {t.path for t in agent.info.transports}
+        initiators: dict[bool, tuple[Any, _Side]] = {}
+
+        def initiator(maps: bool) -> tuple[Any, _Side]:
+            """The initiator Agent (made once) mapping peer memory or not, with the tensors registered."""
+            if maps not in initiators:
+                agent = stack.enter_context(Agent(Config(ucx_map_peers=maps), daemon=False))
+                suffix = "" if maps else "-puts"
+                initiators[maps] = agent, _Side(agent.register(src, name=f"gpu-bench-src{suffix}"), agent.register(dst, name=f"gpu-bench-dst{suffix}"))
+            return initiators[maps]
+
+        info = initiator(True)[0].info
+        offered = {t.path for t in info.transports}
         for peer in (p for p in PEERS if p.label in paths):
             if peer.path not in offered:  # e.g. ucx where its binding was not built: no rows, the reason said
-                why = next((u.reason for u in agent.info.unavailable if u.path == peer.path), "not offered by this agent")
+                why = next((u.reason for u in info.unavailable if u.path == peer.path), "not offered by this agent")
                 for system in systems if on_skip is not None else ():
                     on_skip(f"{system} {peer.label}", f"path {peer.path}: {why}")
                 continue
+            agent, mine = initiator(peer.maps)
             with _started(peer, size, devices.dst) as (conn, proc, theirs):
                 try:
                     for op in OPS:

@@ -37,7 +37,7 @@ def default_transports(
         UcxTransport(
             functools.partial(peers.open_grant, path=path.value), peers.push, path=path,
             transports=config.ucx_transports, library=config.ucx_library, workers=config.ucx_workers, timeout_s=config.timeout_s,
-            agent_id=agent_id, on_measured=on_measured,
+            agent_id=agent_id, on_measured=on_measured, map_peers=config.ucx_map_peers,
         )  # fmt: skip
         for path in (PathName.RDMA, PathName.UCX)
     ]

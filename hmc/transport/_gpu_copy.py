@@ -284,6 +284,10 @@ class Lane:
 
         return copy
 
+    def current(self) -> contextlib.AbstractContextManager[Any]:
+        """A block with the lane's GPU current on the calling thread (the caller's restored after)."""
+        return self._rt.use(self.ordinal)
+
     def record(self) -> Any:
         """An event marking everything queued so far (release it with release_event)."""
         with self._rt.use(self.ordinal):

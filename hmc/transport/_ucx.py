@@ -45,6 +45,7 @@ from hmc.transport import _ucx_engine as engine
 from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport, kind_to_proto
 from hmc.transport._ranges import RangeList
 from hmc.transport._ucx_lanes import STOP_WAIT_S, Grant, Lanes, connect, memory_kind
+from hmc.transport._ucx_mapped import PeerMemory
 from hmc.transport._wire import raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
@@ -123,9 +124,11 @@ class UcxTransport(Transport):
     def __init__(
         self, open_grant: OpenGrant, request_push: RequestPush, *, path: PathName = PathName.UCX, transports: str = "", library: str = "",
         workers: int = 2, timeout_s: float = 30.0, agent_id: str = "", on_measured: Callable[[common_pb2.PathMeasurement], None] | None = None,
+        map_peers: bool = True,
     ) -> None:  # fmt: skip
         """`agent_id`: the agent's, named in its measurements; `on_measured`: told of each pair's first measurement (the
-        agent passes it on to hmcd); it must not raise."""
+        agent passes it on to hmcd); it must not raise. `map_peers`: move GPU ranges through the peer memory UCX maps
+        here, where it maps it (`_ucx_mapped`), instead of one UCX put or get per range."""
         if path not in (PathName.UCX, PathName.RDMA):
             raise ArgumentError(f"the UCX engine serves the ucx and rdma paths, not {path.value}")
         if not 1 <= workers <= 64:
@@ -140,6 +143,7 @@ class UcxTransport(Transport):
         """The deadline of an inline copy (the agent gives those no timeout of their own)."""
         self._agent_id = agent_id
         self._on_measured = on_measured
+        self._peer_memory = PeerMemory() if map_peers else None
         self._capabilities = Capabilities(path=path, memory_kinds=frozenset(), one_sided=True)
         self._context: engine.Context | None = None
         self._lanes: Lanes | None = None
@@ -216,7 +220,7 @@ class UcxTransport(Transport):
         with self._lock:
             grant = self._grants.get(remote.id)
         if grant is None or grant.key != remote.access_key or grant.revoked is not None:
-            grant = Grant.granted(self._open_grant(remote, deadline), remote.access_key, remote.owner.id, self._workers)
+            grant = Grant.granted(self._open_grant(remote, deadline), remote, self._workers)
             with self._lock:
                 self._grants[remote.id] = grant
         return grant
@@ -241,7 +245,7 @@ class UcxTransport(Transport):
                 return
             total = request.ranges.total
             device = memory_kind(request.local) is not DeviceKind.HOST
-            if (device and len(request.ranges) <= _INLINE_RANGES) or (len(request.ranges) == 1 and total <= _INLINE_BYTES):
+            if (device and (len(request.ranges) <= _INLINE_RANGES or self._maps(grant, request.local.region.device))) or (len(request.ranges) == 1 and total <= _INLINE_BYTES):
                 self._run_inline(request, grant, mapping)
                 request.completion.add_bytes(total)
                 request.completion.finish()
@@ -280,7 +284,7 @@ class UcxTransport(Transport):
         piece = RangeList.build(0, 0, length)
 
         def get() -> None:
-            self._copy_inline(TransferOp.READ, grant, scratch.mapping, scratch.address, 0, length, max(request.deadline - time.monotonic(), 1e-3))
+            self._copy_inline(TransferOp.READ, grant, scratch.mapping, scratch.region.device, scratch.address, 0, 0, length, max(request.deadline - time.monotonic(), 1e-3))
 
         def push() -> None:
             self._push_and_wait(request.remote, piece, scratch, scratch.mapping, request.deadline)
@@ -393,30 +397,69 @@ class UcxTransport(Transport):
         with self._lock:
             return [_copy(probe) for probe in self._probes.values()]
 
-    def _copy_inline(self, op: TransferOp, grant: Grant, mapping: engine.Mapping, local_addresses: Any, remote_offsets: Any, lengths: Any, timeout_s: float) -> None:
-        """Ranges (ints: one; arrays: a batch) on the caller's thread through the callers' worker, checked by the
-        caller: posted, flushed and waited for in C."""
+    def _copy_inline(
+        self, op: TransferOp, grant: Grant, mapping: engine.Mapping, device: Any, local_base: int, local: Any, remote: Any, lengths: Any, timeout_s: float,
+    ) -> None:  # fmt: skip
+        """Ranges (ints: one; int64 offset arrays: a batch) between local memory at `local_base` on `device` and the
+        grant's buffer, checked by the caller, on the caller's thread: through the peer's memory where UCX maps it
+        here (a GPU copy), else posted, flushed and waited for in C through the callers' worker."""
         inline = self._inline
         if inline is None:
             raise UnsupportedError(f"the {self._path.value} path is not running")
         if op is TransferOp.WRITE and grant.read_only:
             raise AccessDeniedError(f"buffer {grant.buffer_id} is read-only: its owner grants reads only")
+        deadline = time.monotonic() + timeout_s
         with self._lock:
             if grant.revoked is not None:
                 raise grant.revoked
             grant.flights += 1
+        landed = True
         try:
             with inline.lock:
-                address = grant.worker(0)
-                endpoint = inline.endpoints.get(address)
-                if endpoint is None:
-                    endpoint = inline.endpoints[address] = connect(inline.worker, address, grant)
-                if grant.inline_rkey is None:
-                    grant.inline_rkey = endpoint.unpack(grant.rkey)
-                remote = grant.address + remote_offsets if isinstance(remote_offsets, int) else remote_offsets.astype(np.uint64) + np.uint64(grant.address)
-                endpoint.rma(op.value, mapping, local_addresses, remote, lengths, grant.inline_rkey, timeout_s)
+                endpoint, rkey = self._inline_key(inline, grant)
+                mapped = self._mapped(grant, device, rkey)
+                if not mapped:
+                    if isinstance(lengths, int):
+                        endpoint.rma(op.value, mapping, local_base + local, grant.address + remote, lengths, rkey, timeout_s)
+                    else:
+                        endpoint.rma(op.value, mapping, local.astype(np.uint64) + np.uint64(local_base), remote.astype(np.uint64) + np.uint64(grant.address), lengths, rkey, timeout_s)
+                    return
+            peers = self._peer_memory
+            assert peers is not None  # only it maps
+            if not peers.copy(device, op, local_base, local, mapped, remote, lengths, deadline):
+                landed = peers.settle(device, time.monotonic() + STOP_WAIT_S)
+                if not landed:  # the grant stays counted in flight: a withdrawal must not free what the GPU may still write
+                    _log.error("a %s copy on %s still runs %.0f s after its deadline", self._path.value, device.name, STOP_WAIT_S)
+                raise TimeoutError(f"{self._path.value} copy missed its deadline")
         finally:
-            self._release(grant)
+            if landed:
+                self._release(grant)
+
+    def _inline_key(self, inline: _Inline, grant: Grant) -> tuple[engine.Endpoint, engine.RemoteKey]:
+        """The callers' worker's endpoint to the grant's owner and its key for the grant (made once); under `inline.lock`."""
+        address = grant.worker(0)
+        endpoint = inline.endpoints.get(address)
+        if endpoint is None:
+            endpoint = inline.endpoints[address] = connect(inline.worker, address, grant)
+        if grant.inline_rkey is None:
+            grant.inline_rkey = endpoint.unpack(grant.rkey)
+        return endpoint, grant.inline_rkey
+
+    def _mapped(self, grant: Grant, device: Any, rkey: engine.RemoteKey) -> int:
+        """Where UCX maps the grant's buffer for local GPU `device` (0: nowhere, or `device` is the host, or another kind of
+        memory than the buffer's, or mapping is off); under `_Inline.lock`."""
+        peers = self._peer_memory
+        if peers is None or device is None or device.kind is DeviceKind.HOST or grant.remote_kind != kind_to_proto(device.kind):
+            return 0
+        return peers.base(grant, device, rkey)
+
+    def _maps(self, grant: Grant, device: Any) -> bool:
+        """Whether a transfer of the grant's buffer with local memory on `device` goes through a mapping (asked once)."""
+        inline = self._inline
+        if inline is None or self._peer_memory is None:
+            return False
+        with inline.lock:
+            return bool(self._mapped(grant, device, self._inline_key(inline, grant)[1]))
 
     def _run_inline(self, request: TransferRequest, grant: Grant, mapping: engine.Mapping) -> None:
         """The whole request on the caller's thread (device memory: copies end within microseconds, no thread hop)."""
@@ -425,11 +468,12 @@ class UcxTransport(Transport):
             raise TimeoutError(f"{self._path.value} transfer missed its deadline")
         ranges = request.ranges
         local, remote = (ranges.src, ranges.dst) if request.op is TransferOp.WRITE else (ranges.dst, ranges.src)
-        base = request.local.region.address
+        region = request.local.region
+        device = region.device if region.kind is MemoryKind.DEVICE else None
         if len(ranges) == 1:
-            self._copy_inline(request.op, grant, mapping, base + int(local[0]), int(remote[0]), int(ranges.lengths[0]), remaining)
+            self._copy_inline(request.op, grant, mapping, device, region.address, int(local[0]), int(remote[0]), int(ranges.lengths[0]), remaining)
         else:
-            self._copy_inline(request.op, grant, mapping, local.astype(np.uint64) + np.uint64(base), remote, ranges.lengths, remaining)
+            self._copy_inline(request.op, grant, mapping, device, region.address, local, remote, ranges.lengths, remaining)
 
     def inline(self, local: Any, remote: common_pb2.BufferDescriptor) -> InlineCopy | None:
         """One small range on the caller's thread, once the pair has a grant (after its first transfer)."""
@@ -439,19 +483,22 @@ class UcxTransport(Transport):
             mapping = self._mappings.get(local.id)
         if grant is None or grant.key != remote.access_key or grant.revoked is not None or mapping is None:
             return None
-        base = local.region.address
+        region = local.region
+        base, device = region.address, (region.device if region.kind is MemoryKind.DEVICE else None)
 
         def write(local_offset: int, remote_offset: int, length: int) -> None:
-            self._copy_inline(TransferOp.WRITE, grant, mapping, base + local_offset, remote_offset, length, self._timeout_s)
+            self._copy_inline(TransferOp.WRITE, grant, mapping, device, base, local_offset, remote_offset, length, self._timeout_s)
 
         def read(local_offset: int, remote_offset: int, length: int) -> None:
-            self._copy_inline(TransferOp.READ, grant, mapping, base + local_offset, remote_offset, length, self._timeout_s)
+            self._copy_inline(TransferOp.READ, grant, mapping, device, base, local_offset, remote_offset, length, self._timeout_s)
 
-        if memory_kind(local) is DeviceKind.HOST:
+        if device is None:
             return InlineCopy(write=write, read=read, local_size=local.size, remote_size=grant.size, max_bytes=_INLINE_BYTES, waits=True)
         # Device memory: a range of any size (post() moves it on the caller's thread too, after ~80 us of request
-        # building that this skips); reads past _INLINE_BYTES take the slow path, which may have the owner push them.
-        return InlineCopy(write=write, read=read, local_size=local.size, remote_size=grant.size, max_bytes=local.size, read_max_bytes=_INLINE_BYTES, waits=True)
+        # building that this skips); reads past _INLINE_BYTES take the slow path, which may have the owner push them,
+        # unless the peer's memory is mapped here (a get is then a GPU copy).
+        reads = local.size if grant.mapped.get(device.name) else _INLINE_BYTES
+        return InlineCopy(write=write, read=read, local_size=local.size, remote_size=grant.size, max_bytes=local.size, read_max_bytes=reads, waits=True)
 
     def _release(self, grant: Grant) -> None:
         """A transfer of `grant` has nothing in flight any more (a withdrawal waits for all of them)."""
@@ -502,6 +549,8 @@ class UcxTransport(Transport):
         if inline is not None:
             with inline.lock:
                 inline.worker.close()
+        if self._peer_memory is not None:
+            self._peer_memory.close(time.monotonic() + STOP_WAIT_S)
         if self._context is not None:
             self._context.close()
             self._context = None

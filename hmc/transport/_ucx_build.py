@@ -71,6 +71,7 @@ ucs_status_t ucp_rkey_pack(ucp_context_h, ucp_mem_h, void **, size_t *);
 void ucp_rkey_buffer_release(void *);
 ucs_status_t ucp_ep_rkey_unpack(ucp_ep_h, const void *, ucp_rkey_h *);
 void ucp_rkey_destroy(ucp_rkey_h);
+ucs_status_t ucp_rkey_ptr(ucp_rkey_h, uint64_t, void **);
 const char *ucs_status_string(ucs_status_t);
 ucs_status_t ucp_config_read(const char *, const char *, ucp_config_t **);
 ucs_status_t ucp_config_modify(ucp_config_t *, const char *, const char *);

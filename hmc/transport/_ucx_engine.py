@@ -343,6 +343,16 @@ class RemoteKey(_Owned):
         self._worker = worker
         self.handle = handle
 
+    def pointer(self, address: int) -> int | None:
+        """Where the peer's `address` is mapped into this process, when a transport of this key maps it (`ucp_rkey_ptr`:
+        cuda_ipc, between GPUs of one host; the GPU to map it on must be current); None when none does."""
+        self._check_open()
+        ffi, lib = self._worker._ffi, self._worker._lib
+        out = ffi.new("void **")
+        if lib.ucp_rkey_ptr(self.handle, address, out) != lib.UCS_OK:
+            return None
+        return int(ffi.cast("uintptr_t", out[0])) or None
+
     def destroy(self) -> None:
         self.release()
 

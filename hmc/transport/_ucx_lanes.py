@@ -52,9 +52,11 @@ STOP_WAIT_S = 5.0
 class Grant:
     """The right to put into / get from one remote buffer, with the keys each lane unpacked for it."""
 
-    __slots__ = ("address", "buffer_id", "flights", "inline_rkey", "key", "owner", "read_only", "revoked", "rkey", "rkeys", "size", "workers")
+    __slots__ = ("address", "buffer_id", "flights", "inline_rkey", "key", "mapped", "owner", "read_only", "remote_kind", "revoked", "rkey", "rkeys", "size", "workers")
 
-    def __init__(self, handle: common_pb2.UcxHandle, *, buffer_id: str, size: int, read_only: bool, key: bytes, owner: str, lanes: int) -> None:
+    def __init__(
+        self, handle: common_pb2.UcxHandle, *, buffer_id: str, size: int, read_only: bool, key: bytes, owner: str, lanes: int, remote_kind: int = 0,
+    ) -> None:  # fmt: skip
         workers = [bytes(w) for w in handle.workers]
         if not handle.rkey or not workers or any(not 0 < len(w) <= _MAX_WORKER_ADDRESS for w in workers):
             raise UnsupportedError(f"agent {owner or '?'} gave buffer {buffer_id} without a usable UCX key and worker address")
@@ -66,12 +68,20 @@ class Grant:
         """Per lane, unpacked on that lane's thread."""
         self.inline_rkey: engine.RemoteKey | None = None
         """For the callers' own worker (`_Inline`), unpacked under its lock."""
+        self.remote_kind = remote_kind
+        """The buffer's device kind (common.proto; 0: not known, as for a pushed read's target)."""
+        self.mapped: dict[str, int] = {}
+        """Local GPU name -> where UCX maps the buffer for it (0: nowhere); set under `_Inline`'s lock (`_ucx_mapped`)."""
         self.flights = 0
         self.revoked: HMCError | None = None
 
     @classmethod
-    def granted(cls, message: peer_pb2.BufferGrant, key: bytes, owner: str, lanes: int) -> Grant:
-        return cls(message.handles.ucx, buffer_id=message.buffer_id, size=message.size, read_only=message.read_only, key=key, owner=owner, lanes=lanes)
+    def granted(cls, message: peer_pb2.BufferGrant, remote: common_pb2.BufferDescriptor, lanes: int) -> Grant:
+        """The grant of `remote` that its owner sent."""
+        return cls(
+            message.handles.ucx, buffer_id=message.buffer_id, size=message.size, read_only=message.read_only, key=remote.access_key, owner=remote.owner.id,
+            lanes=lanes, remote_kind=remote.device.kind,
+        )  # fmt: skip
 
     def worker(self, lane: int) -> bytes:
         return self.workers[lane % len(self.workers)]

@@ -2,10 +2,11 @@
 
 This process's Agent owns buffers on cuda:0, a `PeerProcess` owns buffers on `peer_device` (cuda:1 where two
 GPUs are visible, cuda:0 in the other process where one is); both restrict negotiation to `ucx`, so UCX's
-CUDA transports (cuda_ipc, cuda_copy) carry the bytes. Random data into poisoned destinations, both ways,
-odd sizes and unaligned offsets, the KV patterns (4096 x 64 KiB and 16384 x 16 KiB random ranges), every
-byte compared (host copies, or BLAKE2b digests of whole buffers). Skipped, with the reason, where the UCP
-binding is not built or this UCX cannot register CUDA memory.
+CUDA transports (cuda_ipc, cuda_copy) carry the bytes: through the peer memory cuda_ipc maps here (HMC's
+batched copy), and, with `ucx_map_peers` off (`puts_agent`), as one UCX put or get per range. Random data
+into poisoned destinations, both ways, odd sizes and unaligned offsets, the KV patterns (4096 x 64 KiB and
+16384 x 16 KiB random ranges), every byte compared (host copies, or BLAKE2b digests of whole buffers).
+Skipped, with the reason, where the UCP binding is not built or this UCX cannot register CUDA memory.
 """
 
 from __future__ import annotations
@@ -51,6 +52,13 @@ def gpu_peer(gpu_config: Config) -> Iterator[PeerProcess]:
         yield peer
 
 
+@pytest.fixture(scope="module")
+def puts_agent(gpu_config: Config) -> Iterator[Agent]:
+    """An agent that maps no peer memory: every range is a UCX put or get (as between hosts)."""
+    with Agent(Config(socket=gpu_config.socket, timeout_s=60.0, policy=gpu_config.policy, ucx_map_peers=False), daemon=False) as agent:
+        yield agent
+
+
 def test_ucx_declares_cuda_memory(gpu_agent: Agent) -> None:
     [ucx] = [t for t in gpu_agent.info.transports if t.path == "ucx"]
     if common_pb2.DEVICE_KIND_CUDA not in ucx.memory_kinds:
@@ -65,23 +73,32 @@ def test_write_then_read_odd_sizes_unaligned_offsets(
     write_then_read(gpu_agent, gpu_peer, "ucx", length, remote_offset, local_offset, slack, peer_device=peer_device)
 
 
-def test_device_writes_of_any_size_take_the_fast_path_and_large_reads_the_measured_one(gpu_agent: Agent, gpu_peer: PeerProcess, peer_device: str) -> None:
-    """Once a pair moved a range, its route carries device writes of any size straight to the C call (no request
-    building), while reads past 1 MiB keep the slow path, which has the owner push them where pushes win: 64 MiB
-    (and 7 bytes, unaligned) written and read back, every byte compared."""
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "puts"])
+def test_device_writes_of_any_size_take_the_fast_path_and_large_reads_the_measured_one(
+    gpu_agent: Agent, puts_agent: Agent, gpu_peer: PeerProcess, peer_device: str, mapped: bool
+) -> None:
+    """Once a pair moved a range, its route carries device writes of any size straight to the copy (no request
+    building); reads too where the peer's memory is mapped here, while with puts and gets reads past 1 MiB keep the
+    slow path, which has the owner push them where pushes win: 64 MiB (and 7 bytes, unaligned) written and read
+    back, every byte compared."""
+    agent = gpu_agent if mapped else puts_agent
     length = (64 << 20) + 7
 
     def learned(local: ConnBuffer, remote: Any) -> None:
-        gpu_agent.write(local, remote, 5, 3, 4096).wait()  # the pair's first transfer (the write below covers it)
+        agent.write(local, remote, 5, 3, 4096).wait()  # the pair's first transfer (the write below covers it)
         route = local.inline_routes[remote.id]
-        assert route.path == "ucx" and route.max_bytes >= length and route.read_max_bytes == 1 << 20
+        assert route.path == "ucx" and route.max_bytes >= length
+        assert route.read_max_bytes == (local.size if mapped else 1 << 20)
 
-    write_then_read(gpu_agent, gpu_peer, "ucx", length, 3, 5, 2, peer_device=peer_device, before=learned)
+    write_then_read(agent, gpu_peer, "ucx", length, 3, 5, 2, peer_device=peer_device, before=learned)
 
 
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "puts"])
 @pytest.mark.parametrize(("count", "block"), [(4096, 64 << 10), (16384, 16 << 10)])
-def test_kv_random_ranges_both_ways_every_byte(gpu_agent: Agent, gpu_peer: PeerProcess, peer_device: str, count: int, block: int) -> None:
-    kv_write_then_read(gpu_agent, gpu_peer, "ucx", count, block, KV_TOTAL, peer_device=peer_device)
+def test_kv_random_ranges_both_ways_every_byte(
+    gpu_agent: Agent, puts_agent: Agent, gpu_peer: PeerProcess, peer_device: str, count: int, block: int, mapped: bool
+) -> None:
+    kv_write_then_read(gpu_agent if mapped else puts_agent, gpu_peer, "ucx", count, block, KV_TOTAL, peer_device=peer_device)
 
 
 def test_rdma_exports_cuda_memory_as_dma_buf_up_to_where_a_verbs_device_is_needed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -263,7 +263,8 @@ def test_hmc_rows_every_peer_both_ops_on_host_memory() -> None:
     assert details["staged"].endswith("path staged (forced: negotiation picked ipc)")
     # host memory of two hosts: ucx where its binding is built (it ranks above staged), staged where it is not
     assert details["staged-tcp"].endswith(("path staged (negotiated)", "path staged (forced: negotiation picked ucx)"))
-    assert details["ucx"].endswith(("path ucx (forced: negotiation picked ipc)"))
+    assert details["ucx"].endswith("path ucx (forced: negotiation picked ipc)")
+    assert details["ucx-puts"].endswith("path ucx (forced: negotiation picked ipc)") and "maps no peer memory" in details["ucx-puts"]
 
 
 def _quick_run(tmp_path: Path, gpus: int) -> dict:

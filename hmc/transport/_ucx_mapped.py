@@ -1,0 +1,90 @@
+"""Ranges of the `ucx` path moved through the peer memory that UCX maps into this process (`ucp_rkey_ptr`).
+
+Where UCX reaches a peer's GPU memory through a mapping (cuda_ipc, between GPUs of one host), UCX 1.22 still
+moves each range as a cuMemcpyAsync of its own, at several microseconds of CPU per range (one H100: 4096 x
+64 KiB ranges at 12 GB/s; its batched put, cuMemcpyBatchAsync behind `put_sgl_zcopy`, came to cuda_ipc after
+1.22). Through the same mapping, the ipc path's batched copy (`hmc.transport._gpu_copy.Lane`) moves a whole
+batch with one kernel launch, and a single range with one memcpyAsync polled on the spot. `PeerMemory` keeps
+one such lane per local GPU and, in each grant, the peer buffer's mapped address per local GPU (0: UCX maps
+none there, and the ranges go as UCX puts and gets).
+
+The mapping is UCX's: it lives in cuda_ipc's cache of opened handles for as long as the peer's memory does;
+a grant is used only while it is not revoked and counted in flight (`UcxTransport._copy_inline`), as for
+puts and gets.
+
+Concurrency: `_lock` guards the lanes; a grant's `mapped` is read and set under the transport's `_Inline.lock`
+(where its remote key is unpacked); copies run outside both, and a lane takes any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hmc import memory
+from hmc.memory import Device
+from hmc.transport._base import TransferOp
+from hmc.transport._gpu_copy import Lane
+
+if TYPE_CHECKING:
+    from hmc.memory._gpu import GpuBackend
+    from hmc.transport._ucx_engine import RemoteKey
+    from hmc.transport._ucx_lanes import Grant
+
+__all__ = ["PeerMemory"]
+
+_CLOSE_S = 2.0
+
+
+class PeerMemory:
+    """One copy lane per local GPU, and the copies that go through grants' mapped addresses."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # guards _lanes
+        self._lanes: dict[str, Lane] = {}
+
+    def lane(self, device: Device) -> Lane:
+        """`device`'s copy lane (made on first use)."""
+        with self._lock:
+            lane = self._lanes.get(device.name)
+            if lane is None:
+                backend: GpuBackend = memory.backend_for(device)  # type: ignore[assignment]
+                lane = self._lanes[device.name] = Lane(backend, device)
+            return lane
+
+    def base(self, grant: Grant, device: Device, rkey: RemoteKey) -> int:
+        """Where `grant`'s buffer is mapped for `device` (0: not mapped), asked of UCX once per grant and GPU; the caller
+        holds the lock of `rkey`'s worker."""
+        mapped = grant.mapped.get(device.name)
+        if mapped is None:
+            with self.lane(device).current():  # cuda_ipc maps the peer's memory for the current GPU
+                mapped = grant.mapped[device.name] = rkey.pointer(grant.address) or 0
+        return mapped
+
+    def copy(
+        self, device: Device, op: TransferOp, local_base: int, local: Any, remote_base: int, remote: Any, lengths: Any, deadline: float,
+    ) -> bool:  # fmt: skip
+        """Move one range (ints) or a batch (int64 offset arrays) between local memory and a mapped peer buffer; True once
+        the GPU finished, False when `deadline` passed first (the copy may still run: see `settle`)."""
+        lane = self.lane(device)
+        src_base, src, dst_base, dst = (local_base, local, remote_base, remote) if op is TransferOp.WRITE else (remote_base, remote, local_base, local)
+        if isinstance(lengths, int):
+            return bool(lane.copy_now(dst_base + dst, src_base + src, lengths, deadline))
+        event = lane.enqueue(np.asarray(src, dtype=np.int64), src_base, np.asarray(dst, dtype=np.int64), dst_base, lengths, deadline, record=True)
+        if not lane.event_wait(event, deadline):
+            return False
+        lane.release_event(event)
+        return True
+
+    def settle(self, device: Device, deadline: float) -> bool:
+        """After a copy missed its deadline: wait until `device`'s lane is idle (True), or `deadline` passes (False: what
+        it copies may still land)."""
+        return bool(self.lane(device).wait_idle(deadline))
+
+    def close(self, deadline: float) -> None:
+        with self._lock:
+            lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            lane.close(deadline)
