@@ -14,7 +14,9 @@ that UCX emulates (tcp, shared memory); cma and cuda_ipc land without them. It a
 want pushed (`push`: a Push frame, checked by the peer server).
 
 Initiator side. `post` asks the owner for a grant once per (buffer, key) on the caller's thread, then moves
-the ranges on the caller's thread or hands them to the lanes. Reads from an owner are measured once per pair
+the ranges on the caller's thread or hands them to the lanes. GPU memory whose peer buffer UCX maps here
+(cuda_ipc: `ucp_rkey_ptr`) moves through that mapping, a batch in one kernel launch, on the caller's thread
+(`_ucx_mapped`; `map_peers`). Reads from an owner are measured once per pair
 of memory kinds (`_probe`: a get and a push by the owner into a scratch buffer) and pushed by the owner where
 pushes win (`_pull_by_push`). The notification that may follow is sent by the agent after the transfer ended.
 
@@ -446,12 +448,8 @@ class UcxTransport(Transport):
         return endpoint, grant.inline_rkey
 
     def _mapped(self, grant: Grant, device: Any, rkey: engine.RemoteKey) -> int:
-        """Where UCX maps the grant's buffer for local GPU `device` (0: nowhere, or `device` is the host, or another kind of
-        memory than the buffer's, or mapping is off); under `_Inline.lock`."""
-        peers = self._peer_memory
-        if peers is None or device is None or device.kind is DeviceKind.HOST or grant.remote_kind != kind_to_proto(device.kind):
-            return 0
-        return peers.base(grant, device, rkey)
+        """Where UCX maps the grant's buffer for local `device` (0: nowhere, or mapping is off); under `_Inline.lock`."""
+        return 0 if self._peer_memory is None else self._peer_memory.base(grant, device, rkey)
 
     def _maps(self, grant: Grant, device: Any) -> bool:
         """Whether a transfer of the grant's buffer with local memory on `device` goes through a mapping (asked once)."""

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hmc import memory
-from hmc.memory import Device
-from hmc.transport._base import TransferOp
+from hmc.memory import Device, DeviceKind
+from hmc.transport._base import TransferOp, kind_to_proto
 from hmc.transport._gpu_copy import Lane
 
 if TYPE_CHECKING:
@@ -54,9 +54,12 @@ class PeerMemory:
                 lane = self._lanes[device.name] = Lane(backend, device)
             return lane
 
-    def base(self, grant: Grant, device: Device, rkey: RemoteKey) -> int:
-        """Where `grant`'s buffer is mapped for `device` (0: not mapped), asked of UCX once per grant and GPU; the caller
-        holds the lock of `rkey`'s worker."""
+    def base(self, grant: Grant, device: Device | None, rkey: RemoteKey) -> int:
+        """Where `grant`'s buffer is mapped for local memory on `device` (0: not mapped; always for the host, and for
+        memory of another kind than the buffer's), asked of UCX once per grant and GPU; the caller holds the lock of
+        `rkey`'s worker."""
+        if device is None or device.kind is DeviceKind.HOST or grant.remote_kind != kind_to_proto(device.kind):
+            return 0
         mapped = grant.mapped.get(device.name)
         if mapped is None:
             with self.lane(device).current():  # cuda_ipc maps the peer's memory for the current GPU
