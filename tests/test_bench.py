@@ -51,3 +51,29 @@ def test_bench_quick_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
 def test_bench_rejects_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--paths", "ipc,rdma-ish"]) == 1
     assert "unknown path rdma-ish" in capsys.readouterr().err
+
+
+def test_bench_rounds_report_each_rows_best_round(capsys: pytest.CaptureFixture[str]) -> None:
+    """Three rounds of every system, one after the other: one row per (system, path, op, workload), the round with the
+    highest GB/s, every round's figures beside it."""
+    code = main([
+        "bench", "--quick", "--json", "--quiet", "--paths", "local", "--ops", "write", "--baselines", "memcpy", "--workloads", "bulk",
+        "--iterations-time", "0.01", "--rounds", "3",
+    ])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    bulk = [w.name for w in quick_workloads() if w.kind == "bulk"]
+    keys = [(r["system"], r["path"], r["op"], r["workload"]) for r in report["rows"]]
+    assert len(keys) == len(set(keys)) == 2 * len(bulk)
+    for row in report["rows"]:
+        assert len(row["rounds_gbps"]) == len(row["rounds_p50_us"]) == 3
+        assert row["gbps"] == max(row["rounds_gbps"]) and row["p50_lat_us"] in row["rounds_p50_us"]
+        assert row["verified"] is True
+    assert report["settings"]["rounds"] == 3 and report["command"].endswith("--rounds 3")
+    assert set(report["machine"]["interference"]) == {f"{s} round {i}" for s in ("hmc", "memcpy") for i in range(3)}
+
+
+@pytest.mark.parametrize("rounds", ["0", "21", "-1"])
+def test_bench_refuses_rounds_out_of_range(capsys: pytest.CaptureFixture[str], rounds: str) -> None:
+    assert main(["bench", "--quick", "--rounds", rounds]) == 1
+    assert "--rounds must be 1..20" in capsys.readouterr().err

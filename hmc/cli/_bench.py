@@ -84,12 +84,15 @@ def _spec(args: argparse.Namespace) -> BenchSpec:
     seconds = args.iterations_time if args.iterations_time is not None else (0.05 if args.quick else 0.5)
     if seconds <= 0:
         raise ArgumentError("--iterations-time must be positive")
+    if not 1 <= args.rounds <= 20:
+        raise ArgumentError(f"--rounds must be 1..20, got {args.rounds}")
     return BenchSpec(
         workloads=workloads,
         paths=_choices(args.paths, PATHS, "path", none_ok=True),
         ops=_choices(args.ops, OPS, "op"),
         baselines=_choices(args.baselines, BASELINES, "baseline", none_ok=True),
         timing=Timing(seconds=seconds),
+        rounds=args.rounds,
     )
 
 
@@ -99,7 +102,7 @@ def _command(args: argparse.Namespace, spec: BenchSpec) -> list[str]:
         "hmc", "bench", *(["--quick"] if args.quick else []),
         "--paths", ",".join(spec.paths) or "none", "--ops", ",".join(spec.ops).lower(),
         "--workloads", args.workloads, "--baselines", ",".join(spec.baselines) or "none",
-        "--iterations-time", str(spec.timing.seconds),
+        "--iterations-time", str(spec.timing.seconds), *(["--rounds", str(spec.rounds)] if spec.rounds > 1 else []),
     ]
 
 
@@ -152,7 +155,7 @@ def _print_report(report: dict[str, Any]) -> None:
 
 def _run(args: argparse.Namespace, config: Config) -> int:
     spec = _spec(args)
-    progress = Progress(sum(spec.units().values()), "hmc bench", enabled=not args.quiet)
+    progress = Progress(spec.rounds * sum(spec.units().values()), "hmc bench", enabled=not args.quiet)
     report = run(spec, config, lambda units, note: progress.advance(units, note), command=_command(args, spec))
     if args.out:
         path = Path(args.out)
@@ -178,6 +181,8 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     parser.add_argument("--baselines", default=",".join(BASELINES), metavar="LIST", help=f"{','.join(BASELINES)} or none (default: all)")
     parser.add_argument("--quick", action="store_true", help="small sizes and 0.05 s per workload: a smoke test in seconds")
     parser.add_argument("--iterations-time", type=float, metavar="S", help="timed seconds per workload (default 0.5; --quick 0.05)")
+    parser.add_argument("--rounds", type=int, default=1, metavar="N",
+                        help="run every system N times, one round after the other, and report each row's best round (default 1)")
     parser.add_argument("--out", metavar="FILE", help="also write the JSON report to FILE")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     parser.set_defaults(run=_run)

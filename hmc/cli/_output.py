@@ -14,7 +14,9 @@ from typing import Any, TextIO
 __all__ = ["Progress", "print_json", "print_table"]
 
 
-def print_json(data: Any, out: TextIO = sys.stdout) -> None:
+def print_json(data: Any, out: TextIO | None = None) -> None:
+    """`data` as indented JSON on `out` (stdout as it is at the call)."""
+    out = sys.stdout if out is None else out
     json.dump(data, out, indent=2, sort_keys=False, default=str)
     out.write("\n")
 
@@ -25,8 +27,9 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def print_table(rows: Sequence[Mapping[str, Any]], columns: Iterable[str] | None = None, out: TextIO = sys.stdout) -> None:
-    """Rows as an aligned text table with a header."""
+def print_table(rows: Sequence[Mapping[str, Any]], columns: Iterable[str] | None = None, out: TextIO | None = None) -> None:
+    """Rows as an aligned text table with a header, on `out` (stdout as it is at the call)."""
+    out = sys.stdout if out is None else out
     if not rows:
         out.write("(none)\n")
         return
@@ -41,10 +44,12 @@ def print_table(rows: Sequence[Mapping[str, Any]], columns: Iterable[str] | None
 class Progress:
     """A one-line progress display on stderr (redrawn on a terminal, plain lines elsewhere)."""
 
-    def __init__(self, total: int, label: str, out: TextIO = sys.stderr, enabled: bool = True) -> None:
+    def __init__(self, total: int, label: str, out: TextIO | None = None, enabled: bool = True) -> None:
+        """`out`: stderr as it is when the display is made (not when this module was imported)."""
         self.total = max(total, 1)
         self.label = label
         self.done = 0
+        out = sys.stderr if out is None else out
         self._out = out
         self._enabled = enabled
         self._tty = out.isatty()
