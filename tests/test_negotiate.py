@@ -43,7 +43,7 @@ def test_different_hosts_fall_back_to_staged_with_reasons() -> None:
     choice = negotiate(endpoint("a", "h1"), endpoint("b", "h2"))
     assert choice.path is PathName.STAGED
     reasons = dict(choice.rejected)
-    assert set(reasons) == {PathName.LOCAL, PathName.IPC, PathName.RDMA, PathName.UCX}
+    assert set(reasons) == {PathName.LOCAL, PathName.IPC, PathName.RDMA}  # ucx ranks below staged between hosts
     assert "different hosts" in reasons[PathName.IPC]
     assert "no rdma transport" in reasons[PathName.RDMA]
 
@@ -185,7 +185,7 @@ def test_rdma_between_nodes_whose_inventories_report_a_nic() -> None:
 
 def test_rdma_refused_with_the_reason_where_one_node_has_no_nic() -> None:
     choice = negotiate(_nic_agent("a", "h1", nic=True), _nic_agent("b", "h2", nic=False))
-    assert choice.path is PathName.UCX  # host memory: UCX over the network
+    assert choice.path is PathName.STAGED  # host memory over the network: UCX would have tcp only
     assert dict(choice.rejected)[PathName.RDMA] == "agent b on node-h2 has no rdma transport: no RDMA device on this host (/sys/class/infiniband is empty)"
 
 
@@ -193,18 +193,28 @@ def test_rdma_refused_for_device_memory_its_nic_cannot_reach() -> None:
     host_only = _nic_agent("b", "h2", "cuda:0", common_pb2.VENDOR_NVIDIA, nic=True)
     [rdma] = [t for t in host_only.agent.transports if t.path == "rdma"]
     rdma.CopyFrom(Capabilities(PathName.RDMA, HOST).to_proto())  # a NIC, but no GPUDirect and no dmabuf
-    choice = negotiate(_nic_agent("a", "h1", "cuda:0", common_pb2.VENDOR_NVIDIA, nic=True), host_only)
+    gpu = _nic_agent("a", "h1", "cuda:0", common_pb2.VENDOR_NVIDIA, nic=True)
+    choice = negotiate(gpu, host_only)
     assert choice.path is PathName.STAGED
     assert "rdma on agent b cannot reach cuda memory" in dict(choice.rejected)[PathName.RDMA]
-    assert "device memory on two hosts" in dict(choice.rejected)[PathName.UCX]
+    asked = negotiate(gpu, host_only, PathPolicy(prefer=("ucx",)))  # ucx ranks below staged between hosts: asked for, it refuses
+    assert asked.path is PathName.STAGED and "device memory on two hosts" in dict(asked.rejected)[PathName.UCX]
 
 
-def test_ucx_takes_host_memory_between_hosts_and_leaves_cross_vendor_pairs_to_staged() -> None:
+def test_ucx_leaves_two_hosts_without_rdma_and_cross_vendor_pairs_to_staged() -> None:
+    """Between hosts without the rdma path UCX has only tcp, which staged's pipelined streams beat: staged ranks
+    above ucx there (ucx when asked for); on one host (ipc refused) host memory goes over ucx."""
     a, b = (_nic_agent(n, h, nic=False) for n, h in (("a", "h1"), ("b", "h2")))
-    assert negotiate(a, b).path is PathName.UCX
+    choice = negotiate(a, b)
+    assert choice.path is PathName.STAGED and "ranked above ucx between hosts" in choice.reason
+    assert PathName.UCX not in dict(choice.rejected)  # not refused: it ranks below
+    assert negotiate(a, b, PathPolicy(prefer=("ucx",))).path is PathName.UCX
+    assert negotiate(a, b, PathPolicy(allow=("ucx",))).path is PathName.UCX
+    assert negotiate(a, b, PathPolicy(deny=("staged",))).path is PathName.UCX
+    assert negotiate(a, _nic_agent("b", "h1", nic=False), PathPolicy(deny=("ipc",))).path is PathName.UCX
     nvidia = _nic_agent("a", "h1", "cuda:0", common_pb2.VENDOR_NVIDIA, nic=True)
     amd = _nic_agent("b", "h2", "cuda:1", common_pb2.VENDOR_AMD, nic=True)
-    choice = negotiate(nvidia, amd)
+    choice = negotiate(nvidia, amd, PathPolicy(prefer=("ucx",)))
     assert choice.path is PathName.STAGED
     reasons = dict(choice.rejected)
     assert reasons[PathName.RDMA].startswith("cross-vendor pair (amd vs nvidia)") and reasons[PathName.UCX].startswith("cross-vendor pair")

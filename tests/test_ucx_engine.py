@@ -187,3 +187,16 @@ def test_bad_arguments_are_refused_before_anything_is_posted() -> None:
     mapping.unmap()
     endpoint.close()
     assert ucx.version().startswith("1.")
+
+
+def test_ucx_logs_go_to_stderr_not_into_what_the_cli_prints_on_stdout() -> None:
+    """UCX writes its log to stdout unless told otherwise; HMC tells it stderr (where the user has not said)."""
+    import subprocess
+    import sys
+
+    code = "from hmc.transport import _ucx_engine as e; c = e.Context(); w = e.Worker(c); w.close(); c.close(); print('done')"
+    env = {k: v for k, v in os.environ.items() if k != "UCX_LOG_FILE"} | {"UCX_LOG_LEVEL": "info"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "done\n"
+    assert "UCX  INFO" in done.stderr

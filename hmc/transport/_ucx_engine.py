@@ -63,7 +63,13 @@ def load(library: str = "") -> tuple[Any, Any]:
     return ffi, lib
 
 
+_LOG_FILE = "UCX_LOG_FILE"
+"""Where UCX writes its log: stdout unless set, which would mix it into what the CLI prints there (`--json`); HMC
+sets it to stderr where the user has not, before UCX reads its settings (when its libraries load)."""
+
+
 def _load(library: str) -> tuple[Any, Any, str]:
+    os.environ.setdefault(_LOG_FILE, "stderr")
     if library:
         for name in _LIBRARIES:
             try:
