@@ -36,6 +36,7 @@ __all__ = [
     "backend_for",
     "copy",
     "devices",
+    "dmabuf_kinds",
     "fill",
     "free",
     "get_device",
@@ -95,6 +96,27 @@ def backend_for(device: Device | DeviceKind) -> MemoryBackend:
         return _backends()[kind]
     except KeyError:
         raise UnsupportedError(f"no {kind.value} devices on this host") from None
+
+
+def dmabuf_kinds() -> frozenset[DeviceKind]:
+    """The GPU families here whose memory exports as a dma-buf (what an RDMA NIC registers; checked on a small
+    allocation of each family's first device)."""
+    kinds = set()
+    for kind in (DeviceKind.CUDA, DeviceKind.HIP):
+        try:
+            backend = backend_for(kind)
+            found = backend.devices()
+        except UnsupportedError:
+            continue
+        if not found:
+            continue
+        region = allocate(2 << 20, found[0])
+        try:
+            if "dmabuf" in backend.export_handles(region):
+                kinds.add(kind)
+        finally:
+            free(region)
+    return frozenset(kinds)
 
 
 def devices() -> list[Device]:

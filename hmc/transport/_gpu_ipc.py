@@ -289,7 +289,9 @@ class GpuIpcTransport(Transport, _MappingCache):
         if local_use is None:  # device memory on both sides (the common case): one closure each, no second use to hold
             write = self._device_copy(lane, use, base, remote_base, refuse=remote.id if mapping.read_only else None)
             read = self._device_copy(lane, use, base, remote_base, pull=True)
-            return InlineCopy(write=write, read=read, local_size=local.size, remote_size=mapping.size)
+            # A range of any size: one memcpyAsync polled here, where a request would first cost ~0.1 ms of building
+            # and completion (one H100: 1 GiB in 827 us against 724 for the plain copy).
+            return InlineCopy(write=write, read=read, local_size=local.size, remote_size=mapping.size, max_bytes=local.size)
 
         def write_one(local_offset: int, remote_offset: int, length: int) -> None:
             if mapping.read_only:

@@ -171,7 +171,7 @@ class UcxTransport(Transport):
         nics = [name for name, _ in rdma_nics()]
         if self._path is PathName.RDMA and not nics:
             return "no RDMA device on this host (/sys/class/infiniband is empty)"
-        dmabuf = _dmabuf_kinds() if self._path is PathName.RDMA else frozenset()
+        dmabuf = memory.dmabuf_kinds() if self._path is PathName.RDMA else frozenset()
         try:
             context = engine.Context(wakeup=True, transports=self._transports, library=self._library)
         except HMCError as exc:
@@ -411,10 +411,7 @@ class UcxTransport(Transport):
         if op is TransferOp.WRITE and grant.read_only:
             raise AccessDeniedError(f"buffer {grant.buffer_id} is read-only: its owner grants reads only")
         deadline = time.monotonic() + timeout_s
-        with self._lock:
-            if grant.revoked is not None:
-                raise grant.revoked
-            grant.flights += 1
+        self._enter(grant)
         landed = True
         try:
             with inline.lock:
@@ -429,13 +426,18 @@ class UcxTransport(Transport):
             peers = self._peer_memory
             assert peers is not None  # only it maps
             if not peers.copy(device, op, local_base, local, mapped, remote, lengths, deadline):
-                landed = peers.settle(device, time.monotonic() + STOP_WAIT_S)
-                if not landed:  # the grant stays counted in flight: a withdrawal must not free what the GPU may still write
-                    _log.error("a %s copy on %s still runs %.0f s after its deadline", self._path.value, device.name, STOP_WAIT_S)
+                landed = peers.settled(device, self._path.value)
                 raise TimeoutError(f"{self._path.value} copy missed its deadline")
         finally:
             if landed:
                 self._release(grant)
+
+    def _enter(self, grant: Grant) -> None:
+        """Count a transfer of `grant` in flight (its revocation's error if it was revoked); `_release` ends it."""
+        with self._lock:
+            if grant.revoked is not None:
+                raise grant.revoked
+            grant.flights += 1
 
     def _inline_key(self, inline: _Inline, grant: Grant) -> tuple[engine.Endpoint, engine.RemoteKey]:
         """The callers' worker's endpoint to the grant's owner and its key for the grant (made once); under `inline.lock`."""
@@ -495,7 +497,13 @@ class UcxTransport(Transport):
         # Device memory: a range of any size (post() moves it on the caller's thread too, after ~80 us of request
         # building that this skips); reads past _INLINE_BYTES take the slow path, which may have the owner push them,
         # unless the peer's memory is mapped here (a get is then a GPU copy).
-        reads = local.size if grant.mapped.get(device.name) else _INLINE_BYTES
+        mapped = grant.mapped.get(device.name)
+        if mapped and self._peer_memory is not None:
+            write, read = (
+                self._peer_memory.single(grant, device, base, op, enter=self._enter, leave=self._release, timeout_s=self._timeout_s, path=self._path.value)
+                for op in (TransferOp.WRITE, TransferOp.READ)
+            )
+        reads = local.size if mapped else _INLINE_BYTES
         return InlineCopy(write=write, read=read, local_size=local.size, remote_size=grant.size, max_bytes=local.size, read_max_bytes=reads, waits=True)
 
     def _release(self, grant: Grant) -> None:
@@ -552,27 +560,6 @@ class UcxTransport(Transport):
         if self._context is not None:
             self._context.close()
             self._context = None
-
-
-def _dmabuf_kinds() -> frozenset[DeviceKind]:
-    """The GPU families of this process whose memory exports as a dma-buf (what an RDMA NIC registers; checked on a
-    small allocation of each family's first device)."""
-    kinds = set()
-    for kind in (DeviceKind.CUDA, DeviceKind.HIP):
-        try:
-            backend = memory.backend_for(kind)
-            devices = backend.devices()
-        except UnsupportedError:
-            continue
-        if not devices:
-            continue
-        region = memory.allocate(2 << 20, devices[0])
-        try:
-            if "dmabuf" in backend.export_handles(region):
-                kinds.add(kind)
-        finally:
-            memory.free(region)
-    return frozenset(kinds)
 
 
 def _second_of_two(run: Callable[[], None]) -> float:

@@ -18,15 +18,20 @@ Concurrency: `_lock` guards the lanes; a grant's `mapped` is read and set under 
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hmc import memory
+from hmc.errors import AccessDeniedError, TimeoutError
 from hmc.memory import Device, DeviceKind
 from hmc.transport._base import TransferOp, kind_to_proto
 from hmc.transport._gpu_copy import Lane
+from hmc.transport._ucx_lanes import STOP_WAIT_S
 
 if TYPE_CHECKING:
     from hmc.memory._gpu import GpuBackend
@@ -35,7 +40,8 @@ if TYPE_CHECKING:
 
 __all__ = ["PeerMemory"]
 
-_CLOSE_S = 2.0
+_log = logging.getLogger(__name__)
+
 
 
 class PeerMemory:
@@ -70,7 +76,7 @@ class PeerMemory:
         self, device: Device, op: TransferOp, local_base: int, local: Any, remote_base: int, remote: Any, lengths: Any, deadline: float,
     ) -> bool:  # fmt: skip
         """Move one range (ints) or a batch (int64 offset arrays) between local memory and a mapped peer buffer; True once
-        the GPU finished, False when `deadline` passed first (the copy may still run: see `settle`)."""
+        the GPU finished, False when `deadline` passed first (the copy may still run: see `settled`)."""
         lane = self.lane(device)
         src_base, src, dst_base, dst = (local_base, local, remote_base, remote) if op is TransferOp.WRITE else (remote_base, remote, local_base, local)
         if isinstance(lengths, int):
@@ -81,10 +87,45 @@ class PeerMemory:
         lane.release_event(event)
         return True
 
-    def settle(self, device: Device, deadline: float) -> bool:
-        """After a copy missed its deadline: wait until `device`'s lane is idle (True), or `deadline` passes (False: what
-        it copies may still land)."""
-        return bool(self.lane(device).wait_idle(deadline))
+    def single(
+        self, grant: Grant, device: Device, local_base: int, op: TransferOp, *, enter: Callable[[Grant], None], leave: Callable[[Grant], None],
+        timeout_s: float, path: str,
+    ) -> Callable[[int, int, int], None]:  # fmt: skip
+        """copy(local_offset, remote_offset, length): one range through the grant's mapping for `device`, waited for on
+        the caller's thread, every name bound (nothing but `enter`/`leave`, the grant's count in flight, between the
+        call and the memcpy: a 4 KiB write's whole path, and a 1 GiB one's)."""
+        if op is TransferOp.WRITE and grant.read_only:
+            def refused(local: int, remote: int, length: int) -> None:
+                raise AccessDeniedError(f"buffer {grant.buffer_id} is read-only: its owner grants reads only")
+
+            return refused
+        copy_now, mapped, monotonic = self.lane(device).copy_now, grant.mapped[device.name], time.monotonic
+        pull = op is TransferOp.READ
+
+        def copy(local: int, remote: int, length: int) -> None:
+            enter(grant)
+            landed = True
+            try:
+                if pull:
+                    done = copy_now(local_base + local, mapped + remote, length, monotonic() + timeout_s)
+                else:
+                    done = copy_now(mapped + remote, local_base + local, length, monotonic() + timeout_s)
+                if not done:
+                    landed = self.settled(device, path)
+                    raise TimeoutError(f"{path} copy missed its deadline")
+            finally:
+                if landed:
+                    leave(grant)
+
+        return copy
+
+    def settled(self, device: Device, path: str) -> bool:
+        """A copy missed its deadline: whether `device`'s lane went idle within `STOP_WAIT_S` more (if not, the caller
+        keeps its grant counted in flight: a withdrawal must not free what the GPU may still write)."""
+        if self.lane(device).wait_idle(time.monotonic() + STOP_WAIT_S):
+            return True
+        _log.error("a %s copy on %s still runs %.0f s after its deadline", path, device.name, STOP_WAIT_S)
+        return False
 
     def close(self, deadline: float) -> None:
         with self._lock:

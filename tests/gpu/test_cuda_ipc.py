@@ -19,12 +19,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from hmc import memory
-from hmc.agent import Agent
+from hmc.agent import Agent, ConnBuffer
 from hmc.config import Config
 from hmc.errors import AccessDeniedError, BufferWithdrawnError
 from hmc.memory import DeviceKind
@@ -99,6 +100,19 @@ def test_write_then_read_odd_sizes_unaligned_offsets(
     gpu_agent: Agent, gpu_peer: PeerProcess, peer_device: str, length: int, remote_offset: int, local_offset: int, slack: int
 ) -> None:
     write_then_read(gpu_agent, gpu_peer, "ipc", length, remote_offset, local_offset, slack, peer_device=peer_device, negotiated=PathName.IPC)
+
+
+def test_device_ranges_of_any_size_take_the_fast_path(gpu_agent: Agent, gpu_peer: PeerProcess, peer_device: str) -> None:
+    """Once a pair moved a range, its route carries a device range of any size straight to one memcpyAsync (no
+    request building), both ways: 64 MiB and 7 bytes, unaligned, written and read back, every byte compared."""
+    length = (64 << 20) + 7
+
+    def learned(local: ConnBuffer, remote: Any) -> None:
+        gpu_agent.write(local, remote, 5, 3, 4096).wait()  # the pair's first transfer (the write below covers it)
+        route = local.inline_routes[remote.id]
+        assert route.path == "ipc" and route.max_bytes == route.read_max_bytes == local.size >= length
+
+    write_then_read(gpu_agent, gpu_peer, "ipc", length, 3, 5, 2, peer_device=peer_device, before=learned)
 
 
 def test_batches_of_odd_unaligned_ranges_both_ways(gpu_agent: Agent, gpu_peer: PeerProcess, peer_device: str) -> None:
