@@ -507,10 +507,12 @@ class UcxTransport(Transport):
         return InlineCopy(write=write, read=read, local_size=local.size, remote_size=grant.size, max_bytes=local.size, read_max_bytes=reads, waits=True)
 
     def _release(self, grant: Grant) -> None:
-        """A transfer of `grant` has nothing in flight any more (a withdrawal waits for all of them)."""
+        """A transfer of `grant` has nothing in flight any more (a withdrawal, which revokes the grant first under the
+        lock, waits for all of them: only a revoked grant's end is told)."""
         with self._lock:
             grant.flights -= 1
-            self._drained.notify_all()
+            if grant.revoked is not None:
+                self._drained.notify_all()
 
     def withdraw(self, buffer_id: str) -> None:
         """A local buffer: unregister its memory. A remote one: revoke the grant, wait (bounded) for its transfers."""
