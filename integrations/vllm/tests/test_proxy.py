@@ -222,13 +222,19 @@ def test_completions_match_one_server(model: Path, servers: tuple[VllmServer, Vl
 
 
 def test_streamed_completions_match_one_server(model: Path, servers: tuple[VllmServer, VllmServer]) -> None:
+    """Streamed through the proxy, each completion's text equals one server's, ended by [DONE]; and the proxy passes
+    events on as they come (at least one prompt arrives in several: vLLM merges a request's tokens into one event
+    when its reader lags, as on a loaded 2-core CI machine, so not every prompt does)."""
     a, b = servers
+    counts = []
     with running_proxy([a.url], [b.url]) as proxy, client() as http:
         for prompt in PROMPTS:
             direct = http.post(a.url + "/v1/completions", json=completion(model, prompt)).json()
             text, events = streamed_text(http, proxy + "/v1/completions", completion(model, prompt))
             assert text == direct["choices"][0]["text"]
-            assert events[-1] == "[DONE]" and len(events) > 2
+            assert events[-1] == "[DONE]" and len(events) >= 2
+            counts.append(len(events))
+    assert max(counts) > 2, counts
 
 
 def test_chat_matches_one_server(model: Path, servers: tuple[VllmServer, VllmServer]) -> None:
