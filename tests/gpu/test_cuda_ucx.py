@@ -19,11 +19,11 @@ import pytest
 
 from hmc.agent import Agent, ConnBuffer
 from hmc.config import Config, PathPolicy
-from hmc.errors import UnsupportedError
+from hmc.errors import BufferWithdrawnError, UnsupportedError
 from hmc.testing import PeerProcess
 from hmc.v1 import common_pb2
 
-from ._support import ODD_CASES, kv_write_then_read, write_then_read
+from ._support import ODD_CASES, POISON, gpu_buffer, kv_write_then_read, random_bytes, write_then_read
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
 
@@ -99,6 +99,24 @@ def test_kv_random_ranges_both_ways_every_byte(
     gpu_agent: Agent, puts_agent: Agent, gpu_peer: PeerProcess, peer_device: str, count: int, block: int, mapped: bool
 ) -> None:
     kv_write_then_read(gpu_agent if mapped else puts_agent, gpu_peer, "ucx", count, block, KV_TOTAL, peer_device=peer_device)
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "puts"])
+def test_a_withdrawn_buffer_is_refused_on_the_fast_path_and_the_slow_one(
+    gpu_agent: Agent, puts_agent: Agent, gpu_peer: PeerProcess, peer_device: str, mapped: bool
+) -> None:
+    """Once the owner withdrew the buffer, a write on the pair's fast path (one range) and a batch both fail with
+    BufferWithdrawnError, through UCX's mapping of the peer's memory as through puts."""
+    agent = gpu_agent if mapped else puts_agent
+    remote = gpu_peer.register(1 << 20, fill=POISON, device=peer_device)
+    with gpu_buffer(agent, random_bytes(1 << 20, 7)) as local:
+        agent.write(local, remote, 0, 0, 4096).wait()  # grants, maps where UCX maps, and sets up the fast path
+        assert local.inline_routes[remote.id].read_max_bytes == (local.size if mapped else 1 << 20)
+        gpu_peer.unregister(remote.id)
+        with pytest.raises(BufferWithdrawnError):
+            agent.write(local, remote, 0, 0, 4096).wait()
+        with pytest.raises(BufferWithdrawnError):
+            agent.read(local, remote, [0, 100, 200, 300, 400], [0, 100, 200, 300, 400], 10).wait()
 
 
 def test_rdma_exports_cuda_memory_as_dma_buf_up_to_where_a_verbs_device_is_needed(monkeypatch: pytest.MonkeyPatch) -> None:
