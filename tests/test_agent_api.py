@@ -128,6 +128,27 @@ def test_read_only_memory_can_be_read_but_not_written(agent: Agent, make_agent: 
         peer.write(sink, frozen.descriptor, 0, 0, 16).wait()
 
 
+def test_a_pair_whose_first_transfer_is_one_large_range_learns_its_fast_path(
+    agent: Agent, make_agent: Callable[..., Agent], rng: np.random.Generator
+) -> None:
+    """The route is learned when the first single range is posted, also while it still moves (a large one runs on
+    the ipc path's threads): every later range then takes the fast path, not a request each."""
+    from hmc.agent._transfer import _FinishedHandle
+
+    other = make_agent()
+    size = 32 << 20
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    mine = agent.register(data)
+    theirs = other.register(np.full(size, 0xA5, np.uint8))
+    agent.write(mine, theirs.descriptor, 0, 0, size).wait()
+    assert theirs.id in mine.inline_routes
+    handle = agent.write(mine, theirs.descriptor, 4096, 8192, 4096)
+    assert type(handle) is _FinishedHandle and handle.path == "ipc"
+    expected = data.copy()
+    expected[8192 : 8192 + 4096] = data[4096 : 4096 + 4096]
+    assert np.array_equal(theirs.numpy(), expected)
+
+
 def test_a_forced_path_the_pair_negotiates_anyway_takes_the_fast_path(agent: Agent, make_agent: Callable[..., Agent], rng: np.random.Generator) -> None:
     from hmc.agent._transfer import _FinishedHandle
 

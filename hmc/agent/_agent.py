@@ -77,6 +77,10 @@ _UNREGISTER_GRACE_S = 5.0
 
 _DESCRIPTOR = common_pb2.BufferDescriptor
 _FOREVER = 1 << 63
+_LEARNING = frozenset({TransferState.PENDING, TransferState.RUNNING, TransferState.DONE})
+"""A single range's states after post() in which the pair's fast path may be learned: a transport offers one only
+once the pair is set up (a grant, a mapping), which post() did on the caller's thread; a 1 GiB ipc write still
+running on the GPU would otherwise never teach it, and each such write would pay a request (~0.1 ms)."""
 _PATH_NAMES = frozenset(p.value for p in PathName)
 
 LinkFactory = Callable[[Config, common_pb2.AgentInfo, Callable[[daemon_pb2.TransferInstruction], None]], Any]
@@ -376,7 +380,7 @@ class Agent:
             notify is None
             and type(transport).inline is not Transport.inline  # offers a fast path at all
             and len(ranges) == 1
-            and handle.state is TransferState.DONE
+            and handle.state in _LEARNING  # not failed: a range still moving (a large one) teaches the route as well
             and (descriptor.id if path is None else (descriptor.id, path)) not in local.inline_routes
         ):
             keys: list[Any] = [] if path is None else [(descriptor.id, path)]
