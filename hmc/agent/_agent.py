@@ -77,6 +77,9 @@ _UNREGISTER_GRACE_S = 5.0
 
 _DESCRIPTOR = common_pb2.BufferDescriptor
 _FOREVER = 1 << 63
+_TIMED_MAX_BYTES = 1 << 20
+"""Longest range a call with a timeout of its own moves on a pair's fast path (a device copy of a GiB takes ~1 ms, which
+the caller's deadline must bound: such calls take the slow path)."""
 _LEARNING = frozenset({TransferState.PENDING, TransferState.RUNNING, TransferState.DONE})
 """A single range's states after post() in which the pair's fast path may be learned: a transport offers one only
 once the pair is set up (a grant, a mapping), which post() did on the caller's thread; a 1 GiB ipc write still
@@ -89,14 +92,19 @@ LinkFactory = Callable[[Config, common_pb2.AgentInfo, Callable[[daemon_pb2.Trans
 class _Route:
     """A cached inline copy to one remote buffer (see the module's "Hot path")."""
 
-    __slots__ = ("key", "local_size", "max_bytes", "path", "read", "read_max_bytes", "read_size", "remote_size", "waits", "write")
+    __slots__ = (
+        "key", "local_size", "max_bytes", "path", "read", "read_max_bytes", "read_size", "remote_size", "timed_max_bytes", "timed_read_max_bytes",
+        "write",
+    )  # fmt: skip
 
     def __init__(self, copy: InlineCopy, key: bytes, path: str, local_writable: bool) -> None:
         self.write, self.read = copy.write, copy.read
         self.max_bytes = copy.max_bytes
         self.read_max_bytes = copy.max_bytes if copy.read_max_bytes is None else copy.read_max_bytes
-        self.waits = copy.waits
-        """The copy waits on the peer (a round trip): calls that bring their own timeout take the slow path."""
+        timed = 0 if copy.waits else _TIMED_MAX_BYTES
+        self.timed_max_bytes, self.timed_read_max_bytes = min(self.max_bytes, timed), min(self.read_max_bytes, timed)
+        """The same limits for calls that bring a timeout of their own: the copy runs under its transport's default
+        deadline, so only one that waits on no peer and ends within microseconds may carry them."""
         self.local_size = copy.local_size
         self.read_size = copy.local_size if local_writable else 0
         """Bound on local offsets of reads: 0 for read-only local memory, so every read takes the slow path, which refuses it."""
@@ -288,8 +296,8 @@ class Agent:
                 route = None
             if (
                 route is not None
-                and 0 < lengths <= route.max_bytes
-                and (timeout is None or (not route.waits and (type(timeout) is float or type(timeout) is int) and 0 < timeout <= MAX_TIMEOUT_S))
+                and 0 < lengths <= (route.max_bytes if timeout is None else route.timed_max_bytes)
+                and (timeout is None or ((type(timeout) is float or type(timeout) is int) and 0 < timeout <= MAX_TIMEOUT_S))
                 and 0 <= src_offsets <= route.local_size - lengths
                 and 0 <= dst_offsets <= route.remote_size - lengths
                 and route.key == (remote.access_key if type(remote) is _DESCRIPTOR else remote.descriptor.access_key)
@@ -318,8 +326,8 @@ class Agent:
                 route = None
             if (
                 route is not None
-                and 0 < lengths <= route.read_max_bytes
-                and (timeout is None or (not route.waits and (type(timeout) is float or type(timeout) is int) and 0 < timeout <= MAX_TIMEOUT_S))
+                and 0 < lengths <= (route.read_max_bytes if timeout is None else route.timed_read_max_bytes)
+                and (timeout is None or ((type(timeout) is float or type(timeout) is int) and 0 < timeout <= MAX_TIMEOUT_S))
                 and 0 <= local_offsets <= route.read_size - lengths
                 and 0 <= remote_offsets <= route.remote_size - lengths
                 and route.key == (remote.access_key if type(remote) is _DESCRIPTOR else remote.descriptor.access_key)

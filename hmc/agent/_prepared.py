@@ -94,11 +94,15 @@ class PreparedTransfer:
 
     def _vet(self, route: _Route) -> bool:
         """Whether `route` may carry this transfer (the checks `Agent.write`/`read` make per call, made once)."""
-        if self._args is None or (self._timeout is not None and route.waits):
+        if self._args is None:
             return False
         local_offset, remote_offset, length = self._args
         write = self._op is TransferOp.WRITE
-        local_size, max_bytes = (route.local_size, route.max_bytes) if write else (route.read_size, route.read_max_bytes)
+        timed = self._timeout is not None
+        if write:
+            local_size, max_bytes = route.local_size, (route.timed_max_bytes if timed else route.max_bytes)
+        else:
+            local_size, max_bytes = route.read_size, (route.timed_read_max_bytes if timed else route.read_max_bytes)
         descriptor = self._remote.descriptor if isinstance(self._remote, ConnBuffer) else self._remote
         if not (
             0 < length <= max_bytes

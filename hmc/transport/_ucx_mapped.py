@@ -12,8 +12,9 @@ The mapping is UCX's: it lives in cuda_ipc's cache of opened handles for as long
 a grant is used only while it is not revoked and counted in flight (`UcxTransport._copy_inline`), as for
 puts and gets.
 
-Concurrency: `_lock` guards the lanes; a grant's `mapped` is read and set under the transport's `_Inline.lock`
-(where its remote key is unpacked); copies run outside both, and a lane takes any thread.
+Concurrency: `_lock` guards the lanes; a grant's `mapped` entries are made under the transport's `_Inline.lock`
+(where its remote key is unpacked) and never changed after, so `single` reads its entry without it; copies run
+outside both locks, and a lane takes any thread.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
 __all__ = ["PeerMemory"]
 
 _log = logging.getLogger(__name__)
-
 
 
 class PeerMemory:

@@ -30,7 +30,7 @@ from hmc.config import Config
 from hmc.errors import AccessDeniedError, BufferWithdrawnError
 from hmc.memory import DeviceKind
 from hmc.memory._cuda import CudaBackend
-from hmc.testing import PeerProcess, TransportPair, check_transport
+from hmc.testing import PeerProcess, TransportPair, check_transport, ranges_digest
 from hmc.transport._base import PathName
 from hmc.v1 import common_pb2
 
@@ -113,6 +113,25 @@ def test_device_ranges_of_any_size_take_the_fast_path(gpu_agent: Agent, gpu_peer
         assert route.path == "ipc" and route.max_bytes == route.read_max_bytes == local.size >= length
 
     write_then_read(gpu_agent, gpu_peer, "ipc", length, 3, 5, 2, peer_device=peer_device, before=learned)
+
+
+def test_a_call_with_its_own_timeout_takes_the_fast_path_only_for_short_ranges(gpu_agent: Agent, gpu_peer: PeerProcess, peer_device: str) -> None:
+    """The fast path runs under the transport's default deadline: a call with a timeout of its own takes it up to 1 MiB,
+    and a longer range (milliseconds of copy) through a request that the caller's deadline bounds; bytes compared."""
+    from hmc.agent._transfer import _FinishedHandle
+
+    size = 64 << 20
+    data = random_bytes(size, 9)
+    remote = gpu_peer.register(size, fill=POISON, device=peer_device)
+    with gpu_buffer(gpu_agent, data) as local:
+        gpu_agent.write(local, remote, 0, 0, 4096).wait()  # the pair's route
+        assert type(gpu_agent.write(local, remote, 0, 0, 1 << 20, timeout=30.0)) is _FinishedHandle
+        handle = gpu_agent.write(local, remote, 0, 0, size, timeout=30.0)
+        assert type(handle) is not _FinishedHandle
+        handle.wait()
+        assert type(gpu_agent.write(local, remote, 0, 0, size)) is _FinishedHandle  # no timeout of its own: any size
+        assert gpu_peer.digest(remote.id) == ranges_digest(data)
+    gpu_peer.unregister(remote.id)
 
 
 def test_batches_of_odd_unaligned_ranges_both_ways(gpu_agent: Agent, gpu_peer: PeerProcess, peer_device: str) -> None:

@@ -15,12 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from hmc.agent import Agent, ConnBuffer
 from hmc.config import Config, PathPolicy
-from hmc.errors import BufferWithdrawnError, UnsupportedError
-from hmc.testing import PeerProcess
+from hmc.errors import BufferWithdrawnError, TimeoutError, UnsupportedError
+from hmc.testing import PeerProcess, ranges_digest
 from hmc.v1 import common_pb2
 
 from ._support import ODD_CASES, POISON, gpu_buffer, kv_write_then_read, random_bytes, write_then_read
@@ -117,6 +118,22 @@ def test_a_withdrawn_buffer_is_refused_on_the_fast_path_and_the_slow_one(
             agent.write(local, remote, 0, 0, 4096).wait()
         with pytest.raises(BufferWithdrawnError):
             agent.read(local, remote, [0, 100, 200, 300, 400], [0, 100, 200, 300, 400], 10).wait()
+
+
+def test_a_mapped_copy_past_its_deadline_has_landed_whole_or_not_at_all_when_it_fails(gpu_agent: Agent, gpu_peer: PeerProcess, peer_device: str) -> None:
+    """1 GiB through the mapping with a 0.2 ms timeout (the copy takes ~0.7 ms): TimeoutError, and by then the GPU is
+    done with it, so the peer's buffer is all poison or all data, and the same when looked at again."""
+    size = 1 << 30
+    data = random_bytes(size, 8)
+    remote = gpu_peer.register(size, fill=POISON, device=peer_device)
+    with gpu_buffer(gpu_agent, POISON, size=4096) as primer, gpu_buffer(gpu_agent, data) as local:
+        gpu_agent.write(primer, remote, 0, 0, 4096).wait()  # the grant and the mapping, the buffer still all poison
+        with pytest.raises(TimeoutError):
+            gpu_agent.write(local, remote, 0, 0, size, timeout=2e-4).wait()
+        seen = gpu_peer.digest(remote.id)
+        assert seen in {ranges_digest(np.full(size, POISON, np.uint8)), ranges_digest(data)}, "a part of the copy landed"
+        assert gpu_peer.digest(remote.id) == seen, "bytes landed after the transfer failed"
+    gpu_peer.unregister(remote.id)
 
 
 def test_rdma_exports_cuda_memory_as_dma_buf_up_to_where_a_verbs_device_is_needed(monkeypatch: pytest.MonkeyPatch) -> None:
