@@ -11,8 +11,10 @@ already moved data over a path offering an inline copy (local, ipc), skips
 range arrays, negotiation and request objects: bounds check, one copy, one
 finished handle. Calls that force `path=` have routes of their own (per remote
 buffer and path); the pair's negotiated path serves forced and unforced calls.
-A route whose copy waits on the peer (staged: one round trip) serves only calls
-without a `timeout` of their own, within the agent's default deadline.
+A route's copy runs within its transport's default deadline, so a call with a
+`timeout` of its own takes it only for a range up to 1 MiB whose copy waits on
+no peer (a device range of a GiB, or a staged round trip, takes a request that
+the caller's deadline bounds).
 Prepared transfers (`prepare_write`/`prepare_read`, `hmc.agent._prepared`) check
 their arguments once and vet a route once, so a post is a lookup and the copy.
 
