@@ -105,25 +105,6 @@ def test_a_request_waits_for_the_doorbell_when_the_owner_sleeps(pair: tuple[Agen
     assert peer.contents(remote.id)[4096 : 4096 * 5] == src[4096 : 4096 * 5].tobytes()
 
 
-def test_an_announced_hand_off_keeps_the_owner_polling_for_a_bounded_time_only(pair: tuple[Agent, PeerProcess, Any], rng: np.random.Generator) -> None:
-    """A staged transfer past SMALL_BYTES announces its first hand-off (`Expect`), and the owner polls for it; a peer
-    naming the longest window it can (71 minutes) keeps the owner polling for `_EXPECT_MAX_S` (5 ms), no longer."""
-    agent, peer, remote = pair
-    src = rng.integers(1, 256, SIZE, dtype=np.uint8)
-    local = agent.register(src)
-    agent.write(local, remote, 0, 0, 16).wait()  # over the socket: the owner maps the ring and its mailbox
-    link = _link(agent)
-    with link.lock:
-        _owner_asleep(link)
-        link.stream.send(peer_pb2.PeerFrame(expect=peer_pb2.Expect(within_us=(1 << 32) - 1)), deadline=time.monotonic() + 10.0)
-        until = time.monotonic() + 10.0
-        while not link.mailbox.owner_awake():  # woken by the announcement (it polls for 5 ms: seen here)
-            assert time.monotonic() < until, "the owner never woke for an announced hand-off"
-        _owner_asleep(link)  # and asleep again within 10 s, though told to poll for 71 minutes
-    agent.write(local, remote, 0, 0, SIZE).wait()  # past SMALL_BYTES: announced, through the ring
-    assert peer.contents(remote.id) == src.tobytes()
-
-
 def test_a_refusal_comes_back_typed_through_the_mailbox_and_writes_nothing(pair: tuple[Agent, PeerProcess, Any], posts: list[int]) -> None:
     agent, peer, remote = pair
     readonly = peer.register(SIZE, fill=POISON)

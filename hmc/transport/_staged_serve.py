@@ -55,8 +55,6 @@ back sends it within microseconds of the reply, and a sleeping thread takes tens
 _MAILBOX_SPIN_S = 100e-6
 """How long a data connection polls its ring's mailbox (and socket) for the next request: a caller moving small
 messages back to back posts the next within tens of microseconds (a GPU copy and the agent's bookkeeping)."""
-_EXPECT_MAX_S = 0.005
-"""The longest an announced hand-off (`Expect`) is polled for: a peer cannot keep this thread spinning longer."""
 _LOOKS = 128
 """Looks at the mailbox between two at the socket (a select, a system call) while polling: a few microseconds of
 looks, so a request posted meanwhile is seen within one look, not after a select (2-4 us on the GPU hosts)."""
@@ -87,18 +85,13 @@ class DataConnections:
     def _serve_frames(self, stream: FrameStream, segments: OwnerSegments, bounce: BounceSlots, expiry: _Expiry) -> None:
         queued = False  # copies (or replies) handed to `segments` since it last drained: a reply sent here waits for them
         token = token_of(stream)
-        expected = 0.0  # until when an announced hand-off is polled for (an Expect frame)
         while True:
-            frame, reply_to = _next_request(stream, segments, token, expected)
-            expected = 0.0
+            frame, reply_to = _next_request(stream, segments, token)
             if isinstance(frame, SmallRequest):  # from the ring's mailbox: one range through slot 0, answered there
                 self._small(stream, frame, segments, reply_to)
                 queued = True
                 continue
             kind = frame.WhichOneof("kind")
-            if kind == "expect":
-                expected = time.monotonic() + min(frame.expect.within_us * 1e-6, _EXPECT_MAX_S)
-                continue
             if kind == "write":
                 request: peer_pb2.DataWrite | peer_pb2.DataRead = frame.write
             elif kind == "read":
@@ -251,25 +244,22 @@ class DataConnections:
         return _SENT
 
 
-def _next_request(
-    stream: FrameStream, segments: OwnerSegments, token: int, expected: float = 0.0
-) -> tuple[peer_pb2.PeerFrame, None] | tuple[SmallRequest, ReplyTo]:
+def _next_request(stream: FrameStream, segments: OwnerSegments, token: int) -> tuple[peer_pb2.PeerFrame, None] | tuple[SmallRequest, ReplyTo]:
     """The next request: a frame (answered on the connection) or one from the mailbox and what answers it there
     (a malformed one is a ProtocolError: the connection ends). Where the initiator's ring has a mailbox,
     it is polled along with the socket for `_MAILBOX_SPIN_S`; the owner's flag says so until then (also while
     a frame from the socket is served: the mailbox is looked at before anything else). Then the thread lowers
     the flag, looks at the mailbox again, once more after `RECHECK_S` (`_staged_mailbox`'s "Ordering"), and
-    sleeps on the socket, where a Posted frame (the doorbell) sends it back to the mailbox. Until `expected` (a
-    monotonic time: an announced hand-off, `Expect`) it polls, whatever those spans."""
+    sleeps on the socket, where a Posted frame (the doorbell) sends it back to the mailbox."""
     while True:
         mailbox = segments.mailbox
         if mailbox is None:
-            frame = stream.recv(spin_s=max(_NEXT_FRAME_SPIN_S, expected - time.monotonic()))
+            frame = stream.recv(spin_s=_NEXT_FRAME_SPIN_S)
             if frame.WhichOneof("kind") == "posted":
                 raise ProtocolError(f"{stream.peer} rang the doorbell of a mailbox it never named")
             return frame, None
         mailbox.awake(True)
-        until = max(time.monotonic() + _MAILBOX_SPIN_S, expected)
+        until = time.monotonic() + _MAILBOX_SPIN_S
         posted = None
         while not stream.broken and (posted := mailbox.take(token, _LOOKS)) is None and not stream.readable():
             if time.monotonic() > until:

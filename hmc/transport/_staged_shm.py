@@ -102,12 +102,6 @@ _NAP_S = 50e-6
 """How long a transfer with chunks in flight sleeps on its connection between looks at its oldest copy."""
 _POLL_S = 200e-6
 """How long a small transfer polls for its reply before it sleeps in the receive (a wake-up costs more)."""
-_EXPECT_S = 0.002
-"""What a transfer tells its owner to poll for its first hand-off (`Expect`): longer than the first chunk's copy."""
-_EXPECT_FRAME = peer_pb2.PeerFrame(expect=peer_pb2.Expect(within_us=round(_EXPECT_S * 1e6))).SerializeToString()
-_LAST_REPLY_SPIN_S = 0.002
-"""How long a write polls for its last reply (its last chunk's copy on the owner) before it sleeps: a thread woken
-from sleep ends the transfer late (about 0.2 ms on the GPU hosts)."""
 Connect = Callable[[common_pb2.BufferDescriptor, float], FrameStream]
 
 
@@ -224,10 +218,10 @@ def frame_of(message: peer_pb2.DataWrite | peer_pb2.DataRead) -> peer_pb2.PeerFr
     return peer_pb2.PeerFrame(write=message) if isinstance(message, peer_pb2.DataWrite) else peer_pb2.PeerFrame(read=message)
 
 
-def reply_of(stream: FrameStream, deadline: float, nbytes: int = 0, *, spin_s: float = 0.0) -> peer_pb2.PeerReply:
+def reply_of(stream: FrameStream, deadline: float, nbytes: int = 0) -> peer_pb2.PeerReply:
     """The next reply on a data connection, to a chunk of `nbytes`; a refusal raises its typed error. A small
-    chunk's reply is microseconds away: it is polled for briefly before the receive sleeps (`spin_s` at least)."""
-    answer = stream.recv(deadline, spin_s=max(spin_s, _POLL_S if nbytes and nbytes <= SMALL_BYTES else 0.0))
+    chunk's reply is microseconds away: it is polled for briefly before the receive sleeps."""
+    answer = stream.recv(deadline, spin_s=_POLL_S if nbytes and nbytes <= SMALL_BYTES else 0.0)
     if answer.WhichOneof("kind") != "reply":
         raise ProtocolError(f"expected a reply on a data connection, got {answer.WhichOneof('kind')}")
     if stream.inline_bytes and stream.inline_bytes != answer.reply.payload_bytes:
@@ -460,8 +454,6 @@ class ShmStaging:
         assert stream is not None and ring is not None
         remote, region, deadline, completion = request.remote, request.local.region, request.deadline, request.completion
         size, slots = self._layout(request)
-        if request.ranges.total > SMALL_BYTES:  # the owner polls for the first hand-off, due once a chunk is copied
-            stream.send_serialized(_EXPECT_FRAME, deadline=deadline)
         chunks = request.ranges.packed(size)
         queued: collections.deque[tuple[Pending, peer_pb2.DataWrite, int, int]] = collections.deque()  # copying into slots
         inflight: collections.deque[int] = collections.deque()  # bytes of chunks handed off, reply pending
@@ -490,8 +482,8 @@ class ShmStaging:
                     wait(deadline)
                     self._hand_off(link, stream, write, slot, nbytes, deadline)
                     inflight.append(nbytes)
-                elif inflight:  # the last reply is polled for: the transfer ends with it
-                    reply_of(stream, deadline, inflight[0], spin_s=_LAST_REPLY_SPIN_S if len(inflight) == 1 else 0.0)
+                elif inflight:
+                    reply_of(stream, deadline, inflight[0])
                     completion.add_bytes(inflight.popleft())
         finally:
             while queued:  # never leave a queued copy running into a ring the next transfer reuses

@@ -85,7 +85,7 @@ __all__ = [
     "tune_socket",
 ]
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 4
 MAX_FRAME = 64 << 20
 """Largest frame an authenticated connection accepts (a range list of ~2.8 million ranges)."""
 HELLO_FRAME = 64 << 10
