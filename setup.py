@@ -1,10 +1,11 @@
-"""Build hook: generate the control-plane code in hmc/v1/ from proto/hmc/v1/*.proto, and compile the UCP
-binding of the `ucx` path (hmc/transport/_ucx_c, see hmc/transport/_ucx_build.py).
+"""Build hook: generate the control-plane code in hmc/v1/ from proto/hmc/v1/*.proto, and compile the two cffi
+modules: the UCP binding of the `ucx` path (hmc/transport/_ucx_c, see hmc/transport/_ucx_build.py) and the staged
+ring's fused CUDA batches (hmc/transport/_gpu_batch_c, see hmc/transport/_gpu_batch_build.py).
 
-Neither is edited or committed; every install (regular or editable) regenerates them, with the pinned
-grpcio-tools, cffi and libucx-cu13 from pyproject.toml. The binding is optional: where it cannot be built
-(no libucx wheel for the platform, no C compiler) the install goes on and the `ucx` path says why it is
-unavailable.
+None is edited or committed; every install (regular or editable) regenerates them, with the pinned
+grpcio-tools, cffi and libucx-cu13 from pyproject.toml. Both modules are optional: where one cannot be built
+(no libucx wheel for the platform, no C compiler) the install goes on, the `ucx` path says why it is
+unavailable, and the staged ring queues its CUDA batches from Python.
 """
 
 from __future__ import annotations
@@ -41,19 +42,19 @@ def generate_protos() -> None:
     (OUT_PACKAGE / "__init__.py").write_text('"""Generated from proto/hmc/v1 at build time; do not edit."""\n')
 
 
-def build_ucx_binding() -> bool:
-    """Compile hmc.transport._ucx_c against the libucx wheel; a warning, not a failure, where it cannot be
-    (False then).
+def build_binding(script: str, what: str) -> bool:
+    """Compile one cffi module of hmc/transport with its build script; a warning naming `what` is lost, not a
+    failure, where it cannot be (False then).
 
     In a process of its own: cffi's compiler run would otherwise reset the distutils state setup() uses."""
     import subprocess
     import sys
 
-    script = ROOT / "hmc" / "transport" / "_ucx_build.py"
-    result = subprocess.run([sys.executable, str(script), str(ROOT / "hmc" / "transport")], capture_output=True, text=True)
+    path = ROOT / "hmc" / "transport" / script
+    result = subprocess.run([sys.executable, str(path), str(ROOT / "hmc" / "transport")], capture_output=True, text=True)
     if result.returncode != 0:
         why = (result.stderr.strip().splitlines() or ["unknown"])[-1]
-        print(f"warning: the UCX binding was not built, the ucx path will be unavailable: {why}")
+        print(f"warning: {script} did not build, {what}: {why}")
     return result.returncode == 0
 
 
@@ -61,11 +62,12 @@ class _Distribution(Distribution):
     """A wheel that carries the compiled binding is a platform wheel, not a pure one."""
 
     def has_ext_modules(self) -> bool:
-        return any((ROOT / "hmc" / "transport").glob("_ucx_c*.so"))
+        return any((ROOT / "hmc" / "transport").glob("_*_c*.so"))
 
 
 # Generate before setuptools discovers packages, so hmc.v1 is found by both
 # regular and editable installs.
 generate_protos()
-build_ucx_binding()
-setup(package_data={"hmc.transport": ["_ucx_c*.so"]}, distclass=_Distribution)
+build_binding("_ucx_build.py", "the ucx path will be unavailable")
+build_binding("_gpu_batch_build.py", "the staged ring's CUDA batches will be queued from Python")
+setup(package_data={"hmc.transport": ["_ucx_c*.so", "_gpu_batch_c*.so"]}, distclass=_Distribution)

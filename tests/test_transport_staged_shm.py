@@ -169,3 +169,16 @@ def test_the_ring_fast_path_fails_typed_when_the_owner_dies(config: Config, make
         with pytest.raises(HMCError):
             handle.wait()
         assert not src.inline_routes  # the failed route is forgotten: the next call takes the slow path again
+
+
+def test_the_fused_slot_batch_helper_is_built_and_stands_aside_without_a_cuda_driver() -> None:
+    """setup.py compiles `hmc.transport._gpu_batch_c` (cffi, no CUDA needed); without a CUDA driver `library()` is None
+    and slot batches are queued from Python. tests/gpu/test_cuda_slot_batches.py runs the helper on a GPU."""
+    import ctypes.util
+
+    from hmc.transport import _gpu_batch, _gpu_batch_c  # type: ignore[attr-defined]
+
+    assert callable(_gpu_batch_c.lib.hmc_batch_run)
+    if ctypes.util.find_library("cuda"):
+        pytest.skip("a CUDA driver is installed here")
+    assert _gpu_batch.library() is None

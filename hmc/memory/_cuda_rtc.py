@@ -68,6 +68,7 @@ class _ModuleKernel:
         self._image = np.frombuffer(image, np.uint8)
         self._module = check(driver.cuModuleLoadData(self._image.ctypes.data))
         self._function = check(driver.cuModuleGetFunction(self._module, name.encode()))
+        self.handle = int(self._function)
 
     def launch(self, grid: int, block: int, arguments: Sequence[int], stream: Any) -> None:
         values, pointers = argument_pointers(arguments)
@@ -81,6 +82,7 @@ class _CupyKernel:
     """A kernel compiled and launched through CuPy (when NVRTC through cuda.bindings is unavailable)."""
 
     kind = "cupy"
+    handle = 0
 
     def __init__(self, ordinal: int, source: str, name: str) -> None:
         import cupy

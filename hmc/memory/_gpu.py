@@ -29,6 +29,9 @@ class Kernel(Protocol):
     """A kernel compiled and loaded for one GPU; `kind` names the compiler ("nvrtc", "cupy", "hiprtc")."""
 
     kind: str
+    handle: int
+    """The loaded CUDA function a C caller may launch itself, in its context (`hmc.transport._gpu_batch`); 0 where
+    launches go through this object only (CuPy, HIP)."""
 
     def launch(self, grid: int, block: int, arguments: Sequence[int], stream: Any) -> None:
         """Queue `grid` blocks of `block` threads on `stream`, the kernel's arguments 64-bit values (pointers)."""

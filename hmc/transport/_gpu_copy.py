@@ -45,6 +45,7 @@ import numpy as np
 
 from hmc.errors import HMCError, TimeoutError
 from hmc.memory._base import Device, MemoryRegion
+from hmc.transport import _gpu_batch
 
 if TYPE_CHECKING:
     from hmc.memory._gpu import GpuBackend, Kernel, Runtime
@@ -252,6 +253,45 @@ class Lane:
                 return None
             return self._recorded()
 
+    def fused(
+        self, copy: Lane, *, gather: bool, src: np.ndarray, src_base: int, dst: np.ndarray, dst_base: int, lengths: np.ndarray,
+        copy_dst: int, copy_src: int, whole: int, wait: Any, deadline: float,
+    ) -> tuple[Any, Any] | None:
+        """A staging slot's batch in one C call (`_gpu_batch`), its kernel on this lane and its copy of `whole` bytes
+        (copy_src -> copy_dst) on `copy`'s stream: gather (the kernel, then the copy) or scatter (the copy, then the
+        kernel). The kernel reads its range table in place; `wait` (an event, or None) is waited for by the stream
+        that goes first. Returns (end, freed): two events recorded on the stream that goes last (release both), or
+        None where there is no fused path (HIP, CuPy's kernel, the helper not built): queue the steps instead."""
+        fused = _gpu_batch.library()
+        if fused is None:
+            return None
+        with self._lock, self._rt.use(self.ordinal):  # the C call runs in the GPU's context, made current here
+            kernel = self._kernel_here()
+            if kernel is None or not kernel.handle:  # HIP, or CuPy's kernel
+                return None
+            longest = int(lengths.max())
+            if longest > PIECE_BYTES:
+                src, dst, lengths = pieces(src, dst, lengths)
+                longest = PIECE_BYTES
+            table = self._table(int(lengths.size), deadline)
+            join, end, freed = self._event(), copy._event(), copy._event()
+            try:
+                fused.run(
+                    kernel.handle, _BLOCK_SMALL if longest <= _SMALL_PIECE else _BLOCK_LARGE, gather=gather,
+                    kernel_stream=self.handle, copy_stream=copy.handle,
+                    events=(int(wait) if wait is not None else 0, int(join), int(table.uploaded), int(end), int(freed)),
+                    table=table.array, table_device=table.host_pointer,
+                    src=np.ascontiguousarray(src, np.int64), src_base=src_base, dst=np.ascontiguousarray(dst, np.int64), dst_base=dst_base,
+                    lengths=np.ascontiguousarray(lengths, np.int64), copy_dst=copy_dst, copy_src=copy_src, whole=whole,
+                )
+            except BaseException:
+                for event in (end, freed):
+                    copy.release_event(event)
+                raise
+            finally:
+                self.release_event(join)
+        return end, freed
+
     def _copier(self) -> Callable[[int, int, int, float], bool]:
         """`copy_now`: one closure with the driver functions and handles bound (the single-range fast path, a 4 KiB write).
 
@@ -295,12 +335,17 @@ class Lane:
 
     def _recorded(self) -> Any:
         """A pooled (else new) event recorded on the stream; the lane's GPU is current."""
-        with self._event_lock:
-            event = self._events.pop() if self._events else None
-        if event is None:
-            event = self._rt.event_create()
+        event = self._event()
         self._rt.event_record(event, self._native)
         return event
+
+    def _event(self) -> Any:
+        """A pooled event, else a new one (made with the lane's GPU current)."""
+        with self._event_lock:
+            if self._events:
+                return self._events.pop()
+        with self._rt.use(self.ordinal):
+            return self._rt.event_create()
 
     def wait_for(self, event: Any) -> None:
         """Make work queued on this stream from now on wait for `event` (recorded on another of this GPU's lanes)."""
@@ -372,12 +417,8 @@ class Lane:
             src, dst, lengths = pieces(src, dst, lengths)
             longest = PIECE_BYTES
         rows = int(lengths.size)
-        table = self._tables[self._turn]
-        self._turn = (self._turn + 1) % len(self._tables)
-        self._reserve(table, rows, deadline)
+        table = self._table(rows, deadline)
         rt = self._rt
-        if not spin_until(lambda: rt.event_query(table.uploaded)[0], deadline, rt):
-            raise TimeoutError(f"the range table of {self.device.name} stayed in use past the deadline")
         rows_out = table.array  # sources, destinations, lengths: rows entries each, back to back
         np.add(src, src_base, out=rows_out[:rows])
         np.add(dst, dst_base, out=rows_out[rows : 2 * rows])
@@ -391,6 +432,16 @@ class Lane:
         rt.check(rt.memcpy_async(table.device.address, table.host.address, rows * 24, self._native))
         rt.event_record(table.uploaded, self._native)
         kernel.launch(rows, block, _columns(table.device.address, rows), self._native)
+
+    def _table(self, rows: int, deadline: float) -> _Table:
+        """The next range table (under `_lock`), holding at least `rows` rows, once the launch that last read it ended."""
+        table = self._tables[self._turn]
+        self._turn = (self._turn + 1) % len(self._tables)
+        self._reserve(table, rows, deadline)
+        rt = self._rt
+        if not spin_until(lambda: rt.event_query(table.uploaded)[0], deadline, rt):
+            raise TimeoutError(f"the range table of {self.device.name} stayed in use past the deadline")
+        return table
 
     def _reserve(self, table: _Table, rows: int, deadline: float) -> None:
         """Make `table` hold at least `rows` rows (its old memory freed once the stream no longer reads it)."""

@@ -168,14 +168,26 @@ class _GpuSide:
         """Queue the ranges' gather into scratch and its copy to `pointer` (pinned); returns (lane, event of the end)."""
         whole = int(positions[-1] + lengths[-1])
         with self.batch:
-            index, scratch = self._next(whole, self.kernels, deadline)
+            index, scratch, wait = self._next(whole, deadline)
             try:
+                fused = self.kernels.fused(
+                    self.lane, gather=True, src=offsets, src_base=base, dst=positions, dst_base=scratch, lengths=lengths,
+                    copy_dst=pointer, copy_src=scratch, whole=whole, wait=wait, deadline=deadline,
+                )
+                if fused is not None:
+                    event, self.freed[index] = fused
+                    return self.lane, event
+                if wait is not None:
+                    self.kernels.wait_for(wait)
                 self.kernels.enqueue(offsets, base, positions, scratch, lengths, deadline, table_in_place=True)
                 self._join(self.kernels, self.lane)
                 event = self.lane.enqueue(_ZERO, scratch, _ZERO, pointer, np.array([whole], np.int64), deadline, record=True)
             except BaseException:
                 self._fence(index)
                 raise
+            finally:
+                if wait is not None:
+                    self.lane.release_event(wait)
             self.freed[index] = self.lane.record()
         return self.lane, event
 
@@ -183,20 +195,32 @@ class _GpuSide:
         """Queue the copy of `pointer` (pinned) into scratch and its scatter to the ranges; returns (lane, event)."""
         whole = int(positions[-1] + lengths[-1])
         with self.batch:
-            index, scratch = self._next(whole, self.lane, deadline)
+            index, scratch, wait = self._next(whole, deadline)
             try:
+                fused = self.kernels.fused(
+                    self.lane, gather=False, src=positions, src_base=scratch, dst=offsets, dst_base=base, lengths=lengths,
+                    copy_dst=scratch, copy_src=pointer, whole=whole, wait=wait, deadline=deadline,
+                )
+                if fused is not None:
+                    event, self.freed[index] = fused
+                    return self.kernels, event
+                if wait is not None:
+                    self.lane.wait_for(wait)
                 self.lane.enqueue(_ZERO, pointer, _ZERO, scratch, np.array([whole], np.int64), deadline)
                 self._join(self.lane, self.kernels)
                 event = self.kernels.enqueue(positions, scratch, offsets, base, lengths, deadline, record=True, table_in_place=True)
             except BaseException:
                 self._fence(index)
                 raise
+            finally:
+                if wait is not None:
+                    self.lane.release_event(wait)
             self.freed[index] = self.kernels.record()
         return self.kernels, event
 
-    def _next(self, nbytes: int, first: Any, deadline: float) -> tuple[int, int]:
-        """The next scratch slot (grown to `nbytes`), with `first`, the lane that touches it first, made to wait until
-        the work that last used it ended."""
+    def _next(self, nbytes: int, deadline: float) -> tuple[int, int, Any]:
+        """The next scratch slot (grown to `nbytes`) and the event that marks the end of its last use (None if none):
+        the lane that touches it first must wait for that event (then release it)."""
         index, self.turn = self.turn, (self.turn + 1) % len(self.scratch)
         scratch = self.scratch[index]
         if scratch is None or scratch.size < nbytes:
@@ -206,11 +230,8 @@ class _GpuSide:
                 scratch.free()
                 self.scratch[index] = None
             scratch = self.scratch[index] = self.backend.allocate(self.device, max(nbytes, _SCRATCH_MIN))
-        if self.freed[index] is not None:
-            first.wait_for(self.freed[index])
-            first.release_event(self.freed[index])
-            self.freed[index] = None
-        return index, scratch.address
+        wait, self.freed[index] = self.freed[index], None
+        return index, scratch.address, wait
 
     def _fence(self, index: int) -> None:
         """After a batch's queueing failed halfway: mark scratch `index` in use until both lanes' work so far ended."""

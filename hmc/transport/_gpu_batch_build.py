@@ -1,0 +1,128 @@
+"""The staged ring's fused slot batch for CUDA GPUs: a cffi module in API mode, compiled at install (setup.py
+calls `build()`); no CUDA headers or libraries are needed to build it: the driver (libcuda.so.1) is opened at run
+time, by the process that already loaded it.
+
+Why (docs/decisions.md, "Staged slot batches in one C call"): a ring slot's gather (or scatter) and its copy were
+about 20 driver calls through cuda-python plus numpy's table writes, 100-170 us of CPU a batch on the initiator
+and twice that on the owner, whose other threads contend for the GIL. That held the ring to 32 MiB chunks (the
+owner could not keep up with 16 MiB ones), and the pipeline's fill and drain to two 32 MiB copies a transfer.
+
+- `hmc_batch_load`: resolve the driver entry points (dlopen of libcuda.so.1, dlsym); 0 when all are there.
+- `hmc_batch_run`: one slot batch, in the context current on the calling thread (the GPU's: the caller's):
+  gather (`gather` = 1): wait for `wait_event` on the kernel stream (the scratch slot's last use), write the
+  range table (sources and destinations with their bases added, lengths), launch the copy kernel on it, record
+  `table_event` (the table may be rewritten once it completed), make the copy stream wait for the kernel
+  (`join_event`), copy `whole` bytes scratch -> slot, record `end_event` and `freed_event` there.
+  scatter (`gather` = 0): the copy first (on the copy stream, after `wait_event`), then the kernel (after the
+  copy), both events recorded on the kernel stream.
+  Returns 0, or the first failing CUresult with `*step` saying how many steps had been queued (the caller fences
+  the scratch slot then, as after any failure halfway).
+
+The module is `hmc.transport._gpu_batch_c`; `hmc.transport._gpu_batch` loads it. It never calls into Python and
+never waits: every wait stays with the caller, bounded by its deadline.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["CDEF", "SOURCE", "build"]
+
+CDEF = r"""
+int hmc_batch_load(void);
+int hmc_batch_run(uint64_t function, unsigned block, int gather,
+                  uint64_t kernel_stream, uint64_t copy_stream,
+                  uint64_t wait_event, uint64_t join_event, uint64_t table_event, uint64_t end_event, uint64_t freed_event,
+                  int64_t *table, uint64_t table_device, uint64_t rows,
+                  const int64_t *src, int64_t src_base, const int64_t *dst, int64_t dst_base, const int64_t *lengths,
+                  uint64_t copy_dst, uint64_t copy_src, uint64_t whole, int *step);
+"""
+
+SOURCE = r"""
+#include <dlfcn.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef int CUresult;
+typedef void *CUstream;
+typedef void *CUevent;
+typedef void *CUfunction;
+
+static CUresult (*copy_async)(uint64_t, uint64_t, size_t, CUstream);
+static CUresult (*launch)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **);
+static CUresult (*record)(CUevent, CUstream);
+static CUresult (*wait_for)(CUstream, CUevent, unsigned);
+
+int hmc_batch_load(void) {
+    void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (driver == NULL) driver = dlopen("libcuda.so.1", RTLD_NOW);
+    if (driver == NULL) return -1;
+    copy_async = (CUresult (*)(uint64_t, uint64_t, size_t, CUstream))dlsym(driver, "cuMemcpyAsync");
+    launch = (CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **))dlsym(driver, "cuLaunchKernel");
+    record = (CUresult (*)(CUevent, CUstream))dlsym(driver, "cuEventRecord");
+    wait_for = (CUresult (*)(CUstream, CUevent, unsigned))dlsym(driver, "cuStreamWaitEvent");
+    if (!copy_async || !launch || !record || !wait_for) return -2;
+    return 0;
+}
+
+static CUresult table_and_launch(uint64_t function, unsigned block, CUstream stream, int64_t *table, uint64_t table_device, uint64_t rows,
+                                 const int64_t *src, int64_t src_base, const int64_t *dst, int64_t dst_base, const int64_t *lengths) {
+    for (uint64_t i = 0; i < rows; ++i) {
+        table[i] = src[i] + src_base;
+        table[rows + i] = dst[i] + dst_base;
+        table[2 * rows + i] = lengths[i];
+    }
+    uint64_t columns[3] = {table_device, table_device + 8 * rows, table_device + 16 * rows};
+    void *arguments[3] = {&columns[0], &columns[1], &columns[2]};
+    return launch((CUfunction)(uintptr_t)function, (unsigned)rows, 1, 1, block, 1, 1, 0, stream, arguments, NULL);
+}
+
+#define STEP(call) do { CUresult status_ = (call); if (status_ != 0) return status_; ++*step; } while (0)
+
+int hmc_batch_run(uint64_t function, unsigned block, int gather,
+                  uint64_t kernel_stream, uint64_t copy_stream,
+                  uint64_t wait_event, uint64_t join_event, uint64_t table_event, uint64_t end_event, uint64_t freed_event,
+                  int64_t *table, uint64_t table_device, uint64_t rows,
+                  const int64_t *src, int64_t src_base, const int64_t *dst, int64_t dst_base, const int64_t *lengths,
+                  uint64_t copy_dst, uint64_t copy_src, uint64_t whole, int *step) {
+    CUstream kernels = (CUstream)(uintptr_t)kernel_stream, copies = (CUstream)(uintptr_t)copy_stream;
+    CUstream last = gather ? copies : kernels;
+    *step = 0;
+    if (wait_event) STEP(wait_for(gather ? kernels : copies, (CUevent)(uintptr_t)wait_event, 0));
+    if (gather) {
+        STEP(table_and_launch(function, block, kernels, table, table_device, rows, src, src_base, dst, dst_base, lengths));
+        STEP(record((CUevent)(uintptr_t)table_event, kernels));
+        STEP(record((CUevent)(uintptr_t)join_event, kernels));
+        STEP(wait_for(copies, (CUevent)(uintptr_t)join_event, 0));
+        STEP(copy_async(copy_dst, copy_src, (size_t)whole, copies));
+    } else {
+        STEP(copy_async(copy_dst, copy_src, (size_t)whole, copies));
+        STEP(record((CUevent)(uintptr_t)join_event, copies));
+        STEP(wait_for(kernels, (CUevent)(uintptr_t)join_event, 0));
+        STEP(table_and_launch(function, block, kernels, table, table_device, rows, src, src_base, dst, dst_base, lengths));
+        STEP(record((CUevent)(uintptr_t)table_event, kernels));
+    }
+    STEP(record((CUevent)(uintptr_t)end_event, last));
+    STEP(record((CUevent)(uintptr_t)freed_event, last));
+    return 0;
+}
+"""
+
+
+def build(package_dir: Path) -> Path:
+    """Compile `hmc.transport._gpu_batch_c` into `package_dir` (hmc/transport); its path."""
+    import cffi
+
+    ffi = cffi.FFI()
+    ffi.cdef(CDEF)
+    ffi.set_source("hmc.transport._gpu_batch_c", SOURCE, libraries=["dl"], extra_compile_args=["-O2"])
+    built = Path(ffi.compile(tmpdir=str(package_dir.parent.parent), verbose=False))
+    for leftover in (package_dir / "_gpu_batch_c.c", package_dir / "_gpu_batch_c.o"):
+        leftover.unlink(missing_ok=True)
+    return built
+
+
+if __name__ == "__main__":
+    import sys
+
+    build(Path(sys.argv[1]))

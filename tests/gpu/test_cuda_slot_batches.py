@@ -1,0 +1,101 @@
+"""The staged ring's slot batches on a real GPU (`hmc.transport._pinned.SlotCopier`): ranges of device memory gathered
+into a pinned slot and scattered out of it, through the fused C call (`hmc.transport._gpu_batch`) and through the
+steps queued from Python (HIP's and CuPy's way), random bytes, poisoned destinations, every byte compared: many short
+ranges, ranges cut into pieces, odd lengths and unaligned offsets, a slot at an odd position, the buffer's last byte.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hmc import memory
+from hmc.transport import _gpu_batch
+from hmc.transport import _gpu_copy as gpu_copy
+from hmc.transport._pinned import PinnedMapping, SlotCopier
+
+from ._support import POISON, assert_bytes_equal, random_bytes
+
+pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
+
+SIZE = (48 << 20) + 13
+AT = 4096 + 7
+"""Where in the pinned mapping the slot starts (not aligned)."""
+
+
+def _layout(rng: np.random.Generator, lengths: np.ndarray) -> np.ndarray:
+    """Offsets for `lengths` in a SIZE-byte buffer: no two overlap, in random order, the last placed one ending at the
+    buffer's last byte."""
+    order = rng.permutation(lengths.size)
+    free = SIZE - int(lengths.sum())
+    gaps = np.diff(np.concatenate([[0], np.sort(rng.integers(0, free + 1, lengths.size - 1)), [free]]))
+    ends = np.cumsum(gaps + lengths[order])
+    offsets = np.empty(lengths.size, np.int64)
+    offsets[order] = ends - lengths[order]
+    return offsets
+
+
+CASES = {
+    "kv 64 KiB": lambda rng: np.full(256, 65536, np.int64),
+    "kv 16 KiB": lambda rng: np.full(1024, 16384, np.int64),
+    "odd lengths": lambda rng: rng.integers(1, 70000, 300).astype(np.int64),
+    "pieces": lambda rng: np.array([(1 << 20) + 3, 5, (3 << 20) + 1, 262145, 7, 262144], np.int64),
+}
+
+
+@pytest.fixture(params=["fused", "steps"])
+def fused_calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
+    """Which of the lane's batches went through the fused call (True) or fell back (False); the "steps" run makes every
+    batch fall back."""
+    calls: list[bool] = []
+    fused = gpu_copy.Lane.fused
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = fused(self, *args, **kwargs) if request.param == "fused" else None
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(gpu_copy.Lane, "fused", counted)
+    yield calls
+    if request.param == "fused":
+        assert calls and all(calls), "a batch fell back to the Python steps although the fused helper is there"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_slot_batches_gather_and_scatter_every_byte(case: str, fused_calls: list[bool]) -> None:
+    assert _gpu_batch.library() is not None, "the fused batch helper was not built at install, or does not load"
+    rng = np.random.default_rng(len(case))
+    lengths = CASES[case](rng)
+    data = random_bytes(SIZE, 11)
+    source, target = memory.allocate(SIZE, "cuda:0"), memory.allocate(SIZE, "cuda:0")
+    ring = PinnedMapping(None, AT + (48 << 20), create=True)
+    copier = SlotCopier()
+    try:
+        memory.copy(source, data)
+        memory.fill(target, POISON)
+        np.frombuffer(ring.view(0, ring.size), np.uint8)[:] = POISON
+        src, dst = _layout(rng, lengths), _layout(rng, lengths)
+        deadline = time.monotonic() + 30.0
+        copier.start(source, src, lengths, ring, AT, to_slot=True, deadline=deadline)(deadline)
+        packed = np.concatenate([data[s : s + n] for s, n in zip(src.tolist(), lengths.tolist())])
+        slot = np.frombuffer(ring.view(0, ring.size), np.uint8)
+        assert_bytes_equal(slot[AT : AT + packed.size], packed, f"{case}: gathered")
+        assert (slot[:AT] == POISON).all() and (slot[AT + packed.size :] == POISON).all(), f"{case}: written outside the slot"
+        copier.start(target, dst, lengths, ring, AT, to_slot=False, deadline=deadline)(deadline)
+        expected = np.full(SIZE, POISON, np.uint8)
+        position = 0
+        for d, n in zip(dst.tolist(), lengths.tolist()):
+            expected[d : d + n] = packed[position : position + n]
+            position += n
+        landed = np.empty(SIZE, np.uint8)
+        memory.copy(landed, target)
+        assert_bytes_equal(landed, expected, f"{case}: scattered")
+    finally:
+        copier.close()
+        ring.close()
+        memory.free(source)
+        memory.free(target)
