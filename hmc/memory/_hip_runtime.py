@@ -273,6 +273,7 @@ class _HipKernel:
     """A kernel loaded from a code object on the current device."""
 
     kind = "hiprtc"
+    handle = 0
 
     def __init__(self, image: bytes, name: str) -> None:
         self._image = np.frombuffer(image, np.uint8)
