@@ -3,9 +3,9 @@ calls `build()`); no CUDA headers or libraries are needed to build it: the drive
 time, by the process that already loaded it.
 
 Why (docs/decisions.md, "Staged slot batches in one C call"): a ring slot's gather (or scatter) and its copy were
-about 20 driver calls through cuda-python plus numpy's table writes, 100-170 us of CPU a batch on the initiator
-and twice that on the owner, whose other threads contend for the GIL. That held the ring to 32 MiB chunks (the
-owner could not keep up with 16 MiB ones), and the pipeline's fill and drain to two 32 MiB copies a transfer.
+about 20 driver calls through cuda-python plus numpy's table writes: on one H100, 110-135 us of CPU a batch on the
+initiator and 185-235 us on the owner, the process that owns the KV cache (an inference engine, whose threads
+share its GIL). One call takes 75-95 and 100-175 us (what is left is Python around it).
 
 - `hmc_batch_load`: resolve the driver entry points (dlopen of libcuda.so.1, dlsym); 0 when all are there.
 - `hmc_batch_run`: one slot batch, in the context current on the calling thread (the GPU's: the caller's):
