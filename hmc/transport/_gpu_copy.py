@@ -14,6 +14,9 @@ runtime calls (`hmc.memory._gpu.Runtime`: the CUDA driver, or the HIP runtime):
   (else 8, 4, 2 or 1 bytes), unrolled so each thread keeps four loads in
   flight, and a byte tail.
 
+On CUDA GPUs the staged ring's slot batches (a gather or scatter and its copy-engine copy, on two lanes) are
+queued by one C call instead (`fused`, `hmc.transport._gpu_batch`): same steps, same tables and events.
+
 Pointers may be memory of this GPU, of a peer GPU (peer access enabled, or an
 IPC mapping), or page-locked host memory mapped for the device.
 
@@ -269,15 +272,12 @@ class Lane:
             kernel = self._kernel_here()
             if kernel is None or not kernel.handle:  # HIP, or CuPy's kernel
                 return None
-            longest = int(lengths.max())
-            if longest > PIECE_BYTES:
-                src, dst, lengths = pieces(src, dst, lengths)
-                longest = PIECE_BYTES
+            src, dst, lengths, block = _cut(src, dst, lengths)
             table = self._table(int(lengths.size), deadline)
             join, end, freed = self._event(), copy._event(), copy._event()
             try:
                 fused.run(
-                    kernel.handle, _BLOCK_SMALL if longest <= _SMALL_PIECE else _BLOCK_LARGE, gather=gather,
+                    kernel.handle, block, gather=gather,
                     kernel_stream=self.handle, copy_stream=copy.handle,
                     events=(int(wait) if wait is not None else 0, int(join), int(table.uploaded), int(end), int(freed)),
                     table=table.array, table_device=table.host_pointer,
@@ -412,10 +412,7 @@ class Lane:
         self, kernel: Kernel, src: np.ndarray, src_base: int, dst: np.ndarray, dst_base: int, lengths: np.ndarray,
         deadline: float, table_in_place: bool,
     ) -> None:
-        longest = int(lengths.max())
-        if longest > PIECE_BYTES:
-            src, dst, lengths = pieces(src, dst, lengths)
-            longest = PIECE_BYTES
+        src, dst, lengths, block = _cut(src, dst, lengths)
         rows = int(lengths.size)
         table = self._table(rows, deadline)
         rt = self._rt
@@ -424,7 +421,6 @@ class Lane:
         np.add(dst, dst_base, out=rows_out[rows : 2 * rows])
         rows_out[2 * rows : 3 * rows] = lengths
         assert table.device is not None and table.host is not None
-        block = _BLOCK_SMALL if longest <= _SMALL_PIECE else _BLOCK_LARGE
         if table_in_place:
             kernel.launch(rows, block, _columns(table.host_pointer, rows), self._native)
             rt.event_record(table.uploaded, self._native)
@@ -485,6 +481,15 @@ class Lane:
             self._bounce = None
         self.stream.close()
         return True
+
+
+def _cut(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """A batch's ranges cut into pieces (`pieces`), and the thread block its launch uses."""
+    longest = int(lengths.max())
+    if longest > PIECE_BYTES:
+        src, dst, lengths = pieces(src, dst, lengths)
+        longest = PIECE_BYTES
+    return src, dst, lengths, _BLOCK_SMALL if longest <= _SMALL_PIECE else _BLOCK_LARGE
 
 
 def _columns(table: int, rows: int) -> tuple[int, int, int]:

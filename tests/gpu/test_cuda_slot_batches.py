@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from hmc import memory
+from hmc.errors import DeviceError
 from hmc.transport import _gpu_batch
 from hmc.transport import _gpu_copy as gpu_copy
 from hmc.transport._pinned import PinnedMapping, SlotCopier
@@ -99,3 +100,39 @@ def test_slot_batches_gather_and_scatter_every_byte(case: str, fused_calls: list
         ring.close()
         memory.free(source)
         memory.free(target)
+
+
+def test_a_failing_fused_batch_fails_typed_and_the_next_one_moves_every_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver call failing inside the C call is a DeviceError for that batch (its scratch slot fenced); the copier
+    goes on with the next batch, through the fused call again."""
+    helper = _gpu_batch.library()
+    assert helper is not None, "the fused batch helper was not built at install, or does not load"
+    rng = np.random.default_rng(3)
+    lengths = np.full(64, 65536, np.int64)
+    data = random_bytes(SIZE, 12)
+    source = memory.allocate(SIZE, "cuda:0")
+    ring = PinnedMapping(None, AT + (8 << 20), create=True)
+    copier = SlotCopier()
+    run = type(helper).run
+    failures = iter([True])
+
+    def failing(self: Any, *args: Any, **kwargs: Any) -> None:
+        if next(failures, False):
+            raise DeviceError("CUDA driver call failed: CUresult 999 (injected)")
+        run(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(helper), "run", failing)
+    try:
+        memory.copy(source, data)
+        src = _layout(rng, lengths)
+        deadline = time.monotonic() + 30.0
+        with pytest.raises(DeviceError):
+            copier.start(source, src, lengths, ring, AT, to_slot=True, deadline=deadline)
+        np.frombuffer(ring.view(0, ring.size), np.uint8)[:] = POISON
+        copier.start(source, src, lengths, ring, AT, to_slot=True, deadline=deadline)(deadline)
+        packed = np.concatenate([data[s : s + n] for s, n in zip(src.tolist(), lengths.tolist())])
+        assert_bytes_equal(np.frombuffer(ring.view(AT, packed.size), np.uint8), packed, "after a failed batch")
+    finally:
+        copier.close()
+        ring.close()
+        memory.free(source)
