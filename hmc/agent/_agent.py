@@ -42,6 +42,7 @@ from hmc.agent._events import AgentEvent, AgentEventKind, EventInbox
 from hmc.agent._instructions import Instructions
 from hmc.agent._peers import Peers
 from hmc.agent._prepared import PreparedTransfer
+from hmc.agent._routes import Route
 from hmc.agent._server import PeerServer
 from hmc.agent._transports import default_transports
 from hmc.agent._transfer import Notification, NotificationInbox, NotifyStep, TransferHandle, TransferState
@@ -64,7 +65,7 @@ from hmc.errors import (
 )
 from hmc.memory import MemoryRegion
 from hmc.memory import register as register_memory
-from hmc.transport._base import InlineCopy, PathName, TransferOp, TransferRequest, Transport
+from hmc.transport._base import PathName, TransferOp, TransferRequest, Transport
 from hmc.transport._ipc import allow_ptrace_peers
 from hmc.transport._negotiate import Endpoint, PathChoice, negotiate
 from hmc.transport._ranges import MAX_TIMEOUT_S, RangeList, check_timeout
@@ -79,9 +80,6 @@ _UNREGISTER_GRACE_S = 5.0
 
 _DESCRIPTOR = common_pb2.BufferDescriptor
 _FOREVER = 1 << 63
-_TIMED_MAX_BYTES = 1 << 20
-"""Longest range a call with a timeout of its own moves on a pair's fast path (a device copy of a GiB takes ~1 ms, which
-the caller's deadline must bound: such calls take the slow path)."""
 _LEARNING = frozenset({TransferState.PENDING, TransferState.RUNNING, TransferState.DONE})
 """A single range's states after post() in which the pair's fast path may be learned: a transport offers one only
 once the pair is set up (a grant, a mapping), which post() did on the caller's thread; a 1 GiB ipc write still
@@ -89,29 +87,6 @@ running on the GPU would otherwise never teach it, and each such write would pay
 _PATH_NAMES = frozenset(p.value for p in PathName)
 
 LinkFactory = Callable[[Config, common_pb2.AgentInfo, Callable[[daemon_pb2.TransferInstruction], None]], Any]
-
-
-class _Route:
-    """A cached inline copy to one remote buffer (see the module's "Hot path")."""
-
-    __slots__ = (
-        "key", "local_size", "max_bytes", "path", "read", "read_max_bytes", "read_size", "remote_size", "timed_max_bytes", "timed_read_max_bytes",
-        "write",
-    )  # fmt: skip
-
-    def __init__(self, copy: InlineCopy, key: bytes, path: str, local_writable: bool) -> None:
-        self.write, self.read = copy.write, copy.read
-        self.max_bytes = copy.max_bytes
-        self.read_max_bytes = copy.max_bytes if copy.read_max_bytes is None else copy.read_max_bytes
-        timed = 0 if copy.waits else _TIMED_MAX_BYTES
-        self.timed_max_bytes, self.timed_read_max_bytes = min(self.max_bytes, timed), min(self.read_max_bytes, timed)
-        """The same limits for calls that bring a timeout of their own: the copy runs under its transport's default
-        deadline, so only one that waits on no peer and ends within microseconds may carry them."""
-        self.local_size = copy.local_size
-        self.read_size = copy.local_size if local_writable else 0
-        """Bound on local offsets of reads: 0 for read-only local memory, so every read takes the slow path, which refuses it."""
-        self.remote_size = copy.remote_size
-        self.key, self.path = key, path
 
 
 class Agent:
@@ -362,7 +337,7 @@ class Agent:
         return PreparedTransfer(self, op, local, remote, ranges.coalesced(), timeout=timeout, path=path)
 
     @staticmethod
-    def _inline_failed(local: ConnBuffer, route: _Route, length: int, error: HMCError) -> TransferHandle:
+    def _inline_failed(local: ConnBuffer, route: Route, length: int, error: HMCError) -> TransferHandle:
         """A failed inline copy: forget the pair's fast path and report through the handle."""
         local.inline_routes.clear()
         handle = TransferHandle(route.path, length, time.monotonic())
@@ -451,7 +426,7 @@ class Agent:
         except HMCError:
             return
         if copy is not None:
-            route = _Route(copy, descriptor.access_key, path, not local.region.readonly)
+            route = Route(copy, descriptor.access_key, path, not local.region.readonly)
             for key in keys:
                 local.inline_routes[key] = route
 

@@ -33,7 +33,8 @@ from hmc.transport._ranges import RangeList
 from hmc.v1 import common_pb2
 
 if TYPE_CHECKING:
-    from hmc.agent._agent import Agent, _Route
+    from hmc.agent._agent import Agent
+    from hmc.agent._routes import Route
 
 __all__ = ["PreparedTransfer"]
 
@@ -65,7 +66,7 @@ class PreparedTransfer:
         if self._length:
             local_offsets, remote_offsets = (ranges.src, ranges.dst) if op is TransferOp.WRITE else (ranges.dst, ranges.src)
             self._args = (int(local_offsets[0]), int(remote_offsets[0]), self._length)
-        self._vetted: _Route | None = None
+        self._vetted: Route | None = None
         self._copy: Any = None
         """The vetted route's copy for this op."""
         self._done: TransferHandle | None = None
@@ -92,7 +93,7 @@ class PreparedTransfer:
             return self._done  # type: ignore[return-value]
         return self._agent._submit(self._op, self._local, self._remote, self._ranges, notify, self._timeout, self._path)
 
-    def _vet(self, route: _Route) -> bool:
+    def _vet(self, route: Route) -> bool:
         """Whether `route` may carry this transfer (the checks `Agent.write`/`read` make per call, made once)."""
         if self._args is None:
             return False
