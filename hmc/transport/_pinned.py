@@ -164,59 +164,44 @@ class _GpuSide:
         self.batch = threading.Lock()
         """Held while a batch and its copy are queued, and while closing (guards scratch, freed, turn)."""
 
-    def gather(self, offsets: np.ndarray, base: int, positions: np.ndarray, lengths: np.ndarray, pointer: int, deadline: float) -> tuple[Any, Any]:
-        """Queue the ranges' gather into scratch and its copy to `pointer` (pinned); returns (lane, event of the end)."""
+    def queue(
+        self, offsets: np.ndarray, base: int, positions: np.ndarray, lengths: np.ndarray, pointer: int, deadline: float, *, to_slot: bool
+    ) -> tuple[Any, Any]:
+        """Queue a slot's batch: to the slot, the ranges' gather into scratch, then its copy to `pointer` (pinned); from
+        it, the copy of `pointer` into scratch, then its scatter to the ranges. Returns (lane, event of the end)."""
         whole = int(positions[-1] + lengths[-1])
+        first, last = (self.kernels, self.lane) if to_slot else (self.lane, self.kernels)
         with self.batch:
             index, scratch, wait = self._next(whole, deadline)
+            ranges = (offsets, base, positions, scratch) if to_slot else (positions, scratch, offsets, base)  # the kernel's
+            copy_dst, copy_src = (pointer, scratch) if to_slot else (scratch, pointer)
             try:
                 fused = self.kernels.fused(
-                    self.lane, gather=True, src=offsets, src_base=base, dst=positions, dst_base=scratch, lengths=lengths,
-                    copy_dst=pointer, copy_src=scratch, whole=whole, wait=wait, deadline=deadline,
+                    self.lane, gather=to_slot, src=ranges[0], src_base=ranges[1], dst=ranges[2], dst_base=ranges[3], lengths=lengths,
+                    copy_dst=copy_dst, copy_src=copy_src, whole=whole, wait=wait, deadline=deadline,
                 )
                 if fused is not None:
                     event, self.freed[index] = fused
-                    return self.lane, event
+                    return last, event
                 if wait is not None:
-                    self.kernels.wait_for(wait)
-                self.kernels.enqueue(offsets, base, positions, scratch, lengths, deadline, table_in_place=True)
-                self._join(self.kernels, self.lane)
-                event = self.lane.enqueue(_ZERO, scratch, _ZERO, pointer, np.array([whole], np.int64), deadline, record=True)
+                    first.wait_for(wait)
+                steps = [
+                    lambda record: self.kernels.enqueue(*ranges, lengths, deadline, record=record, table_in_place=True),
+                    lambda record: self.lane.enqueue(_ZERO, copy_src, _ZERO, copy_dst, np.array([whole], np.int64), deadline, record=record),
+                ]
+                if not to_slot:
+                    steps.reverse()
+                steps[0](False)
+                self._join(first, last)
+                event = steps[1](True)
             except BaseException:
                 self._fence(index)
                 raise
             finally:
                 if wait is not None:
                     self.lane.release_event(wait)
-            self.freed[index] = self.lane.record()
-        return self.lane, event
-
-    def scatter(self, pointer: int, positions: np.ndarray, offsets: np.ndarray, base: int, lengths: np.ndarray, deadline: float) -> tuple[Any, Any]:
-        """Queue the copy of `pointer` (pinned) into scratch and its scatter to the ranges; returns (lane, event)."""
-        whole = int(positions[-1] + lengths[-1])
-        with self.batch:
-            index, scratch, wait = self._next(whole, deadline)
-            try:
-                fused = self.kernels.fused(
-                    self.lane, gather=False, src=positions, src_base=scratch, dst=offsets, dst_base=base, lengths=lengths,
-                    copy_dst=scratch, copy_src=pointer, whole=whole, wait=wait, deadline=deadline,
-                )
-                if fused is not None:
-                    event, self.freed[index] = fused
-                    return self.kernels, event
-                if wait is not None:
-                    self.lane.wait_for(wait)
-                self.lane.enqueue(_ZERO, pointer, _ZERO, scratch, np.array([whole], np.int64), deadline)
-                self._join(self.lane, self.kernels)
-                event = self.kernels.enqueue(positions, scratch, offsets, base, lengths, deadline, record=True, table_in_place=True)
-            except BaseException:
-                self._fence(index)
-                raise
-            finally:
-                if wait is not None:
-                    self.lane.release_event(wait)
-            self.freed[index] = self.kernels.record()
-        return self.kernels, event
+            self.freed[index] = last.record()
+        return last, event
 
     def _next(self, nbytes: int, deadline: float) -> tuple[int, int, Any]:
         """The next scratch slot (grown to `nbytes`) and the event that marks the end of its last use (None if none):
@@ -326,10 +311,8 @@ class SlotCopier:
                 event = lane.enqueue(offsets, base, positions, pointer, lengths, deadline, record=True)
             else:
                 event = lane.enqueue(positions, pointer, offsets, base, lengths, deadline, record=True)
-        elif to_slot:  # one kernel gathers into scratch, one copy-engine copy moves it out
-            lane, event = gpu.gather(offsets, base, positions, lengths, pointer, deadline)
-        else:  # one copy-engine copy into scratch, one kernel scatters it
-            lane, event = gpu.scatter(pointer, positions, offsets, base, lengths, deadline)
+        else:  # one kernel gathers into scratch and one copy-engine copy moves it out (or the reverse)
+            lane, event = gpu.queue(offsets, base, positions, lengths, pointer, deadline, to_slot=to_slot)
         return Pending(lane, event)
 
     def close(self) -> None:
