@@ -115,8 +115,9 @@ def test_refused_data_writes_drain_their_payload_and_write_nothing(data_stream: 
     assert (target.numpy()[10:4106] == 1).all() and (target.numpy()[4106:] == POISON).all()
 
 
-def test_negative_lengths_close_the_data_connection(data_stream: FrameStream, target: ConnBuffer) -> None:
-    data_stream.send(_write_frame(data_stream, target.descriptor, [0], [-5]))
+@pytest.mark.parametrize("count", [1, 20])  # decoded with struct, and as numpy views of the frame
+def test_negative_lengths_close_the_data_connection(data_stream: FrameStream, target: ConnBuffer, count: int) -> None:
+    data_stream.send(_write_frame(data_stream, target.descriptor, [64 * i for i in range(count)], [16] * (count - 1) + [-5]))
     assert isinstance(_reply_error(data_stream), ProtocolError)
     with pytest.raises(BrokenResourceError):
         data_stream.recv(_deadline())

@@ -34,10 +34,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from hmc.errors import AccessDeniedError, HMCError, OutOfRangeError, ProtocolError, TimeoutError, UnsupportedError
 from hmc.memory import MemoryKind
 from hmc.transport._pinned import PinnedMapping
-from hmc.transport._ranges import RangeList
 from hmc.transport._staged_mailbox import RECHECK_S, SmallRequest, decode_request, token_of
 from hmc.transport._staged_owner import OwnerSegments, ReplyTo
 from hmc.transport._staged_tcp_ring import BOUNCE_WAIT_S, BounceSlots
@@ -326,6 +327,7 @@ _MAX_RANGE = 1 << 40
 """Longest single range accepted on the wire (keeps the payload size computable without overflow)."""
 _FEW = 8
 """Up to this many ranges a request is decoded with struct and checked on Python ints (numpy costs more)."""
+_WIRE_I64 = np.dtype("<i8")
 _INT64S = [struct.Struct(f"<{count}q") for count in range(_FEW + 1)]
 """Decoders of up to `_FEW` little-endian int64s, built once."""
 _OK = peer_pb2.PeerReply()
@@ -338,20 +340,27 @@ _SENT = peer_pb2.PeerReply(payload_bytes=1)
 class _Side:
     """One side (this owner's) of a request's ranges: offsets, lengths, total (ProtocolError when malformed).
 
-    Lengths must be sane to know how much payload follows. Up to `_FEW` ranges are
-    decoded with struct and checked on Python ints; longer lists with numpy.
+    Only this side's offsets and the lengths are decoded (the other side's offsets are the initiator's; an
+    empty offsets field means offsets of 0). Lengths must be sane to know how much payload follows. Up to
+    `_FEW` ranges are decoded with struct and checked on Python ints; longer lists are numpy views of the frame's
+    bytes, checked with four reductions (a staged chunk holds up to thousands of ranges, one per frame).
     """
 
-    __slots__ = ("lengths", "offsets", "ranges", "total")
+    __slots__ = ("lengths", "many", "offsets", "total")
 
     def __init__(self, message: common_pb2.RangeList, field: str) -> None:
         raw_offsets, raw_lengths = getattr(message, field), message.lengths
+        if len(raw_lengths) & 7 or len(raw_offsets) not in (0, len(raw_lengths)):
+            raise ProtocolError("range list fields of a data request are not whole int64 arrays of one length")
         count = len(raw_lengths) >> 3
-        self.ranges: RangeList | None = None
-        if count > _FEW or len(raw_lengths) & 7 or len(raw_offsets) not in (0, len(raw_lengths)):
-            ranges = _wire_ranges(message)
-            self.ranges = ranges if field == "dst_offsets" else ranges.swapped()
-            self.offsets, self.lengths, self.total = self.ranges.dst, self.ranges.lengths, self.ranges.total
+        self.many = count > _FEW
+        if self.many:
+            lengths = np.frombuffer(raw_lengths, _WIRE_I64)
+            if int(lengths.min()) < 0 or int(lengths.max()) > _MAX_RANGE:
+                raise ProtocolError("range lengths in a data request are negative or absurd")
+            self.lengths: Sequence[int] = lengths
+            self.offsets: Sequence[int] = np.frombuffer(raw_offsets, _WIRE_I64) if raw_offsets else np.zeros(count, _WIRE_I64)
+            self.total = int(lengths.sum())
             return
         unpack = _INT64S[count].unpack
         self.lengths = list(unpack(raw_lengths))
@@ -364,13 +373,17 @@ class _Side:
     def single(cls, offset: int, length: int) -> _Side:
         """One range (a mailbox request's: decoded as unsigned ints, so never negative)."""
         side = cls.__new__(cls)
-        side.ranges, side.offsets, side.lengths, side.total = None, [offset], [length], length
+        side.many, side.offsets, side.lengths, side.total = False, [offset], [length], length
         return side
 
     def check(self, size: int) -> None:
         """OutOfRangeError unless every range lies inside a buffer of `size` bytes."""
-        if self.ranges is not None:
-            self.ranges.check_dst(size)
+        if self.many:
+            offsets = self.offsets
+            assert isinstance(offsets, np.ndarray)
+            # lengths are within [0, _MAX_RANGE]: with offsets within [0, size], no end overflows
+            if int(offsets.min()) < 0 or int(offsets.max()) > size or int((offsets + self.lengths).max()) > size:
+                raise OutOfRangeError(f"a range of the request lies outside the buffer of {size} bytes")
             return
         for index, (offset, length) in enumerate(zip(self.offsets, self.lengths)):
             if offset < 0 or offset + length > size:
@@ -378,24 +391,14 @@ class _Side:
 
     def lists(self) -> tuple[list[int], list[int]]:
         """Offsets and lengths as lists of ints."""
-        if self.ranges is None:
-            return self.offsets, self.lengths
-        return self.ranges.dst.tolist(), self.ranges.lengths.tolist()
+        if self.many:
+            return np.asarray(self.offsets).tolist(), np.asarray(self.lengths).tolist()
+        return self.offsets, self.lengths  # type: ignore[return-value]
 
     def arrays(self) -> tuple[Sequence[int], Sequence[int]]:
         """Offsets and lengths for a batched copy: int64 arrays (lists of ints for a few ranges)."""
-        if self.ranges is None:
-            return self.offsets, self.lengths
-        return self.ranges.dst, self.ranges.lengths
+        return self.offsets, self.lengths
 
     def views(self, view: memoryview) -> list[memoryview]:
         offsets, lengths = self.lists()
         return [view[o : o + n] for o, n in zip(offsets, lengths)]
-
-
-def _wire_ranges(message: common_pb2.RangeList) -> RangeList:
-    """Decode a request's ranges; lengths must be sane to know how much payload follows."""
-    ranges = RangeList.from_proto(message)
-    if len(ranges) and not 0 <= int(ranges.lengths.min()) <= int(ranges.lengths.max()) <= _MAX_RANGE:
-        raise ProtocolError("range lengths in a data request are negative or absurd")
-    return ranges
