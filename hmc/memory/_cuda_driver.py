@@ -238,10 +238,14 @@ class CudaRuntime:
         return self._contexts.use(ordinal)
 
     def is_current(self, ordinal: int) -> bool:
+        return int(driver.cuCtxGetCurrent()[1]) == self.context_handle(ordinal)
+
+    def context_handle(self, ordinal: int) -> int:
+        """Device `ordinal`'s primary context as an integer handle (for C code that makes it current itself)."""
         known = self._ids.get(ordinal)
         if known is None:
             known = self._ids[ordinal] = int(self._contexts.context(ordinal))
-        return int(driver.cuCtxGetCurrent()[1]) == known
+        return known
 
     def stream_wait_event(self, stream: Any, event: Any) -> None:
         check(driver.cuStreamWaitEvent(stream, event, 0))

@@ -20,30 +20,37 @@ __all__ = ["Fused", "library"]
 class Fused:
     """The loaded helper: `run()` queues one slot batch (see `_gpu_batch_build`'s `hmc_batch_run`)."""
 
+    NOT_READY = 600
+    """CUDA_ERROR_NOT_READY: the range table's last reader still runs, nothing was queued."""
+
     def __init__(self, ffi: Any, lib: Any) -> None:
         self._ffi = ffi
         self._run = lib.hmc_batch_run
 
     def run(
-        self, function: int, block: int, *, gather: bool, kernel_stream: int, copy_stream: int,
+        self, context: int, function: int, block: int, *, gather: bool, kernel_stream: int, copy_stream: int,
         events: tuple[int, int, int, int, int], table: np.ndarray, table_device: int,
         src: np.ndarray, src_base: int, dst: np.ndarray, dst_base: int, lengths: np.ndarray,
         copy_dst: int, copy_src: int, whole: int,
-    ) -> None:
-        """Queue the batch (the GPU's context current); DeviceError when a driver call fails (the steps before it stay
-        queued).
+    ) -> bool:
+        """Queue the batch in `context` (made current for the call only): True once queued, False when the range
+        table is still read by its last launch (nothing queued: wait for its event, then call again); DeviceError
+        when a driver call fails (the steps before it stay queued).
 
         `events`: (wait or 0, join, table, end, freed) handles; the int64 arrays are contiguous, `table` holds at
         least 3 x len(lengths) rows."""
-        cast, step = self._ffi.cast, self._ffi.new("int *")
+        buffer, step = self._ffi.from_buffer, self._ffi.new("int *")
         status = self._run(
-            function, block, int(gather), kernel_stream, copy_stream, *events,
-            cast("int64_t *", table.ctypes.data), table_device, lengths.size,
-            cast("int64_t *", src.ctypes.data), src_base, cast("int64_t *", dst.ctypes.data), dst_base, cast("int64_t *", lengths.ctypes.data),
+            context, function, block, int(gather), kernel_stream, copy_stream, *events,
+            buffer("int64_t[]", table), table_device, lengths.size,
+            buffer("int64_t[]", src), src_base, buffer("int64_t[]", dst), dst_base, buffer("int64_t[]", lengths),
             copy_dst, copy_src, whole, step,
         )
+        if status == self.NOT_READY and not step[0]:
+            return False
         if status:
             raise DeviceError(f"CUDA driver call failed: CUresult {status} (a fused staging batch, after {step[0]} steps)")
+        return True
 
 
 @functools.cache

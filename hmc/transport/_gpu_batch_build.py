@@ -8,8 +8,10 @@ initiator and 185-235 us on the owner, the process that owns the KV cache (an in
 share its GIL). One call takes 75-95 and 100-175 us (what is left is Python around it).
 
 - `hmc_batch_load`: resolve the driver entry points (dlopen of libcuda.so.1, dlsym); 0 when all are there.
-- `hmc_batch_run`: one slot batch, in the context current on the calling thread (the GPU's: the caller's):
-  gather (`gather` = 1): wait for `wait_event` on the kernel stream (the scratch slot's last use), write the
+- `hmc_batch_run`: one slot batch, in `context` (pushed, and popped before returning, so the calling thread's
+  current context is untouched). First it looks at `table_event`: while the launch that last read the range
+  table runs, it returns CUDA_ERROR_NOT_READY with nothing queued (`*step` 0; the caller waits, bounded, and
+  calls again). Then, gather (`gather` = 1): wait for `wait_event` on the kernel stream (the scratch slot's last use), write the
   range table (sources and destinations with their bases added, lengths), launch the copy kernel on it, record
   `table_event` (the table may be rewritten once it completed), make the copy stream wait for the kernel
   (`join_event`), copy `whole` bytes scratch -> slot, record `end_event` and `freed_event` there.
@@ -30,7 +32,7 @@ __all__ = ["CDEF", "SOURCE", "build"]
 
 CDEF = r"""
 int hmc_batch_load(void);
-int hmc_batch_run(uint64_t function, unsigned block, int gather,
+int hmc_batch_run(uint64_t context, uint64_t function, unsigned block, int gather,
                   uint64_t kernel_stream, uint64_t copy_stream,
                   uint64_t wait_event, uint64_t join_event, uint64_t table_event, uint64_t end_event, uint64_t freed_event,
                   int64_t *table, uint64_t table_device, uint64_t rows,
@@ -52,6 +54,9 @@ static CUresult (*copy_async)(uint64_t, uint64_t, size_t, CUstream);
 static CUresult (*launch)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **);
 static CUresult (*record)(CUevent, CUstream);
 static CUresult (*wait_for)(CUstream, CUevent, unsigned);
+static CUresult (*query)(CUevent);
+static CUresult (*push)(void *);
+static CUresult (*pop)(void **);
 
 int hmc_batch_load(void) {
     void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
@@ -61,7 +66,10 @@ int hmc_batch_load(void) {
     launch = (CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **))dlsym(driver, "cuLaunchKernel");
     record = (CUresult (*)(CUevent, CUstream))dlsym(driver, "cuEventRecord");
     wait_for = (CUresult (*)(CUstream, CUevent, unsigned))dlsym(driver, "cuStreamWaitEvent");
-    if (!copy_async || !launch || !record || !wait_for) return -2;
+    query = (CUresult (*)(CUevent))dlsym(driver, "cuEventQuery");
+    push = (CUresult (*)(void *))dlsym(driver, "cuCtxPushCurrent_v2");
+    pop = (CUresult (*)(void **))dlsym(driver, "cuCtxPopCurrent_v2");
+    if (!copy_async || !launch || !record || !wait_for || !query || !push || !pop) return -2;
     return 0;
 }
 
@@ -79,15 +87,14 @@ static CUresult table_and_launch(uint64_t function, unsigned block, CUstream str
 
 #define STEP(call) do { CUresult status_ = (call); if (status_ != 0) return status_; ++*step; } while (0)
 
-int hmc_batch_run(uint64_t function, unsigned block, int gather,
-                  uint64_t kernel_stream, uint64_t copy_stream,
-                  uint64_t wait_event, uint64_t join_event, uint64_t table_event, uint64_t end_event, uint64_t freed_event,
-                  int64_t *table, uint64_t table_device, uint64_t rows,
-                  const int64_t *src, int64_t src_base, const int64_t *dst, int64_t dst_base, const int64_t *lengths,
-                  uint64_t copy_dst, uint64_t copy_src, uint64_t whole, int *step) {
-    CUstream kernels = (CUstream)(uintptr_t)kernel_stream, copies = (CUstream)(uintptr_t)copy_stream;
+static int batch(int gather, uint64_t function, unsigned block, CUstream kernels, CUstream copies,
+                 uint64_t wait_event, uint64_t join_event, uint64_t table_event, uint64_t end_event, uint64_t freed_event,
+                 int64_t *table, uint64_t table_device, uint64_t rows,
+                 const int64_t *src, int64_t src_base, const int64_t *dst, int64_t dst_base, const int64_t *lengths,
+                 uint64_t copy_dst, uint64_t copy_src, uint64_t whole, int *step) {
     CUstream last = gather ? copies : kernels;
-    *step = 0;
+    CUresult status = query((CUevent)(uintptr_t)table_event);  /* the table's last reader still runs: nothing queued */
+    if (status != 0) return status;
     if (wait_event) STEP(wait_for(gather ? kernels : copies, (CUevent)(uintptr_t)wait_event, 0));
     if (gather) {
         STEP(table_and_launch(function, block, kernels, table, table_device, rows, src, src_base, dst, dst_base, lengths));
@@ -105,6 +112,23 @@ int hmc_batch_run(uint64_t function, unsigned block, int gather,
     STEP(record((CUevent)(uintptr_t)end_event, last));
     STEP(record((CUevent)(uintptr_t)freed_event, last));
     return 0;
+}
+
+int hmc_batch_run(uint64_t context, uint64_t function, unsigned block, int gather,
+                  uint64_t kernel_stream, uint64_t copy_stream,
+                  uint64_t wait_event, uint64_t join_event, uint64_t table_event, uint64_t end_event, uint64_t freed_event,
+                  int64_t *table, uint64_t table_device, uint64_t rows,
+                  const int64_t *src, int64_t src_base, const int64_t *dst, int64_t dst_base, const int64_t *lengths,
+                  uint64_t copy_dst, uint64_t copy_src, uint64_t whole, int *step) {
+    void *previous = NULL;
+    *step = 0;
+    CUresult status = push((void *)(uintptr_t)context);
+    if (status != 0) return status;
+    status = batch(gather, function, block, (CUstream)(uintptr_t)kernel_stream, (CUstream)(uintptr_t)copy_stream,
+                   wait_event, join_event, table_event, end_event, freed_event, table, table_device, rows,
+                   src, src_base, dst, dst_base, lengths, copy_dst, copy_src, whole, step);
+    CUresult popped = pop(&previous);
+    return status != 0 ? status : popped;
 }
 """
 

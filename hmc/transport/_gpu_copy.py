@@ -268,22 +268,27 @@ class Lane:
         fused = _gpu_batch.library()
         if fused is None:
             return None
-        with self._lock, self._rt.use(self.ordinal):  # the C call runs in the GPU's context, made current here
-            kernel = self._kernel_here()
+        with self._lock:  # the C call makes the GPU's context current itself (for that call only)
+            if not self._kernel_loaded:
+                with self._rt.use(self.ordinal):
+                    self._kernel_here()
+            kernel = self._kernel
             if kernel is None or not kernel.handle:  # HIP, or CuPy's kernel
                 return None
             src, dst, lengths, block = _cut(src, dst, lengths)
-            table = self._table(int(lengths.size), deadline)
+            table = self._next_table(int(lengths.size), deadline)
             join, end, freed = self._event(), copy._event(), copy._event()
             try:
-                fused.run(
-                    kernel.handle, block, gather=gather,
+                while not fused.run(
+                    self._rt.context_handle(self.ordinal), kernel.handle, block, gather=gather,
                     kernel_stream=self.handle, copy_stream=copy.handle,
                     events=(int(wait) if wait is not None else 0, int(join), int(table.uploaded), int(end), int(freed)),
                     table=table.array, table_device=table.host_pointer,
                     src=np.ascontiguousarray(src, np.int64), src_base=src_base, dst=np.ascontiguousarray(dst, np.int64), dst_base=dst_base,
                     lengths=np.ascontiguousarray(lengths, np.int64), copy_dst=copy_dst, copy_src=copy_src, whole=whole,
-                )
+                ):
+                    with self._rt.use(self.ordinal):  # its last launch still reads it: nothing was queued yet
+                        self._table_read(table, deadline)
             except BaseException:
                 for event in (end, freed):
                     copy.release_event(event)
@@ -431,18 +436,32 @@ class Lane:
 
     def _table(self, rows: int, deadline: float) -> _Table:
         """The next range table (under `_lock`), holding at least `rows` rows, once the launch that last read it ended."""
+        table = self._next_table(rows, deadline)
+        with self._rt.use(self.ordinal):
+            self._table_read(table, deadline)
+        return table
+
+    def _next_table(self, rows: int, deadline: float) -> _Table:
+        """The next range table in turn (under `_lock`), holding at least `rows` rows; its last reader may still run."""
         table = self._tables[self._turn]
         self._turn = (self._turn + 1) % len(self._tables)
         self._reserve(table, rows, deadline)
+        return table
+
+    def _table_read(self, table: _Table, deadline: float) -> None:
+        """Wait until the launch that last read `table` ended (the lane's GPU current); TimeoutError at `deadline`."""
         rt = self._rt
         if not spin_until(lambda: rt.event_query(table.uploaded)[0], deadline, rt):
             raise TimeoutError(f"the range table of {self.device.name} stayed in use past the deadline")
-        return table
 
     def _reserve(self, table: _Table, rows: int, deadline: float) -> None:
         """Make `table` hold at least `rows` rows (its old memory freed once the stream no longer reads it)."""
         if rows <= table.rows:
             return
+        with self._rt.use(self.ordinal):
+            self._grow(table, rows, deadline)
+
+    def _grow(self, table: _Table, rows: int, deadline: float) -> None:
         if table.device is not None:
             if not self.wait_idle(deadline):
                 raise TimeoutError(f"the range table of {self.device.name} stayed in use past the deadline")

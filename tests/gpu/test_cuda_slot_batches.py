@@ -116,10 +116,10 @@ def test_a_failing_fused_batch_fails_typed_and_the_next_one_moves_every_byte(mon
     run = type(helper).run
     failures = iter([True])
 
-    def failing(self: Any, *args: Any, **kwargs: Any) -> None:
+    def failing(self: Any, *args: Any, **kwargs: Any) -> bool:
         if next(failures, False):
             raise DeviceError("CUDA driver call failed: CUresult 999 (injected)")
-        run(self, *args, **kwargs)
+        return bool(run(self, *args, **kwargs))
 
     monkeypatch.setattr(type(helper), "run", failing)
     try:
@@ -132,6 +132,44 @@ def test_a_failing_fused_batch_fails_typed_and_the_next_one_moves_every_byte(mon
         copier.start(source, src, lengths, ring, AT, to_slot=True, deadline=deadline)(deadline)
         packed = np.concatenate([data[s : s + n] for s, n in zip(src.tolist(), lengths.tolist())])
         assert_bytes_equal(np.frombuffer(ring.view(AT, packed.size), np.uint8), packed, "after a failed batch")
+    finally:
+        copier.close()
+        ring.close()
+        memory.free(source)
+
+
+def test_a_batch_whose_range_table_is_still_read_waits_for_it_then_moves_every_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C call queues nothing while the launch that last read its range table runs (it answers NOT_READY): the
+    lane waits for that launch, calls again, and every byte lands."""
+    helper = _gpu_batch.library()
+    assert helper is not None, "the fused batch helper was not built at install, or does not load"
+    rng = np.random.default_rng(5)
+    lengths = np.full(96, 16384, np.int64)
+    data = random_bytes(SIZE, 13)
+    source = memory.allocate(SIZE, "cuda:0")
+    ring = PinnedMapping(None, AT + (8 << 20), create=True)
+    copier = SlotCopier()
+    run = type(helper).run
+    answers: list[bool] = []
+
+    def busy_once(self: Any, *args: Any, **kwargs: Any) -> bool:
+        if not answers:  # as the C call answers while the table's last launch runs: nothing queued
+            answers.append(False)
+            return False
+        answers.append(bool(run(self, *args, **kwargs)))
+        return answers[-1]
+
+    monkeypatch.setattr(type(helper), "run", busy_once)
+    try:
+        memory.copy(source, data)
+        src = _layout(rng, lengths)
+        np.frombuffer(ring.view(0, ring.size), np.uint8)[:] = POISON
+        deadline = time.monotonic() + 30.0
+        copier.start(source, src, lengths, ring, AT, to_slot=True, deadline=deadline)(deadline)
+        assert answers == [False, True]
+        packed = np.concatenate([data[s : s + n] for s, n in zip(src.tolist(), lengths.tolist())])
+        assert_bytes_equal(np.frombuffer(ring.view(AT, packed.size), np.uint8), packed, "after a busy table")
+        assert_bytes_equal(np.frombuffer(ring.view(AT + packed.size, 4096), np.uint8), np.full(4096, POISON, np.uint8), "past the batch")
     finally:
         copier.close()
         ring.close()
