@@ -171,7 +171,7 @@ def test_replies_taken_while_a_copy_is_waited_for_keep_every_byte_in_order(
     rng = np.random.default_rng(looks)
     size = 20 * SLOT + 11
     data = rng.integers(0, 256, size, np.uint8)
-    blocks = rng.permutation(size // 97)[: size // 97 - 3].astype(np.int64) * 97  # many short ranges: pairs of slots
+    blocks = rng.permutation(size // 97)[: size // 97 - 3].astype(np.int64) * 97  # many short ranges
     remote = peer.register(size, fill=POISON)
     src = agent.register(data)
     back = agent.register(np.full(size, POISON ^ 0xFF, np.uint8))
@@ -190,20 +190,3 @@ def test_replies_taken_while_a_copy_is_waited_for_keep_every_byte_in_order(
         agent.unregister(src)
         agent.unregister(back)
         peer.unregister(remote.id)
-
-
-def test_many_short_ranges_travel_in_pairs_of_slots() -> None:
-    """Short ranges (the KV pattern) fill two slots per chunk on the shared ring; long ones, and the TCP ring (whose
-    owner's bounce slots hold one), keep one slot per chunk."""
-    from types import SimpleNamespace
-
-    from hmc.transport._staged_tcp_ring import TcpRingStaging
-
-    short = SimpleNamespace(ranges=RangeList.build(np.arange(64) * 100, np.arange(64) * 100, 64))
-    long = SimpleNamespace(ranges=RangeList.build([0], [0], [5 << 20]))
-    ring = ShmStaging(lambda *_: None, slots=8, slot_bytes=SLOT)  # type: ignore[arg-type]
-    assert ring._layout(short) == (2 * SLOT, 4) and ring._layout(long) == (SLOT, 8)  # type: ignore[arg-type]
-    tcp = TcpRingStaging(lambda *_: None, slots=8, slot_bytes=SLOT)  # type: ignore[arg-type]
-    assert tcp._layout(short) == (SLOT, 8)  # type: ignore[arg-type]
-    ring.close()
-    tcp.close()

@@ -96,8 +96,6 @@ SMALL_BYTES = 256 << 10
 """Transfers up to this size run on the caller's thread when the ring is free (one hand-off each way), and the
 owner answers them from the thread that read the frame, when no copy is queued before them."""
 _I64 = struct.Struct("<q")
-_SHORT_RANGE = 1 << 20
-"""Ranges shorter than this on average make a transfer of many short ranges (`ShmStaging._layout`)."""
 _NAP_S = 50e-6
 """How long a transfer with chunks in flight sleeps on its connection between looks at its oldest copy."""
 _POLL_S = 200e-6
@@ -242,8 +240,6 @@ class ShmStaging:
 
     _WORKER = "hmc-staged-shm"
     """The name of each peer's worker thread."""
-    _PAIRED = True
-    """Whether many short ranges travel in pairs of slots (`_layout`); the TCP ring's owner slots hold one."""
     _MAILBOX = SUPPORTED
     """Whether rings carry a mailbox page (`_staged_mailbox`): the owner maps the ring only on one host."""
 
@@ -437,15 +433,6 @@ class ShmStaging:
         """Take the owner's reply to the oldest chunk handed off (a read's `nbytes` are in its slot then)."""
         reply_of(stream, deadline, nbytes)
 
-    def _layout(self, request: TransferRequest) -> tuple[int, int]:
-        """(chunk size, chunks in flight) for a transfer: slots of `_slot_bytes`, or, for many short ranges, pairs
-        of slots: a chunk's batch costs the same few launches and hand-offs whatever its bytes, and a 16 MiB slot of
-        64 KiB ranges moved 28-32 GB/s where 32 MiB moved 29-34 (one H100, both ends on it)."""
-        ranges = request.ranges
-        if self._PAIRED and self._slots >= 4 and ranges.total < len(ranges) * _SHORT_RANGE:
-            return 2 * self._slot_bytes, self._slots // 2
-        return self._slot_bytes, self._slots
-
     def _write(self, link: _Link, request: TransferRequest) -> None:
         """Every free slot gets its chunk's copy queued, until the oldest copy finished: that one is handed off
         first; replies are collected as they come, also while the oldest copy is waited for (a slot a reply frees
@@ -453,7 +440,7 @@ class ShmStaging:
         stream, ring = link.stream, link.ring
         assert stream is not None and ring is not None
         remote, region, deadline, completion = request.remote, request.local.region, request.deadline, request.completion
-        size, slots = self._layout(request)
+        size, slots = self._slot_bytes, self._slots
         chunks = request.ranges.packed(size)
         queued: collections.deque[tuple[Pending, peer_pb2.DataWrite, int, int]] = collections.deque()  # copying into slots
         inflight: collections.deque[int] = collections.deque()  # bytes of chunks handed off, reply pending
@@ -495,7 +482,7 @@ class ShmStaging:
         stream, ring = link.stream, link.ring
         assert stream is not None and ring is not None
         remote, region, deadline, completion = request.remote, request.local.region, request.deadline, request.completion
-        size, slots = self._layout(request)
+        size, slots = self._slot_bytes, self._slots
         chunks = request.ranges.swapped().packed(size)  # src: local destinations, dst: remote sources
 
         def ask(index: int) -> None:
