@@ -366,10 +366,14 @@ def _disjoint_blocks(starts: np.ndarray, lengths: np.ndarray) -> bool:
         return False
     if length & (length - 1):
         slots, phase = np.divmod(starts, length)
-    else:  # a power of two, as KV blocks are: a shift and a mask (a fifth of divmod's time)
-        slots, phase = starts >> (length.bit_length() - 1), starts & (length - 1)
-    if (phase != phase[0]).any():
-        return False
+        if (phase != phase[0]).any():
+            return False
+    else:  # a power of two, as KV blocks are: one phase when the starts' OR and AND agree on the low bits; a shift
+        mask = length - 1
+        phase = int(starts[0]) & mask
+        if int(np.bitwise_or.reduce(starts)) & mask != phase or (phase and int(np.bitwise_and.reduce(starts)) & mask != phase):
+            return False
+        slots = starts >> (length.bit_length() - 1)
     span = int(slots.max()) + 1
     if span > _SLOTS_PER_RANGE * starts.size:
         return False
