@@ -76,7 +76,9 @@ from typing import Any
 import numpy as np
 
 from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutError, UnsupportedError
+from hmc.memory import DeviceKind
 from hmc.memory._machine import host_id
+from hmc.transport import _gpu_batch
 from hmc.transport._base import InlineCopy, TransferOp, TransferRequest
 from hmc.transport._pinned import Pending, PinnedMapping, SlotCopier, StuckCopy
 from hmc.transport._staged_mailbox import MAILBOX_BYTES, SUPPORTED, Mailbox, encode_request, token_of
@@ -95,6 +97,8 @@ SLOT_BYTES = 16 << 20
 SMALL_BYTES = 256 << 10
 """Transfers up to this size run on the caller's thread when the ring is free (one hand-off each way), and the
 owner answers them from the thread that read the frame, when no copy is queued before them."""
+_SHORT_RANGE = 1 << 20
+"""Ranges shorter than this on average make a transfer of many short ranges (`ShmStaging._layout`)."""
 _I64 = struct.Struct("<q")
 _NAP_S = 50e-6
 """How long a transfer with chunks in flight sleeps on its connection between looks at its oldest copy."""
@@ -212,6 +216,15 @@ def _copied_first(copy: Pending, stream: FrameStream, deadline: float) -> bool:
     return True
 
 
+def _stepwise(request: TransferRequest) -> bool:
+    """Whether an end of `request` queues a slot's batch in steps from Python rather than in one C call
+    (`_gpu_batch`): HIP memory (either end), or CUDA memory here without the compiled helper."""
+    device = request.local.region.device
+    if device.kind is DeviceKind.HIP or request.remote.device.kind == common_pb2.DEVICE_KIND_HIP:
+        return True
+    return device.kind is DeviceKind.CUDA and _gpu_batch.library() is None
+
+
 def frame_of(message: peer_pb2.DataWrite | peer_pb2.DataRead) -> peer_pb2.PeerFrame:
     return peer_pb2.PeerFrame(write=message) if isinstance(message, peer_pb2.DataWrite) else peer_pb2.PeerFrame(read=message)
 
@@ -242,6 +255,8 @@ class ShmStaging:
     """The name of each peer's worker thread."""
     _MAILBOX = SUPPORTED
     """Whether rings carry a mailbox page (`_staged_mailbox`): the owner maps the ring only on one host."""
+    _PAIRED = True
+    """Whether many short ranges may travel in pairs of slots (`_layout`); the TCP ring's owner slots hold one."""
 
     def __init__(self, connect: Connect, *, slots: int = 8, slot_bytes: int = SLOT_BYTES) -> None:
         self._connect = connect
@@ -433,6 +448,15 @@ class ShmStaging:
         """Take the owner's reply to the oldest chunk handed off (a read's `nbytes` are in its slot then)."""
         reply_of(stream, deadline, nbytes)
 
+    def _layout(self, request: TransferRequest) -> tuple[int, int]:
+        """(chunk size, chunks in flight): one slot per chunk, all slots in flight; pairs of slots for many short
+        ranges where an end queues each chunk's batch in steps from Python (`_stepwise`), whose cost per chunk a
+        16 MiB copy does not hide (docs/decisions.md, "Every chunk is one 16 MiB slot")."""
+        ranges = request.ranges
+        if self._PAIRED and self._slots >= 4 and ranges.total < len(ranges) * _SHORT_RANGE and _stepwise(request):
+            return 2 * self._slot_bytes, self._slots // 2
+        return self._slot_bytes, self._slots
+
     def _write(self, link: _Link, request: TransferRequest) -> None:
         """Every free slot gets its chunk's copy queued, until the oldest copy finished: that one is handed off
         first; replies are collected as they come, also while the oldest copy is waited for (a slot a reply frees
@@ -440,7 +464,7 @@ class ShmStaging:
         stream, ring = link.stream, link.ring
         assert stream is not None and ring is not None
         remote, region, deadline, completion = request.remote, request.local.region, request.deadline, request.completion
-        size, slots = self._slot_bytes, self._slots
+        size, slots = self._layout(request)
         chunks = request.ranges.packed(size)
         queued: collections.deque[tuple[Pending, peer_pb2.DataWrite, int, int]] = collections.deque()  # copying into slots
         inflight: collections.deque[int] = collections.deque()  # bytes of chunks handed off, reply pending
@@ -482,7 +506,7 @@ class ShmStaging:
         stream, ring = link.stream, link.ring
         assert stream is not None and ring is not None
         remote, region, deadline, completion = request.remote, request.local.region, request.deadline, request.completion
-        size, slots = self._slot_bytes, self._slots
+        size, slots = self._layout(request)
         chunks = request.ranges.swapped().packed(size)  # src: local destinations, dst: remote sources
 
         def ask(index: int) -> None:

@@ -50,6 +50,7 @@ class TcpRingStaging(ShmStaging):
     """Initiator side between hosts: device memory through a private pinned ring, the bytes over TCP."""
 
     _WORKER = "hmc-staged-tcp-ring"
+    _PAIRED = False
     _MAILBOX = False
 
     def _new_ring(self, size: int) -> tuple[PinnedMapping, str]:
