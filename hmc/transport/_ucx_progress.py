@@ -11,7 +11,9 @@ with the GIL released so that several progress threads do not take turns at it, 
 requests are outstanding it sleeps at most `_POLL_S` at a time, so a transport that signals no events still
 completes.
 
-Concurrency: `_lock` guards the command queue and `_closed`; everything else belongs to the thread.
+Concurrency: `_lock` guards the command queue, `_closed` and the wake-up eventfd's life (it is written and closed
+under the lock, so no write reaches a closed descriptor or another file that took its number); everything else
+belongs to the thread.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class Progress:
     def __init__(self, worker: Worker, name: str) -> None:
         self.worker = worker
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._lock = threading.Lock()  # guards _commands and _closed
+        self._lock = threading.Lock()  # guards _commands, _closed and writes to (and the close of) _wake
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
         self._closed = False
         self._watched: list[_Watch] = []
@@ -71,11 +73,11 @@ class Progress:
 
     def submit(self, command: Callable[[], None]) -> None:
         """Run `command` on the progress thread soon (it must not raise: errors go where it sends them)."""
-        with self._lock:
+        with self._lock:  # the wake-up too: the thread closes the eventfd under this lock once closed and drained
             if self._closed:
                 raise ClosedResourceError("the UCX progress thread is closed")
             self._commands.append(command)
-        os.eventfd_write(self._wake, 1)
+            os.eventfd_write(self._wake, 1)
 
     def on_thread(self) -> bool:
         """Whether the caller is the progress thread."""
@@ -133,7 +135,8 @@ class Progress:
             idle_since = time.monotonic()
         self._fail_all(ClosedResourceError("the UCX path was closed"))
         worker.close()
-        os.close(self._wake)
+        with self._lock:  # no submit() or close() writes to it from now on (its number may be reused at once)
+            os.close(self._wake)
 
     def _run_commands(self) -> int | None:
         """Run the queued commands; how many (None: closed)."""
@@ -184,6 +187,6 @@ class Progress:
             if self._closed:
                 return
             self._closed = True
-        os.eventfd_write(self._wake, 1)
+            os.eventfd_write(self._wake, 1)  # under the lock: the thread may otherwise have closed the eventfd already
         if threading.current_thread() is not self._thread:
             self._thread.join(_JOIN_S)
