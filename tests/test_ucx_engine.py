@@ -1,4 +1,4 @@
-"""HMC's UCP binding (`hmc.transport._ucx_engine`), for real: two processes, UCX from the libucx wheel, over tcp
+"""HMC's UCP binding (`hmc.transport._ucx_engine`) and the thread that drives a worker (`_ucx_progress`), for real: two processes, UCX from the libucx wheel, over tcp
 and over shared memory with cma; scattered ranges posted in one call, random bytes, poisoned destinations, every
 byte compared (the owner shows its bytes once the flush returned); a dead peer fails within the deadline. Skipped, with the reason,
 where the binding is not built (UCX not installed)."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
@@ -200,3 +201,31 @@ def test_ucx_logs_go_to_stderr_not_into_what_the_cli_prints_on_stdout() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout == "done\n"
     assert "UCX  INFO" in done.stderr
+
+
+def test_a_command_queued_as_the_path_closes_runs_and_its_wake_up_finds_the_eventfd_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """submit() stalls between queueing its command and waking the thread while close() runs on another thread. The
+    wake-up is written under the lock the thread closes the eventfd under, so close() waits for it: no EBADF, and no
+    write to whatever file took the descriptor's number. (Before, close() finished meanwhile and the write failed.)"""
+    from hmc.transport._ucx_progress import Progress
+
+    progress = Progress(ucx.Worker(wakeup=True), "hmc-ucx-test")
+    caller = threading.current_thread()
+    closer = threading.Thread(target=progress.close, name="hmc-test-closer", daemon=True)
+    write = os.eventfd_write
+
+    def stalled_write(fd: int, value: int) -> None:
+        if threading.current_thread() is caller and closer.ident is None:
+            closer.start()
+            closer.join(0.5)  # a close that could finish now would close the eventfd under this write
+        write(fd, value)
+
+    monkeypatch.setattr(os, "eventfd_write", stalled_write)
+    ran = threading.Event()
+    progress.submit(ran.set)
+    closer.join(10.0)
+    assert not closer.is_alive(), "close() did not finish"
+    assert ran.is_set(), "a command queued before close() was dropped"
+    with pytest.raises(ClosedResourceError):
+        progress.submit(ran.set)
+    progress.close()  # idempotent
