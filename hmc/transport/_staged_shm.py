@@ -97,9 +97,9 @@ SLOT_BYTES = 16 << 20
 SMALL_BYTES = 256 << 10
 """Transfers up to this size run on the caller's thread when the ring is free (one hand-off each way), and the
 owner answers them from the thread that read the frame, when no copy is queued before them."""
+_I64 = struct.Struct("<q")
 _SHORT_RANGE = 1 << 20
 """Ranges shorter than this on average make a transfer of many short ranges (`ShmStaging._layout`)."""
-_I64 = struct.Struct("<q")
 _NAP_S = 50e-6
 """How long a transfer with chunks in flight sleeps on its connection between looks at its oldest copy."""
 _POLL_S = 200e-6
@@ -253,10 +253,10 @@ class ShmStaging:
 
     _WORKER = "hmc-staged-shm"
     """The name of each peer's worker thread."""
-    _MAILBOX = SUPPORTED
-    """Whether rings carry a mailbox page (`_staged_mailbox`): the owner maps the ring only on one host."""
     _PAIRED = True
     """Whether many short ranges may travel in pairs of slots (`_layout`); the TCP ring's owner slots hold one."""
+    _MAILBOX = SUPPORTED
+    """Whether rings carry a mailbox page (`_staged_mailbox`): the owner maps the ring only on one host."""
 
     def __init__(self, connect: Connect, *, slots: int = 8, slot_bytes: int = SLOT_BYTES) -> None:
         self._connect = connect
