@@ -451,7 +451,7 @@ class ShmStaging:
     def _layout(self, request: TransferRequest) -> tuple[int, int]:
         """(chunk size, chunks in flight): one slot per chunk, all slots in flight; pairs of slots for many short
         ranges where an end queues each chunk's batch in steps from Python (`_stepwise`), whose cost per chunk a
-        16 MiB copy does not hide (docs/decisions.md, "Every chunk is one 16 MiB slot")."""
+        16 MiB copy does not hide (docs/decisions.md, "Every chunk is one 16 MiB slot where both ends batch in one C call")."""
         ranges = request.ranges
         if self._PAIRED and self._slots >= 4 and ranges.total < len(ranges) * _SHORT_RANGE and _stepwise(request):
             return 2 * self._slot_bytes, self._slots // 2
