@@ -6,8 +6,9 @@ ranges, ranges cut into pieces, odd lengths and unaligned offsets, a slot at an 
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -82,7 +83,7 @@ def test_slot_batches_gather_and_scatter_every_byte(case: str, fused_calls: list
         src, dst = _layout(rng, lengths), _layout(rng, lengths)
         deadline = time.monotonic() + 30.0
         copier.start(source, src, lengths, ring, AT, to_slot=True, deadline=deadline)(deadline)
-        packed = np.concatenate([data[s : s + n] for s, n in zip(src.tolist(), lengths.tolist())])
+        packed = _packed(data, src, lengths)
         slot = np.frombuffer(ring.view(0, ring.size), np.uint8)
         assert_bytes_equal(slot[AT : AT + packed.size], packed, f"{case}: gathered")
         assert (slot[:AT] == POISON).all() and (slot[AT + packed.size :] == POISON).all(), f"{case}: written outside the slot"
@@ -102,75 +103,75 @@ def test_slot_batches_gather_and_scatter_every_byte(case: str, fused_calls: list
         memory.free(target)
 
 
-def test_a_failing_fused_batch_fails_typed_and_the_next_one_moves_every_byte(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A driver call failing inside the C call is a DeviceError for that batch (its scratch slot fenced); the copier
-    goes on with the next batch, through the fused call again."""
+@contextlib.contextmanager
+def _gather_into_slot(monkeypatch: pytest.MonkeyPatch, seed: int, run: Callable[..., bool]) -> Iterator[tuple[np.ndarray, Any, PinnedMapping, SlotCopier]]:
+    """A device source of random bytes, a pinned ring and a copier, with the fused helper's `run` replaced by
+    `run(original, self, *args, **kwargs)`: (the data, the source, the ring, the copier); freed on exit."""
     helper = _gpu_batch.library()
     assert helper is not None, "the fused batch helper was not built at install, or does not load"
-    rng = np.random.default_rng(3)
-    lengths = np.full(64, 65536, np.int64)
-    data = random_bytes(SIZE, 12)
+    original = type(helper).run
+    monkeypatch.setattr(type(helper), "run", lambda self, *args, **kwargs: run(original, self, *args, **kwargs))
+    data = random_bytes(SIZE, seed)
     source = memory.allocate(SIZE, "cuda:0")
     ring = PinnedMapping(None, AT + (8 << 20), create=True)
     copier = SlotCopier()
-    run = type(helper).run
-    failures = iter([True])
-
-    def failing(self: Any, *args: Any, **kwargs: Any) -> bool:
-        if next(failures, False):
-            raise DeviceError("CUDA driver call failed: CUresult 999 (injected)")
-        return bool(run(self, *args, **kwargs))
-
-    monkeypatch.setattr(type(helper), "run", failing)
     try:
         memory.copy(source, data)
+        yield data, source, ring, copier
+    finally:
+        copier.close()
+        ring.close()
+        memory.free(source)
+
+
+def _packed(data: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The source ranges laid end to end, as a gather leaves them in its slot."""
+    return np.concatenate([data[s : s + n] for s, n in zip(src.tolist(), lengths.tolist())])
+
+
+def test_a_failing_fused_batch_fails_typed_and_the_next_one_moves_every_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver call failing inside the C call is a DeviceError for that batch (its scratch slot fenced); the copier
+    goes on with the next batch, through the fused call again."""
+    rng = np.random.default_rng(3)
+    lengths = np.full(64, 65536, np.int64)
+    failures = iter([True])
+
+    def failing(original: Callable[..., bool], self: Any, *args: Any, **kwargs: Any) -> bool:
+        if next(failures, False):
+            raise DeviceError("CUDA driver call failed: CUresult 999 (injected)")
+        return bool(original(self, *args, **kwargs))
+
+    with _gather_into_slot(monkeypatch, 12, failing) as (data, source, ring, copier):
         src = _layout(rng, lengths)
         deadline = time.monotonic() + 30.0
         with pytest.raises(DeviceError):
             copier.start(source, src, lengths, ring, AT, to_slot=True, deadline=deadline)
         np.frombuffer(ring.view(0, ring.size), np.uint8)[:] = POISON
         copier.start(source, src, lengths, ring, AT, to_slot=True, deadline=deadline)(deadline)
-        packed = np.concatenate([data[s : s + n] for s, n in zip(src.tolist(), lengths.tolist())])
+        packed = _packed(data, src, lengths)
         assert_bytes_equal(np.frombuffer(ring.view(AT, packed.size), np.uint8), packed, "after a failed batch")
-    finally:
-        copier.close()
-        ring.close()
-        memory.free(source)
 
 
 def test_a_batch_whose_range_table_is_still_read_waits_for_it_then_moves_every_byte(monkeypatch: pytest.MonkeyPatch) -> None:
     """The C call queues nothing while the launch that last read its range table runs (it answers NOT_READY): the
     lane waits for that launch, calls again, and every byte lands."""
-    helper = _gpu_batch.library()
-    assert helper is not None, "the fused batch helper was not built at install, or does not load"
     rng = np.random.default_rng(5)
     lengths = np.full(96, 16384, np.int64)
-    data = random_bytes(SIZE, 13)
-    source = memory.allocate(SIZE, "cuda:0")
-    ring = PinnedMapping(None, AT + (8 << 20), create=True)
-    copier = SlotCopier()
-    run = type(helper).run
     answers: list[bool] = []
 
-    def busy_once(self: Any, *args: Any, **kwargs: Any) -> bool:
+    def busy_once(original: Callable[..., bool], self: Any, *args: Any, **kwargs: Any) -> bool:
         if not answers:  # as the C call answers while the table's last launch runs: nothing queued
             answers.append(False)
             return False
-        answers.append(bool(run(self, *args, **kwargs)))
+        answers.append(bool(original(self, *args, **kwargs)))
         return answers[-1]
 
-    monkeypatch.setattr(type(helper), "run", busy_once)
-    try:
-        memory.copy(source, data)
+    with _gather_into_slot(monkeypatch, 13, busy_once) as (data, source, ring, copier):
         src = _layout(rng, lengths)
         np.frombuffer(ring.view(0, ring.size), np.uint8)[:] = POISON
         deadline = time.monotonic() + 30.0
         copier.start(source, src, lengths, ring, AT, to_slot=True, deadline=deadline)(deadline)
         assert answers == [False, True]
-        packed = np.concatenate([data[s : s + n] for s, n in zip(src.tolist(), lengths.tolist())])
+        packed = _packed(data, src, lengths)
         assert_bytes_equal(np.frombuffer(ring.view(AT, packed.size), np.uint8), packed, "after a busy table")
         assert_bytes_equal(np.frombuffer(ring.view(AT + packed.size, 4096), np.uint8), np.full(4096, POISON, np.uint8), "past the batch")
-    finally:
-        copier.close()
-        ring.close()
-        memory.free(source)
