@@ -17,7 +17,7 @@ import pytest
 import hmc.transport._staged as staged
 from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
-from hmc.errors import AccessDeniedError, HMCError, OutOfRangeError
+from hmc.errors import AccessDeniedError, DeviceError, HMCError, OutOfRangeError
 from hmc.testing import PeerProcess
 from hmc.transport._pinned import SlotCopier
 from hmc.transport._staged_owner import OwnerSegments
@@ -182,3 +182,29 @@ def test_the_fused_slot_batch_helper_is_built_and_stands_aside_without_a_cuda_dr
     if ctypes.util.find_library("cuda"):
         pytest.skip("a CUDA driver is installed here")
     assert _gpu_batch.library() is None
+
+
+@pytest.mark.parametrize(
+    "status, queued, outcome",
+    [(0, 1, True), (600, 1, False), (600, 0, DeviceError), (1, 0, DeviceError), (700, 1, DeviceError)],
+    ids=["landed", "still running", "not queued", "refused", "failed while polled"],
+)
+def test_the_helpers_single_copy_answers_landed_running_or_a_device_error(status: int, queued: int, outcome: object) -> None:
+    """`Helper.copy_now` reads the C call's status and step: 0 landed; NOT_READY after queueing, poll on; any other
+    answer (NOT_READY with nothing queued included) a DeviceError, never a silent success."""
+    from hmc.transport import _gpu_batch, _gpu_batch_c  # type: ignore[attr-defined]
+
+    class Lib:
+        hmc_batch_run = None
+
+        @staticmethod
+        def hmc_copy_now(context: int, dst: int, src: int, length: int, stream: int, polls: int, step: Any) -> int:
+            step[0] = queued
+            return status
+
+    helper = _gpu_batch.Helper(_gpu_batch_c.ffi, Lib())
+    if outcome is DeviceError:
+        with pytest.raises(DeviceError, match=f"CUresult {status}"):
+            helper.copy_now(1, 2, 3, 4096, 5, 256)
+    else:
+        assert helper.copy_now(1, 2, 3, 4096, 5, 256) is outcome

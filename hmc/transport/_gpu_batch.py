@@ -1,8 +1,9 @@
-"""Fused staging batches on CUDA GPUs: a ring slot's gather (or scatter) and its copy-engine copy, queued by one C
-call (`_gpu_batch_build`) instead of about 20 driver calls through cuda-python and numpy's range table writes.
+"""Copy-lane calls on CUDA GPUs in one C call each (`_gpu_batch_build`) instead of a dozen driver calls through
+cuda-python and numpy's range table writes: the staged ring's fused slot batch (a gather or scatter and its
+copy-engine copy), and a single copy waited for (the ipc path's and ucx's single ranges).
 
 `library()` is None where the helper was not built (no C compiler at install) or no CUDA driver loads: the copy
-lane then queues the same steps from Python (`_gpu_copy.Lane`), as it does on HIP GPUs and with CuPy's kernels.
+lane then makes the same calls from Python (`_gpu_copy.Lane`), as it does on HIP GPUs and with CuPy's kernels.
 """
 
 from __future__ import annotations
@@ -14,18 +15,19 @@ import numpy as np
 
 from hmc.errors import DeviceError
 
-__all__ = ["Fused", "library"]
+__all__ = ["Helper", "library"]
 
 
-class Fused:
-    """The loaded helper: `run()` queues one slot batch (see `_gpu_batch_build`'s `hmc_batch_run`)."""
+class Helper:
+    """The loaded helper: `run()` queues a slot batch, `copy_now()` one copy."""
 
     NOT_READY = 600
-    """CUDA_ERROR_NOT_READY: the range table's last reader still runs, nothing was queued."""
+    """CUDA_ERROR_NOT_READY: the range table's last reader still runs (nothing queued), or a copy still runs."""
 
     def __init__(self, ffi: Any, lib: Any) -> None:
         self._ffi = ffi
         self._run = lib.hmc_batch_run
+        self._copy_now = lib.hmc_copy_now
 
     def run(
         self, context: int, function: int, block: int, *, gather: bool, kernel_stream: int, copy_stream: int,
@@ -33,7 +35,7 @@ class Fused:
         src: np.ndarray, src_base: int, dst: np.ndarray, dst_base: int, lengths: np.ndarray,
         copy_dst: int, copy_src: int, whole: int,
     ) -> bool:
-        """Queue the batch in `context` (made current for the call only): True once queued, False when the range
+        """Queue a slot batch in `context` (made current for the call only): True once queued, False when the range
         table is still read by its last launch (nothing queued: wait for its event, then call again); DeviceError
         when a driver call fails (the steps before it stay queued).
 
@@ -52,9 +54,20 @@ class Fused:
             raise DeviceError(f"CUDA driver call failed: CUresult {status} (a fused staging batch, after {step[0]} steps)")
         return True
 
+    def copy_now(self, context: int, dst: int, src: int, length: int, stream: int, polls: int) -> bool:
+        """One copy queued on `stream` in `context` and the stream looked at up to `polls` times: True once it
+        finished, False while it runs (poll on); DeviceError when the copy or a look at the stream failed."""
+        step = self._ffi.new("int *")
+        status = self._copy_now(context, dst, src, length, stream, polls, step)
+        if status == 0:
+            return True
+        if status == self.NOT_READY and step[0]:
+            return False
+        raise DeviceError(f"CUDA driver call failed: CUresult {status} (a copy, {'queued' if step[0] else 'not queued'})")
+
 
 @functools.cache
-def library() -> Fused | None:
+def library() -> Helper | None:
     """The helper with the driver's entry points resolved, or None (not built, or no CUDA driver here)."""
     try:
         from hmc.transport import _gpu_batch_c  # type: ignore[attr-defined]
@@ -62,4 +75,4 @@ def library() -> Fused | None:
         return None
     if _gpu_batch_c.lib.hmc_batch_load() != 0:
         return None
-    return Fused(_gpu_batch_c.ffi, _gpu_batch_c.lib)
+    return Helper(_gpu_batch_c.ffi, _gpu_batch_c.lib)

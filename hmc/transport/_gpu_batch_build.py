@@ -1,6 +1,7 @@
-"""The staged ring's fused slot batch for CUDA GPUs: a cffi module in API mode, compiled at install (setup.py
-calls `build()`); no CUDA headers or libraries are needed to build it: the driver (libcuda.so.1) is opened at run
-time, by the process that already loaded it.
+"""Copy-lane calls for CUDA GPUs that cost one C call instead of a dozen through cuda-python and numpy: the staged
+ring's fused slot batch, and a single copy waited for. A cffi module in API mode, compiled at
+install (setup.py calls `build()`); no CUDA headers or libraries are needed to build it: the driver (libcuda.so.1) is
+opened at run time, by the process that already loaded it.
 
 Why (docs/decisions.md, "Staged slot batches in one C call"): a ring slot's gather (or scatter) and its copy were
 about 20 driver calls through cuda-python plus numpy's table writes: on one H100, 110-135 us of CPU a batch on the
@@ -19,6 +20,9 @@ share its GIL). One call takes 75-95 and 100-175 us (what is left is Python arou
   copy), both events recorded on the kernel stream.
   Returns 0, or the first failing CUresult with `*step` saying how many steps had been queued (the caller fences
   the scratch slot then, as after any failure halfway).
+- `hmc_copy_now`: one memcpyAsync on `stream`, in `context`, then up to `polls` looks at the stream; returns
+  0 once it finished, CUDA_ERROR_NOT_READY while it runs (the caller polls on, bounded), or the failing CUresult
+  (`*step` 0: the copy was not queued). A 4 KiB copy's whole way below the caller, without the GIL.
 
 The module is `hmc.transport._gpu_batch_c`; `hmc.transport._gpu_batch` loads it. It never calls into Python and
 never waits: every wait stays with the caller, bounded by its deadline.
@@ -38,6 +42,7 @@ int hmc_batch_run(uint64_t context, uint64_t function, unsigned block, int gathe
                   int64_t *table, uint64_t table_device, uint64_t rows,
                   const int64_t *src, int64_t src_base, const int64_t *dst, int64_t dst_base, const int64_t *lengths,
                   uint64_t copy_dst, uint64_t copy_src, uint64_t whole, int *step);
+int hmc_copy_now(uint64_t context, uint64_t dst, uint64_t src, uint64_t length, uint64_t stream, unsigned polls, int *step);
 """
 
 SOURCE = r"""
@@ -55,6 +60,7 @@ static CUresult (*launch)(CUfunction, unsigned, unsigned, unsigned, unsigned, un
 static CUresult (*record)(CUevent, CUstream);
 static CUresult (*wait_for)(CUstream, CUevent, unsigned);
 static CUresult (*query)(CUevent);
+static CUresult (*stream_query)(CUstream);
 static CUresult (*push)(void *);
 static CUresult (*pop)(void **);
 
@@ -67,20 +73,24 @@ int hmc_batch_load(void) {
     record = (CUresult (*)(CUevent, CUstream))dlsym(driver, "cuEventRecord");
     wait_for = (CUresult (*)(CUstream, CUevent, unsigned))dlsym(driver, "cuStreamWaitEvent");
     query = (CUresult (*)(CUevent))dlsym(driver, "cuEventQuery");
+    stream_query = (CUresult (*)(CUstream))dlsym(driver, "cuStreamQuery");
     push = (CUresult (*)(void *))dlsym(driver, "cuCtxPushCurrent_v2");
     pop = (CUresult (*)(void **))dlsym(driver, "cuCtxPopCurrent_v2");
-    if (!copy_async || !launch || !record || !wait_for || !query || !push || !pop) return -2;
+    if (!copy_async || !launch || !record || !wait_for || !query || !stream_query || !push || !pop) return -2;
     return 0;
 }
 
-static CUresult table_and_launch(uint64_t function, unsigned block, CUstream stream, int64_t *table, uint64_t table_device, uint64_t rows,
-                                 const int64_t *src, int64_t src_base, const int64_t *dst, int64_t dst_base, const int64_t *lengths) {
+static void write_table(int64_t *table, uint64_t rows, const int64_t *src, int64_t src_base, const int64_t *dst, int64_t dst_base,
+                        const int64_t *lengths) {
     for (uint64_t i = 0; i < rows; ++i) {
         table[i] = src[i] + src_base;
         table[rows + i] = dst[i] + dst_base;
         table[2 * rows + i] = lengths[i];
     }
-    uint64_t columns[3] = {table_device, table_device + 8 * rows, table_device + 16 * rows};
+}
+
+static CUresult launch_on(uint64_t function, unsigned block, CUstream stream, uint64_t table_read, uint64_t rows) {
+    uint64_t columns[3] = {table_read, table_read + 8 * rows, table_read + 16 * rows};
     void *arguments[3] = {&columns[0], &columns[1], &columns[2]};
     return launch((CUfunction)(uintptr_t)function, (unsigned)rows, 1, 1, block, 1, 1, 0, stream, arguments, NULL);
 }
@@ -97,7 +107,8 @@ static int batch(int gather, uint64_t function, unsigned block, CUstream kernels
     if (status != 0) return status;
     if (wait_event) STEP(wait_for(gather ? kernels : copies, (CUevent)(uintptr_t)wait_event, 0));
     if (gather) {
-        STEP(table_and_launch(function, block, kernels, table, table_device, rows, src, src_base, dst, dst_base, lengths));
+        write_table(table, rows, src, src_base, dst, dst_base, lengths);
+        STEP(launch_on(function, block, kernels, table_device, rows));
         STEP(record((CUevent)(uintptr_t)table_event, kernels));
         STEP(record((CUevent)(uintptr_t)join_event, kernels));
         STEP(wait_for(copies, (CUevent)(uintptr_t)join_event, 0));
@@ -106,7 +117,8 @@ static int batch(int gather, uint64_t function, unsigned block, CUstream kernels
         STEP(copy_async(copy_dst, copy_src, (size_t)whole, copies));
         STEP(record((CUevent)(uintptr_t)join_event, copies));
         STEP(wait_for(kernels, (CUevent)(uintptr_t)join_event, 0));
-        STEP(table_and_launch(function, block, kernels, table, table_device, rows, src, src_base, dst, dst_base, lengths));
+        write_table(table, rows, src, src_base, dst, dst_base, lengths);
+        STEP(launch_on(function, block, kernels, table_device, rows));
         STEP(record((CUevent)(uintptr_t)table_event, kernels));
     }
     STEP(record((CUevent)(uintptr_t)end_event, last));
@@ -127,6 +139,21 @@ int hmc_batch_run(uint64_t context, uint64_t function, unsigned block, int gathe
     status = batch(gather, function, block, (CUstream)(uintptr_t)kernel_stream, (CUstream)(uintptr_t)copy_stream,
                    wait_event, join_event, table_event, end_event, freed_event, table, table_device, rows,
                    src, src_base, dst, dst_base, lengths, copy_dst, copy_src, whole, step);
+    CUresult popped = pop(&previous);
+    return status != 0 ? status : popped;
+}
+
+int hmc_copy_now(uint64_t context, uint64_t dst, uint64_t src, uint64_t length, uint64_t stream, unsigned polls, int *step) {
+    void *previous = NULL;
+    *step = 0;
+    CUresult status = push((void *)(uintptr_t)context);
+    if (status != 0) return status;
+    status = copy_async(dst, src, (size_t)length, (CUstream)(uintptr_t)stream);
+    if (status == 0) {
+        *step = 1;
+        status = 600;  /* CUDA_ERROR_NOT_READY */
+        for (unsigned i = 0; i < polls && status == 600; ++i) status = stream_query((CUstream)(uintptr_t)stream);
+    }
     CUresult popped = pop(&previous);
     return status != 0 ? status : popped;
 }
