@@ -1,11 +1,12 @@
-"""Build hook: generate the control-plane code in hmc/v1/ from proto/hmc/v1/*.proto, and compile the two cffi
-modules: the UCP binding of the `ucx` path (hmc/transport/_ucx_c, see hmc/transport/_ucx_build.py) and the staged
-ring's fused CUDA batches (hmc/transport/_gpu_batch_c, see hmc/transport/_gpu_batch_build.py).
+"""Build hook: generate the control-plane code in hmc/v1/ from proto/hmc/v1/*.proto, and compile the three cffi
+modules: the UCP binding of the `ucx` path (hmc/transport/_ucx_c, see hmc/transport/_ucx_build.py), the copy
+lanes' CUDA calls (hmc/transport/_gpu_batch_c, see hmc/transport/_gpu_batch_build.py) and the one-pass range
+list facts (hmc/transport/_ranges_c, see hmc/transport/_ranges_build.py).
 
 None is edited or committed; every install (regular or editable) regenerates them, with the pinned
-grpcio-tools, cffi and libucx-cu13 from pyproject.toml. Both modules are optional: where one cannot be built
+grpcio-tools, cffi and libucx-cu13 from pyproject.toml. Every module is optional: where one cannot be built
 (no libucx wheel for the platform, no C compiler) the install goes on, the `ucx` path says why it is
-unavailable, and the staged ring queues its CUDA batches from Python.
+unavailable, the staged ring queues its CUDA batches from Python, and numpy alone checks range lists.
 """
 
 from __future__ import annotations
@@ -70,4 +71,5 @@ class _Distribution(Distribution):
 generate_protos()
 build_binding("_ucx_build.py", "the ucx path will be unavailable")
 build_binding("_gpu_batch_build.py", "the staged ring's CUDA batches will be queued from Python")
-setup(package_data={"hmc.transport": ["_ucx_c*.so", "_gpu_batch_c*.so"]}, distclass=_Distribution)
+build_binding("_ranges_build.py", "long range lists will be checked by numpy alone")
+setup(package_data={"hmc.transport": ["_ucx_c*.so", "_gpu_batch_c*.so", "_ranges_c*.so"]}, distclass=_Distribution)

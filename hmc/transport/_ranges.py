@@ -2,6 +2,9 @@
 
 Never one Python object per range: validation, coalescing and chunking are
 vectorised. Wire form is `hmc.v1.RangeList` (three little-endian int64 arrays).
+A long list's common case (in bounds, KV blocks disjoint, nothing to coalesce)
+is settled by one C pass (`_Facts`, `hmc.transport._ranges_build`) where it was
+built; anything else, and every error, goes the numpy way, which names the range.
 
 What a caller may pass (`RangeList.build`, the API boundary of every transfer):
 a Python or numpy integer, or a one-dimensional integer array or sequence. Bools,
@@ -36,6 +39,46 @@ _SMALL = 8
 """Up to this many ranges, checks run on Python ints: a numpy call costs more than the whole loop."""
 _SLOTS_PER_RANGE = 64
 """The overlap check's grid of equal-length blocks has at most this many slots (bytes) per range, else it sorts."""
+
+
+
+class _Facts:
+    """What one C pass (`hmc_range_facts`) learns of a long list; None from `of()` where the module was not built, or
+    the arrays are not contiguous and aligned."""
+
+    __slots__ = ("disjoint", "grid", "joins", "max_length", "min_length", "src_end", "dst_end", "total", "valid")
+
+    def __init__(self, out: Any) -> None:
+        self.valid = not out.negative and not out.overflow
+        """No offset or length below 0 and no end past int64: the other facts hold."""
+        self.src_end, self.dst_end, self.total = int(out.src_end), int(out.dst_end), int(out.total)
+        self.min_length, self.max_length = int(out.min_length), int(out.max_length)
+        self.joins = bool(out.joins)
+        self.grid = bool(out.grid)
+        self.disjoint = bool(out.grid and out.disjoint == 1)
+        """KV blocks of one grid, no two the same: the destination ranges share no byte."""
+
+    @staticmethod
+    @functools.cache
+    def _library() -> tuple[Any, Any] | None:
+        try:
+            from hmc.transport import _ranges_c  # type: ignore[attr-defined]
+        except ImportError:
+            return None
+        return _ranges_c.ffi, _ranges_c.lib
+
+    @classmethod
+    def of(cls, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> _Facts | None:
+        library = cls._library()
+        if library is None or not all(a.flags.c_contiguous and a.flags.aligned and a.dtype == _I64 for a in (src, dst, lengths)):
+            return None
+        ffi, lib = library
+        out = ffi.new("hmc_range_facts_t *")
+        if lib.hmc_range_facts(ffi.from_buffer("int64_t[]", src), ffi.from_buffer("int64_t[]", dst), ffi.from_buffer("int64_t[]", lengths),
+                               lengths.size, _SLOTS_PER_RANGE, out) != 0:  # fmt: skip
+            return None
+        return cls(out)
+
 
 MAX_TIMEOUT_S = 1e6
 """The longest timeout a transfer or a wait takes (11.6 days): deadlines stay exact, computable numbers."""
@@ -131,7 +174,16 @@ class RangeList:
 
     @functools.cached_property
     def total(self) -> int:
+        if self.lengths.size > _SMALL:
+            facts = self._facts
+            if facts is not None and facts.valid:
+                return facts.total
         return int(self.lengths.sum()) if self.lengths.size else 0
+
+    @functools.cached_property
+    def _facts(self) -> _Facts | None:
+        """The one C pass over a long list (None: not built, or a short list)."""
+        return _Facts.of(self.src, self.dst, self.lengths) if self.lengths.size > _SMALL else None
 
     def check(self, src_size: int, dst_size: int) -> None:
         """Raise OutOfRangeError unless every range lies inside both buffers."""
@@ -140,6 +192,9 @@ class RangeList:
         if self.lengths.size <= _SMALL:
             _check_few(self.src.tolist(), self.lengths.tolist(), src_size, "source")
             _check_few(self.dst.tolist(), self.lengths.tolist(), dst_size, "destination")
+            return
+        facts = self._facts
+        if facts is not None and facts.valid and facts.src_end <= src_size and facts.dst_end <= dst_size:
             return
         if int(self.lengths.min()) < 0 or int(self.src.min()) < 0 or int(self.dst.min()) < 0:
             raise OutOfRangeError("negative offset or length in range list")
@@ -195,7 +250,8 @@ class RangeList:
                 if end > start:
                     return min(i, j), max(i, j)
             return None
-        if _disjoint_blocks(starts, lengths):
+        facts = self._facts
+        if (facts is not None and facts.valid and facts.disjoint) or ((facts is None or not facts.grid) and _disjoint_blocks(starts, lengths)):
             return None  # equal-length blocks in any order (KV blocks, increasing or not): no sort
         ends = starts + lengths
         if (ends[:-1] <= starts[1:]).all():
@@ -217,6 +273,9 @@ class RangeList:
 
     def coalesced(self) -> RangeList:
         """Merge ranges that are adjacent on both sides (in the given order); drop empty ones."""
+        facts = self._facts
+        if facts is not None and facts.valid and facts.min_length > 0 and not facts.joins:
+            return self  # scattered KV blocks: nothing to merge or drop
         if self.lengths.size and int(self.lengths.min()) > 0:
             src, dst, lens = self.src, self.dst, self.lengths
         else:
