@@ -81,7 +81,7 @@ HMC_IMPORT_ERROR = _import_hmc()
 from _gpu.checks import format_table  # noqa: E402
 from _gpu.harness import GiB, gpu_quick_workloads, gpu_workloads  # noqa: E402
 from _gpu.hmc_rows import HMC_PATHS  # noqa: E402
-from _gpu.run import DEADLINE_S, SYSTEMS, GpuSpec, run_gpu  # noqa: E402
+from _gpu.run import DEADLINE_S, SYSTEMS, WARMUP_S, GpuSpec, run_gpu  # noqa: E402
 from hmc.bench._timing import Timing  # noqa: E402
 
 
@@ -127,7 +127,7 @@ def main(argv: list[str]) -> int:
     hmc_paths = _names(parser, args.hmc_paths, HMC_PATHS, "HMC paths")
     workloads = tuple(gpu_quick_workloads() if args.quick else gpu_workloads(args.kv_total))
     seconds = args.seconds if args.seconds is not None else (0.05 if args.quick else 0.3)
-    spec = GpuSpec(workloads, systems, Timing(seconds=seconds), args.deadline, args.gpus, hmc_paths)
+    spec = GpuSpec(workloads, systems, Timing(seconds=seconds, warmup_s=0.0 if args.quick else WARMUP_S), args.deadline, args.gpus, hmc_paths)
     out_path: list[Path] = []
 
     def save(report: dict) -> None:

@@ -77,3 +77,32 @@ def test_bench_rounds_report_each_rows_best_round(capsys: pytest.CaptureFixture[
 def test_bench_refuses_rounds_out_of_range(capsys: pytest.CaptureFixture[str], rounds: str) -> None:
     assert main(["bench", "--quick", "--rounds", rounds]) == 1
     assert "--rounds must be 1..20" in capsys.readouterr().err
+
+
+class _Clock:
+    """A clock each step of the measured loop moves on by `step_ns` (an injected clock: no sleeps)."""
+
+    def __init__(self, step_ns: int) -> None:
+        self.now, self.step_ns, self.steps = 0, step_ns, 0
+
+    def __call__(self) -> int:
+        return self.now
+
+    def step(self) -> None:
+        self.steps += 1
+        self.now += self.step_ns
+
+
+@pytest.mark.parametrize(("warmup_s", "step_ns", "warm_steps"), [(0.0, 1_000, 2), (0.25, 1_000_000, 250), (0.25, 400_000_000, 2)])
+def test_rows_warm_up_for_warmup_s_untimed_then_time_what_was_asked(warmup_s: float, step_ns: int, warm_steps: int) -> None:
+    """`warmup` iterations, then more until `warmup_s` of warming up went by (none more when the first already took
+    that long); those are never among the timed ones, and each batch is announced to a passive peer."""
+    from hmc.bench._timing import Timing, measure
+
+    clock = _Clock(step_ns)
+    announced: list[int] = []
+    timing = Timing(seconds=10 * step_ns / 1e9, warmup=2, warmup_s=warmup_s, min_iters=5, max_iters=1000)
+    times = measure(clock.step, timing, announced.append, clock=clock)
+    assert clock.steps - len(times) == warm_steps
+    assert sum(announced) == clock.steps
+    assert (times == step_ns).all() and len(times) >= 5

@@ -56,6 +56,8 @@ STARTUP_TIMEOUT_S = 240.0
 MESSAGE_TIMEOUT_S = 150.0
 DEADLINE_S = 480.0
 """The default budget of a whole run: inside the device machine's 10 minutes a command."""
+WARMUP_S = 0.25
+"""Each row warms up for this long before it is timed (the GPU's first second or so of a new kind of work is slower)."""
 
 OnRow = Callable[[Row], None]
 
@@ -66,7 +68,7 @@ class GpuSpec:
 
     workloads: tuple[Workload, ...]
     systems: tuple[str, ...] = SYSTEMS
-    timing: Timing = Timing(seconds=0.3)
+    timing: Timing = Timing(seconds=0.3, warmup_s=WARMUP_S)
     deadline_s: float = DEADLINE_S
     """The whole run; a group still running then is killed and recorded as failed."""
     gpus: int | None = None

@@ -1,7 +1,8 @@
 """How every system in `hmc bench` is timed, and the row each measurement becomes.
 
 One iteration is post + wait for completion, timed with `perf_counter_ns`
-around the call and nothing else. After `warmup` untimed iterations, batches of
+around the call and nothing else. After `warmup` untimed iterations (and more,
+until `warmup_s` seconds have gone by in warming up), batches of
 iterations run until about `seconds` have been timed (at least `min_iters`, at
 most `max_iters`). `gbps` is 1e9 bytes/s over the mean iteration; latencies are
 microseconds.
@@ -39,17 +40,22 @@ class Timing:
     """Timed seconds to aim for per workload."""
     warmup: int = 2
     """Untimed iterations first (connections, grants and routes are set up there)."""
+    warmup_s: float = 0.0
+    """Untimed iterations go on until this many seconds have gone by warming up: a GPU's first second or so of a new
+    kind of work ran 10-15% slower on the 2x H200 hosts (`bench/gpu.py` sets it; docs/decisions.md, "Rows warm up
+    for a quarter of a second")."""
     min_iters: int = 5
     max_iters: int = 20000
 
 
-def measure(step: Callable[[], None], timing: Timing, announce: Callable[[int], None] | None = None) -> np.ndarray:
-    """Warm up, then time iterations of `step` in batches; the iteration times in ns.
+def measure(
+    step: Callable[[], None], timing: Timing, announce: Callable[[int], None] | None = None, *, clock: Callable[[], int] = time.perf_counter_ns,
+) -> np.ndarray:
+    """Warm up, then time iterations of `step` in batches; the iteration times in ns (of `clock`).
 
     `announce(n)` is called before each batch of `n` iterations (for a passive peer
     that must know how many to expect).
     """
-    clock = time.perf_counter_ns
 
     def batch(n: int, out: list[int]) -> None:
         if announce is not None:
@@ -61,6 +67,8 @@ def measure(step: Callable[[], None], timing: Timing, announce: Callable[[int], 
 
     warm: list[int] = []
     batch(timing.warmup, warm)
+    while timing.warmup_s and sum(warm) < timing.warmup_s * 1e9:
+        batch(max(1, min(timing.max_iters, int((timing.warmup_s * 1e9 - sum(warm)) / max(min(warm, default=1), 100)))), warm)
     estimate = min(warm) if warm else 1
     budget = int(timing.seconds * 1e9)
     times: list[int] = []
