@@ -72,6 +72,30 @@ def test_a_prepared_batch_write_and_read_move_every_range(agent: Agent, peer: Pe
     assert (sink.numpy().reshape(-1, block)[outside // block] == POISON).all()
 
 
+@pytest.mark.parametrize("path", [None, "staged"])
+def test_a_prepared_batch_moves_the_ranges_it_was_given_whatever_the_caller_writes_into_its_arrays_later(
+    agent: Agent, peer: PeerProcess, rng: np.random.Generator, path: str | None,
+) -> None:
+    """The caller's offset and length arrays are copied when the transfer is prepared: offsets rewritten afterwards,
+    one of them past the end of the remote buffer, change nothing: the checked ranges move, no byte lands elsewhere."""
+    block, count = 4096, 16
+    src_offsets = (rng.permutation(SIZE // block)[:count] * block).astype(np.int64)
+    dst_offsets = (rng.permutation(SIZE // block)[:count] * block).astype(np.int64)
+    lengths = np.full(count, block, np.int64)
+    source = agent.register(rng.integers(0, 256, SIZE, dtype=np.uint8))
+    remote = peer.register(SIZE)
+    peer.poison(remote.id, POISON)
+    prepared = agent.prepare_write(source, remote, src_offsets, dst_offsets, lengths, path=path)
+    checked = dst_offsets.copy()
+    dst_offsets[:] = dst_offsets[::-1]
+    dst_offsets[-1] = SIZE - block // 2  # half past the end
+    lengths[0] = SIZE
+    prepared.post().wait()
+    assert peer.digest(remote.id, checked, np.full(count, block)) == _digest(source.numpy(), src_offsets, np.full(count, block))
+    rest = np.setdiff1d(np.arange(SIZE // block) * block, checked)
+    assert peer.digest(remote.id, rest, np.full(rest.size, block)) == _digest(np.full(SIZE, POISON, np.uint8), rest, np.full(rest.size, block))
+
+
 def test_prepared_notifications_arrive_once_per_post(agent: Agent, peer: PeerProcess, rng: np.random.Generator) -> None:
     source = agent.register(rng.integers(0, 256, SIZE, dtype=np.uint8))
     remote = peer.register(SIZE)

@@ -93,15 +93,18 @@ class _Clock:
         self.now += self.step_ns
 
 
-@pytest.mark.parametrize(("warmup_s", "step_ns", "warm_steps"), [(0.0, 1_000, 2), (0.25, 1_000_000, 250), (0.25, 400_000_000, 2)])
-def test_rows_warm_up_for_warmup_s_untimed_then_time_what_was_asked(warmup_s: float, step_ns: int, warm_steps: int) -> None:
+@pytest.mark.parametrize(
+    ("warmup", "warmup_s", "step_ns", "warm_steps"),
+    [(2, 0.0, 1_000, 2), (2, 0.25, 1_000_000, 250), (2, 0.25, 400_000_000, 2), (0, 0.25, 10_000_000, 25), (0, 0.25, 400_000_000, 1)],
+)
+def test_rows_warm_up_for_warmup_s_untimed_then_time_what_was_asked(warmup: int, warmup_s: float, step_ns: int, warm_steps: int) -> None:
     """`warmup` iterations, then more until `warmup_s` of warming up went by (none more when the first already took
     that long); those are never among the timed ones, and each batch is announced to a passive peer."""
     from hmc.bench._timing import Timing, measure
 
     clock = _Clock(step_ns)
     announced: list[int] = []
-    timing = Timing(seconds=10 * step_ns / 1e9, warmup=2, warmup_s=warmup_s, min_iters=5, max_iters=1000)
+    timing = Timing(seconds=10 * step_ns / 1e9, warmup=warmup, warmup_s=warmup_s, min_iters=5, max_iters=1000)
     times = measure(clock.step, timing, announced.append, clock=clock)
     assert clock.steps - len(times) == warm_steps
     assert sum(announced) == clock.steps

@@ -272,7 +272,34 @@ def test_the_one_c_pass_and_numpy_alone_agree_on_every_long_list(rows: list[tupl
         return
     overlap = _overlaps([(d, n) for _, d, n in rows])
     assert _outcome(fast.check_disjoint_dst) == _outcome(plain.check_disjoint_dst) == (ArgumentError if overlap else None)
+    if overlap:  # refused: such a list never moves (and its total may exceed int64: only disjoint ranges in bounds cannot)
+        return
     assert fast.total == plain.total == sum(n for _, _, n in rows)
     merged, expected = fast.coalesced(), plain.coalesced()
     for a, b in ((merged.src, expected.src), (merged.dst, expected.dst), (merged.lengths, expected.lengths)):
         assert a.tolist() == b.tolist()
+
+
+def test_build_copies_the_callers_arrays_so_what_was_checked_is_what_moves() -> None:
+    """An int64 array (or a view of one) given to `build` is copied: the caller may refill it at once, and a check
+    made before stays true of the list."""
+    base = np.arange(40, dtype=np.int64) * 4096
+    dst = base[::2]  # a view
+    ranges = RangeList.build(base[:20], dst, np.full(20, 4096, np.int64))
+    ranges.check(1 << 20, 1 << 20)
+    base[:] = 1 << 40
+    ranges.check(1 << 20, 1 << 20)
+    assert ranges.src.tolist() == (np.arange(20) * 4096).tolist() and ranges.dst.tolist() == (np.arange(0, 40, 2) * 4096).tolist()
+    assert not np.shares_memory(ranges.src, base) and not np.shares_memory(ranges.dst, base)
+
+
+def test_a_hand_built_list_of_unequal_arrays_is_never_read_past_its_shortest() -> None:
+    """`RangeList` itself (not `build`, which refuses them) takes arrays of unequal sizes: the one-pass check stands
+    aside for them instead of reading past the shortest array (or crashing the process)."""
+    from hmc.transport._ranges import _Facts
+
+    ranges = RangeList(np.zeros(9, np.int64), np.zeros(9, np.int64), np.ones(1 << 26, np.int64))
+    assert _Facts.of(ranges.src, ranges.dst, ranges.lengths) is None
+    assert ranges._facts is None and ranges.total == 1 << 26
+    with pytest.raises(ArgumentError, match="differ in length"):
+        RangeList.build(ranges.src, ranges.dst, ranges.lengths)

@@ -11,7 +11,9 @@ a Python or numpy integer, or a one-dimensional integer array or sequence. Bools
 floats, strings, objects and arrays of two or more dimensions are refused with
 ArgumentError (nothing is flattened); values beyond int64 with OutOfRangeError.
 Negative values pass `build` and are refused by the bounds checks (OutOfRangeError).
-A transfer's timeout goes through `check_timeout` at the same boundary.
+A transfer's timeout goes through `check_timeout` at the same boundary. `build`
+copies arrays it is given: what was checked is what moves, and a caller may
+refill its arrays as soon as the call returns (a prepared transfer included).
 
 Concurrency: a RangeList is immutable; any thread may use it.
 """
@@ -70,7 +72,9 @@ class _Facts:
     @classmethod
     def of(cls, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> _Facts | None:
         library = cls._library()
-        if library is None or not all(a.flags.c_contiguous and a.flags.aligned and a.dtype == _I64 for a in (src, dst, lengths)):
+        if library is None or not src.size == dst.size == lengths.size or not all(
+            a.ndim == 1 and a.flags.c_contiguous and a.flags.aligned and a.dtype == _I64 for a in (src, dst, lengths)
+        ):
             return None
         ffi, lib = library
         out = ffi.new("hmc_range_facts_t *")
@@ -142,6 +146,8 @@ def _as_i64(values: Any, name: str) -> np.ndarray:
         raise ArgumentError(f"{name} must be integers, got {'bools' if kind == 'b' else array.dtype}")
     if kind == "u" and array.dtype.itemsize == 8 and int(array.max()) > _I64_MAX:
         raise OutOfRangeError(f"{name} values do not fit int64")
+    if array is values or array.base is not None:  # the caller's memory (an array, a view, a tensor): ours to keep is a copy
+        return np.array(array.reshape(-1), dtype=_I64, copy=True)
     return np.ascontiguousarray(array.reshape(-1), dtype=_I64)  # a 0-d array is a scalar: one element
 
 

@@ -38,6 +38,12 @@ SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HMC_CLONES __attribute__((target_clones("avx2", "default")))  /* picked at load time by the CPU */
+#else
+#define HMC_CLONES
+#endif
+
 typedef struct {
     int64_t total, min_length, max_length;
     uint64_t src_end, dst_end;
@@ -48,7 +54,7 @@ static uint64_t slot_of(uint64_t d, uint64_t length, unsigned shift, int power) 
     return power ? d >> shift : d / length;
 }
 
-__attribute__((target_clones("avx2", "default")))
+HMC_CLONES
 int hmc_range_facts(const int64_t *src, const int64_t *dst, const int64_t *lengths, uint64_t n, uint64_t max_slots,
                     hmc_range_facts_t *out) {
     const uint64_t limit = (uint64_t)INT64_MAX;
