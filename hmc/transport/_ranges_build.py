@@ -23,13 +23,16 @@ from pathlib import Path
 
 __all__ = ["CDEF", "SOURCE", "build"]
 
-CDEF = r"""
+_FACTS = """
 typedef struct {
     int64_t total, min_length, max_length;
     uint64_t src_end, dst_end;
     int negative, overflow, joins, grid, disjoint;
 } hmc_range_facts_t;
+"""
+"""What the pass fills in: declared once, for cffi (`CDEF`) and for the compiler (`SOURCE`)."""
 
+CDEF = _FACTS + r"""
 int hmc_range_facts(const int64_t *src, const int64_t *dst, const int64_t *lengths, uint64_t n, uint64_t max_slots,
                     hmc_range_facts_t *out);
 """
@@ -43,13 +46,7 @@ SOURCE = r"""
 #else
 #define HMC_CLONES
 #endif
-
-typedef struct {
-    int64_t total, min_length, max_length;
-    uint64_t src_end, dst_end;
-    int negative, overflow, joins, grid, disjoint;
-} hmc_range_facts_t;
-
+""" + _FACTS + r"""
 static uint64_t slot_of(uint64_t d, uint64_t length, unsigned shift, int power) {
     return power ? d >> shift : d / length;
 }

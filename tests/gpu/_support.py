@@ -32,6 +32,18 @@ ODD_CASES = [
 """Odd sizes, unaligned offsets and ranges touching the last byte."""
 
 
+def disjoint_offsets(rng: np.random.Generator, lengths: np.ndarray, size: int) -> np.ndarray:
+    """Offsets for `lengths` in a `size`-byte buffer: no two overlap, in random order, the last placed one ending at
+    the buffer's last byte."""
+    order = rng.permutation(lengths.size)
+    free = size - int(lengths.sum())
+    gaps = np.diff(np.concatenate([[0], np.sort(rng.integers(0, free + 1, lengths.size - 1)), [free]]))
+    ends = np.cumsum(gaps + lengths[order])
+    offsets = np.empty(lengths.size, np.int64)
+    offsets[order] = ends - lengths[order]
+    return offsets
+
+
 def random_bytes(n: int, seed: int) -> np.ndarray:
     return np.frombuffer(np.random.default_rng(seed).bytes(n), np.uint8).copy()
 

@@ -19,22 +19,11 @@ from hmc import memory
 from hmc.transport import _gpu_batch
 from hmc.transport._gpu_copy import Lane
 
-from ._support import POISON, assert_bytes_equal, random_bytes, scatter
+from ._support import POISON, assert_bytes_equal, disjoint_offsets, random_bytes, scatter
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
 
 SIZE = (24 << 20) + 13
-
-
-def _disjoint(rng: np.random.Generator, lengths: np.ndarray) -> np.ndarray:
-    """Offsets for `lengths` in a SIZE-byte buffer: no two overlap, in random order, one ending at the last byte."""
-    order = rng.permutation(lengths.size)
-    free = SIZE - int(lengths.sum())
-    gaps = np.diff(np.concatenate([[0], np.sort(rng.integers(0, free + 1, lengths.size - 1)), [free]]))
-    ends = np.cumsum(gaps + lengths[order])
-    offsets = np.empty(lengths.size, np.int64)
-    offsets[order] = ends - lengths[order]
-    return offsets
 
 
 CASES = {
@@ -84,7 +73,7 @@ def _landed(target: Any) -> np.ndarray:
 def test_a_batch_moves_every_byte_and_nothing_else(case: str, in_place: bool) -> None:
     rng = np.random.default_rng(len(case))
     lengths = CASES[case](rng)
-    src, dst = _disjoint(rng, lengths), _disjoint(rng, lengths)
+    src, dst = disjoint_offsets(rng, lengths, SIZE), disjoint_offsets(rng, lengths, SIZE)
     with _lane_and_buffers(21) as (lane, data, source, target):
         deadline = time.monotonic() + 30.0
         event = lane.enqueue(src, source.address, dst, target.address, lengths, deadline, record=True, table_in_place=in_place)
@@ -103,7 +92,7 @@ def test_batches_in_a_row_reuse_their_tables_and_land_in_order() -> None:
         expected = np.full(SIZE, POISON, np.uint8)
         deadline = time.monotonic() + 30.0
         for _ in range(20):
-            src, dst = _disjoint(rng, lengths), _disjoint(rng, lengths)
+            src, dst = disjoint_offsets(rng, lengths, SIZE), disjoint_offsets(rng, lengths, SIZE)
             lane.enqueue(src, source.address, dst, target.address, lengths, deadline)
             scatter(expected, data, src, dst, lengths)
         assert lane.wait_idle(deadline)

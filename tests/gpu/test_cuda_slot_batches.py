@@ -20,25 +20,13 @@ from hmc.transport import _gpu_batch
 from hmc.transport import _gpu_copy as gpu_copy
 from hmc.transport._pinned import PinnedMapping, SlotCopier
 
-from ._support import POISON, assert_bytes_equal, random_bytes
+from ._support import POISON, assert_bytes_equal, disjoint_offsets, random_bytes
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
 
 SIZE = (48 << 20) + 13
 AT = 4096 + 7
 """Where in the pinned mapping the slot starts (not aligned)."""
-
-
-def _layout(rng: np.random.Generator, lengths: np.ndarray) -> np.ndarray:
-    """Offsets for `lengths` in a SIZE-byte buffer: no two overlap, in random order, the last placed one ending at the
-    buffer's last byte."""
-    order = rng.permutation(lengths.size)
-    free = SIZE - int(lengths.sum())
-    gaps = np.diff(np.concatenate([[0], np.sort(rng.integers(0, free + 1, lengths.size - 1)), [free]]))
-    ends = np.cumsum(gaps + lengths[order])
-    offsets = np.empty(lengths.size, np.int64)
-    offsets[order] = ends - lengths[order]
-    return offsets
 
 
 CASES = {
@@ -83,7 +71,7 @@ def test_slot_batches_gather_and_scatter_every_byte(case: str, fused_calls: list
         memory.copy(source, data)
         memory.fill(target, POISON)
         np.frombuffer(ring.view(0, ring.size), np.uint8)[:] = POISON
-        src, dst = _layout(rng, lengths), _layout(rng, lengths)
+        src, dst = disjoint_offsets(rng, lengths, SIZE), disjoint_offsets(rng, lengths, SIZE)
         deadline = time.monotonic() + 30.0
         copier.start(source, src, lengths, ring, AT, to_slot=True, deadline=deadline)(deadline)
         packed = _packed(data, src, lengths)
@@ -145,7 +133,7 @@ def test_a_failing_fused_batch_fails_typed_and_the_next_one_moves_every_byte(mon
         return bool(original(self, *args, **kwargs))
 
     with _gather_into_slot(monkeypatch, 12, failing) as (data, source, ring, copier):
-        src = _layout(rng, lengths)
+        src = disjoint_offsets(rng, lengths, SIZE)
         deadline = time.monotonic() + 30.0
         with pytest.raises(DeviceError):
             copier.start(source, src, lengths, ring, AT, to_slot=True, deadline=deadline)
@@ -170,7 +158,7 @@ def test_a_batch_whose_range_table_is_still_read_waits_for_it_then_moves_every_b
         return answers[-1]
 
     with _gather_into_slot(monkeypatch, 13, busy_once) as (data, source, ring, copier):
-        src = _layout(rng, lengths)
+        src = disjoint_offsets(rng, lengths, SIZE)
         np.frombuffer(ring.view(0, ring.size), np.uint8)[:] = POISON
         deadline = time.monotonic() + 30.0
         copier.start(source, src, lengths, ring, AT, to_slot=True, deadline=deadline)(deadline)
