@@ -43,18 +43,17 @@ _SLOTS_PER_RANGE = 64
 """The overlap check's grid of equal-length blocks has at most this many slots (bytes) per range, else it sorts."""
 
 
-
 class _Facts:
     """What one C pass (`hmc_range_facts`) learns of a long list; None from `of()` where the module was not built, or
     the arrays are not contiguous and aligned."""
 
-    __slots__ = ("disjoint", "grid", "joins", "max_length", "min_length", "src_end", "dst_end", "total", "valid")
+    __slots__ = ("disjoint", "dst_end", "grid", "joins", "min_length", "src_end", "total", "valid")
 
     def __init__(self, out: Any) -> None:
         self.valid = not out.negative and not out.overflow
         """No offset or length below 0 and no end past int64: the other facts hold."""
         self.src_end, self.dst_end, self.total = int(out.src_end), int(out.dst_end), int(out.total)
-        self.min_length, self.max_length = int(out.min_length), int(out.max_length)
+        self.min_length = int(out.min_length)
         self.joins = bool(out.joins)
         self.grid = bool(out.grid)
         self.disjoint = bool(out.grid and out.disjoint == 1)
@@ -256,8 +255,8 @@ class RangeList:
                 if end > start:
                     return min(i, j), max(i, j)
             return None
-        facts = self._facts
-        if (facts is not None and facts.valid and facts.disjoint) or ((facts is None or not facts.grid) and _disjoint_blocks(starts, lengths)):
+        facts = self._facts  # where the C pass ran, it looked at the block grid already
+        if facts.disjoint if facts is not None and facts.valid else _disjoint_blocks(starts, lengths):
             return None  # equal-length blocks in any order (KV blocks, increasing or not): no sort
         ends = starts + lengths
         if (ends[:-1] <= starts[1:]).all():
