@@ -298,8 +298,27 @@ def test_a_hand_built_list_of_unequal_arrays_is_never_read_past_its_shortest() -
     aside for them instead of reading past the shortest array (or crashing the process)."""
     from hmc.transport._ranges import _Facts
 
-    ranges = RangeList(np.zeros(9, np.int64), np.zeros(9, np.int64), np.ones(1 << 26, np.int64))
+    ranges = RangeList(np.zeros(9, np.int64), np.zeros(9, np.int64), np.ones(1 << 16, np.int64))
     assert _Facts.of(ranges.src, ranges.dst, ranges.lengths) is None
-    assert ranges._facts is None and ranges.total == 1 << 26
+    assert ranges._facts is None and ranges.total == 1 << 16
     with pytest.raises(ArgumentError, match="differ in length"):
         RangeList.build(ranges.src, ranges.dst, ranges.lengths)
+
+
+def test_build_copies_what_an_objects___array___hands_over() -> None:
+    """An object whose `__array__` returns an array it keeps (a container, a dataframe column) is copied too: its
+    later writes change nothing of the list."""
+
+    class Holder:
+        def __init__(self, array: np.ndarray) -> None:
+            self.array = array
+
+        def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+            return self.array
+
+    held = Holder(np.arange(16, dtype=np.int64) * 4096)
+    ranges = RangeList.build(np.arange(16, dtype=np.int64) * 4096, held, 4096)
+    ranges.check(1 << 20, 1 << 20)
+    held.array[-1] = 1 << 40
+    ranges.check(1 << 20, 1 << 20)
+    assert int(ranges.dst[-1]) == 15 * 4096 and not np.shares_memory(ranges.dst, held.array)

@@ -68,7 +68,7 @@ def measure(
     warm: list[int] = []
     batch(timing.warmup, warm)
     while timing.warmup_s and sum(warm) < timing.warmup_s * 1e9 and len(warm) < timing.max_iters:  # one first where none told its length
-        batch(max(1, min(timing.max_iters, int((timing.warmup_s * 1e9 - sum(warm)) / max(min(warm), 100)))) if warm else 1, warm)
+        batch(max(1, min(timing.max_iters - len(warm), int((timing.warmup_s * 1e9 - sum(warm)) / max(min(warm), 100)))) if warm else 1, warm)
     estimate = min(warm) if warm else 1
     budget = int(timing.seconds * 1e9)
     times: list[int] = []

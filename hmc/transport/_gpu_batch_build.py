@@ -95,12 +95,6 @@ static CUresult launch_on(uint64_t function, unsigned block, CUstream stream, ui
     return launch((CUfunction)(uintptr_t)function, (unsigned)rows, 1, 1, block, 1, 1, 0, stream, arguments, NULL);
 }
 
-/* A call's status once its context was popped: a failed pop wins over success and over NOT_READY (600), which the
-   caller would otherwise take for "call again" or "poll on". */
-static CUresult popped_or(CUresult status, CUresult popped) {
-    return popped != 0 && (status == 0 || status == 600) ? popped : status;
-}
-
 #define STEP(call) do { CUresult status_ = (call); if (status_ != 0) return status_; ++*step; } while (0)
 
 static int batch(int gather, uint64_t function, unsigned block, CUstream kernels, CUstream copies,
@@ -145,7 +139,8 @@ int hmc_batch_run(uint64_t context, uint64_t function, unsigned block, int gathe
     status = batch(gather, function, block, (CUstream)(uintptr_t)kernel_stream, (CUstream)(uintptr_t)copy_stream,
                    wait_event, join_event, table_event, end_event, freed_event, table, table_device, rows,
                    src, src_base, dst, dst_base, lengths, copy_dst, copy_src, whole, step);
-    return popped_or(status, pop(&previous));
+    CUresult popped = pop(&previous);
+    return status != 0 ? status : popped;  /* a failed pop shows once nothing of the call still runs */
 }
 
 int hmc_copy_now(uint64_t context, uint64_t dst, uint64_t src, uint64_t length, uint64_t stream, unsigned polls, int *step) {
@@ -159,7 +154,8 @@ int hmc_copy_now(uint64_t context, uint64_t dst, uint64_t src, uint64_t length, 
         status = 600;  /* CUDA_ERROR_NOT_READY */
         for (unsigned i = 0; i < polls && status == 600; ++i) status = stream_query((CUstream)(uintptr_t)stream);
     }
-    return popped_or(status, pop(&previous));
+    CUresult popped = pop(&previous);
+    return status != 0 ? status : popped;  /* a failed pop shows once nothing of the call still runs */
 }
 """
 

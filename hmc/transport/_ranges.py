@@ -145,9 +145,9 @@ def _as_i64(values: Any, name: str) -> np.ndarray:
         raise ArgumentError(f"{name} must be integers, got {'bools' if kind == 'b' else array.dtype}")
     if kind == "u" and array.dtype.itemsize == 8 and int(array.max()) > _I64_MAX:
         raise OutOfRangeError(f"{name} values do not fit int64")
-    if array is values or array.base is not None:  # the caller's memory (an array, a view, a tensor): ours to keep is a copy
-        return np.array(array.reshape(-1), dtype=_I64, copy=True)
-    return np.ascontiguousarray(array.reshape(-1), dtype=_I64)  # a 0-d array is a scalar: one element
+    if isinstance(values, (list, tuple)):  # numpy made this array: nobody else holds it
+        return np.ascontiguousarray(array.reshape(-1), dtype=_I64)  # a 0-d array is a scalar: one element
+    return np.array(array.reshape(-1), dtype=_I64, copy=True)  # the caller's memory (an array, a view, a tensor...): a copy
 
 
 @dataclasses.dataclass(frozen=True)
