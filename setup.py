@@ -43,16 +43,28 @@ def generate_protos() -> None:
     (OUT_PACKAGE / "__init__.py").write_text('"""Generated from proto/hmc/v1 at build time; do not edit."""\n')
 
 
+_COMPILE = """
+import runpy, sys
+from pathlib import Path
+script, package_dir = Path(sys.argv[1]), Path(sys.argv[2])
+runpy.run_path(str(script))["binding"]().compile(tmpdir=str(package_dir.parent.parent), verbose=False)
+stem = script.name.removesuffix("_build.py") + "_c"
+for leftover in (package_dir / (stem + ".c"), package_dir / (stem + ".o")):
+    leftover.unlink(missing_ok=True)
+"""
+"""Compiles the cffi module a build script declares (its `binding()`), leaving only the extension behind."""
+
+
 def build_binding(script: str, what: str) -> bool:
-    """Compile one cffi module of hmc/transport with its build script; a warning naming `what` is lost, not a
-    failure, where it cannot be (False then).
+    """Compile one cffi module of hmc/transport, as its build script declares it; a warning naming `what` is lost,
+    not a failure, where it cannot be (False then).
 
     In a process of its own: cffi's compiler run would otherwise reset the distutils state setup() uses."""
     import subprocess
     import sys
 
-    path = ROOT / "hmc" / "transport" / script
-    result = subprocess.run([sys.executable, str(path), str(ROOT / "hmc" / "transport")], capture_output=True, text=True)
+    package_dir = ROOT / "hmc" / "transport"
+    result = subprocess.run([sys.executable, "-c", _COMPILE, str(package_dir / script), str(package_dir)], capture_output=True, text=True)
     if result.returncode != 0:
         why = (result.stderr.strip().splitlines() or ["unknown"])[-1]
         print(f"warning: {script} did not build, {what}: {why}")

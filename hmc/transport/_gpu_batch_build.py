@@ -1,6 +1,6 @@
 """Copy-lane calls for CUDA GPUs that cost one C call instead of a dozen through cuda-python and numpy: the staged
 ring's fused slot batch, and a single copy waited for. A cffi module in API mode, compiled at
-install (setup.py calls `build()`); no CUDA headers or libraries are needed to build it: the driver (libcuda.so.1) is
+install (setup.py compiles what `binding()` declares); no CUDA headers or libraries are needed to build it: the driver (libcuda.so.1) is
 opened at run time, by the process that already loaded it.
 
 Why (docs/decisions.md, "Staged slot batches in one C call"): a ring slot's gather (or scatter) and its copy were
@@ -30,9 +30,9 @@ never waits: every wait stays with the caller, bounded by its deadline.
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
-__all__ = ["CDEF", "SOURCE", "build"]
+__all__ = ["CDEF", "SOURCE", "binding"]
 
 CDEF = r"""
 int hmc_batch_load(void);
@@ -160,20 +160,11 @@ int hmc_copy_now(uint64_t context, uint64_t dst, uint64_t src, uint64_t length, 
 """
 
 
-def build(package_dir: Path) -> Path:
-    """Compile `hmc.transport._gpu_batch_c` into `package_dir` (hmc/transport); its path."""
+def binding() -> Any:
+    """`hmc.transport._gpu_batch_c`, declared for cffi; setup.py compiles it (`build_binding`)."""
     import cffi
 
     ffi = cffi.FFI()
     ffi.cdef(CDEF)
     ffi.set_source("hmc.transport._gpu_batch_c", SOURCE, libraries=["dl"], extra_compile_args=["-O2"])
-    built = Path(ffi.compile(tmpdir=str(package_dir.parent.parent), verbose=False))
-    for leftover in (package_dir / "_gpu_batch_c.c", package_dir / "_gpu_batch_c.o"):
-        leftover.unlink(missing_ok=True)
-    return built
-
-
-if __name__ == "__main__":
-    import sys
-
-    build(Path(sys.argv[1]))
+    return ffi

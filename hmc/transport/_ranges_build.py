@@ -1,6 +1,6 @@
 """One pass over a long range list in C: what the bounds check, the overlap check of KV blocks, coalescing and the
 total need to know, instead of about twenty numpy passes (`hmc.transport._ranges`). A cffi module in API mode,
-compiled at install (setup.py calls `build()`); where it cannot be, range lists are checked by numpy alone.
+compiled at install (setup.py compiles what `binding()` declares); where it cannot be, range lists are checked by numpy alone.
 
 Why (docs/decisions.md, "Range checks in one C pass"): on the GPU hosts, checking and coalescing 16384 ranges took
 100-110 us of a KV transfer's ~1 ms on the ipc path, one numpy call (~2-5 us there) per reduction.
@@ -19,9 +19,9 @@ The arrays are int64, contiguous, aligned and n long. The module never calls int
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
-__all__ = ["CDEF", "SOURCE", "build"]
+__all__ = ["CDEF", "SOURCE", "binding"]
 
 _FACTS = """
 typedef struct {
@@ -134,20 +134,11 @@ int hmc_range_facts(const int64_t *src, const int64_t *dst, const int64_t *lengt
 """
 
 
-def build(package_dir: Path) -> Path:
-    """Compile `hmc.transport._ranges_c` into `package_dir` (hmc/transport); its path."""
+def binding() -> Any:
+    """`hmc.transport._ranges_c`, declared for cffi; setup.py compiles it (`build_binding`)."""
     import cffi
 
     ffi = cffi.FFI()
     ffi.cdef(CDEF)
     ffi.set_source("hmc.transport._ranges_c", SOURCE, extra_compile_args=["-O3"])
-    built = Path(ffi.compile(tmpdir=str(package_dir.parent.parent), verbose=False))
-    for leftover in (package_dir / "_ranges_c.c", package_dir / "_ranges_c.o"):
-        leftover.unlink(missing_ok=True)
-    return built
-
-
-if __name__ == "__main__":
-    import sys
-
-    build(Path(sys.argv[1]))
+    return ffi

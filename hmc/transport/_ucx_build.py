@@ -1,5 +1,5 @@
 """The UCP binding of the `ucx` path: a cffi module in API mode, compiled at install against the UCX of the
-`libucx-cu13` wheel (its headers and libraries; setup.py calls `build()`).
+`libucx-cu13` wheel (its headers and libraries; setup.py compiles what `binding()` declares).
 
 Why our own (docs/decisions.md): ucxx exposes no one-sided RMA to Python, ucx-py has no CUDA 13 build, and
 a batch of ranges must be posted below Python. The C helpers here are the only code that loops over ranges:
@@ -17,8 +17,9 @@ The module is `hmc.transport._ucx_c`; `hmc.transport._ucx_lib` loads it (after t
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-__all__ = ["CDEF", "SOURCE", "build"]
+__all__ = ["CDEF", "SOURCE", "binding"]
 
 CDEF = r"""
 typedef enum { UCS_OK, UCS_INPROGRESS, UCS_ERR_NO_ELEM, UCS_ERR_NO_MEMORY, UCS_ERR_TIMED_OUT, UCS_ERR_CANCELED,
@@ -249,8 +250,8 @@ int hmc_ep_close(ucp_worker_h worker, ucp_ep_h ep, double timeout_s) {
 """
 
 
-def build(package_dir: Path) -> Path:
-    """Compile `hmc.transport._ucx_c` into `package_dir` (hmc/transport) against the libucx wheel; its path."""
+def binding() -> Any:
+    """`hmc.transport._ucx_c`, declared for cffi against the libucx wheel; setup.py compiles it (`build_binding`)."""
     import cffi
     import libucx
 
@@ -265,13 +266,4 @@ def build(package_dir: Path) -> Path:
         libraries=["ucp", "ucs"],
         extra_compile_args=["-O2"],
     )
-    built = Path(ffi.compile(tmpdir=str(package_dir.parent.parent), verbose=False))
-    for leftover in (package_dir / "_ucx_c.c", package_dir / "_ucx_c.o"):
-        leftover.unlink(missing_ok=True)
-    return built
-
-
-if __name__ == "__main__":
-    import sys
-
-    build(Path(sys.argv[1]))
+    return ffi
