@@ -18,7 +18,7 @@ from hmc.errors import BrokenResourceError, UnsupportedError
 from hmc.memory import Device, DeviceKind, MemoryKind, MemoryRegion, Vendor
 from hmc.memory._host import HOST_DEVICE
 from hmc.transport._base import Capabilities, PathName, TransferOp, TransferRequest, Transport
-from hmc.transport._gpu_copy import pieces
+from hmc.transport._gpu_copy import _parts, pieces
 from hmc.transport._ipc_path import IpcPath
 from hmc.transport._ranges import RangeList
 from hmc.transport._staged import StagedTransport
@@ -196,6 +196,18 @@ def test_cut_long_ranges_into_pieces_keeping_alignment() -> None:
     assert s.tolist() == [0, 1000, 263144, 525288] and d.tolist() == [5, 3, 262147, 524291]
     short = pieces(src, dst, np.array([10, 20], np.int64), piece=262144)
     assert [a.tolist() for a in short] == [[0, 1000], [5, 3], [10, 20]]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 1024, 2047, 2048, 4096, 16384, 100001])
+def test_a_batch_is_launched_in_growing_parts_that_cover_each_row_once(rows: int) -> None:
+    parts = list(_parts(rows))
+    assert parts[0][0] == 0 and parts[-1][1] == rows
+    assert all(stop == start for (_, stop), (start, _) in zip(parts, parts[1:]))
+    sizes = [stop - start for start, stop in parts]
+    assert all(size > 0 for size in sizes)
+    assert sizes[0] == min(rows, 1024) or len(sizes) == 1
+    assert all(later >= earlier for earlier, later in zip(sizes, sizes[1:]))  # the GPU copies a part while the next is written
+    assert len(parts) == (1 if rows < 2048 else 2 if rows < 1024 + 2 * 4096 else 3 if rows < 1024 + 4096 + 2 * 16384 else 4)
 
 
 class _FakeLane:

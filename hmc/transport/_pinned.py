@@ -186,7 +186,7 @@ class _GpuSide:
                 if wait is not None:
                     first.wait_for(wait)
                 steps = [
-                    lambda record: self.kernels.enqueue(*ranges, lengths, deadline, record=record, table_in_place=True),
+                    lambda record: self.kernels.enqueue(*ranges, lengths, deadline, record=record),
                     lambda record: self.lane.enqueue(_ZERO, copy_src, _ZERO, copy_dst, np.array([whole], np.int64), deadline, record=record),
                 ]
                 if not to_slot:
@@ -255,8 +255,8 @@ class SlotCopier:
     the GPU's scratch slot and copied to the pinned slot by the copy engine in one piece (or the reverse,
     scattered). Not the kernel straight into pinned memory: on one H100 with the opposite direction busy
     (the other end of a staged pair on the same GPU), a kernel reached 28 GB/s over PCIe, copy engines 44.
-    The kernel reads its range table in place (no upload, which would queue behind the other direction's
-    copies on the copy engines).
+    The kernel reads its range table in place (as every lane's: no upload, which would queue behind the other
+    direction's copies on the copy engines).
     GPU sides (`_GpuSide`: a copy lane, a kernel lane and a small-copy lane, with their range tables and
     pooled events, and scratch slots used in turn, so one batch is gathered while the previous one is
     copied) are made once per GPU and kept until `close()`.
