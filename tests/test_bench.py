@@ -110,3 +110,23 @@ def test_rows_warm_up_for_warmup_s_untimed_then_time_what_was_asked(warmup: int,
     assert clock.steps - len(times) == warm_steps
     assert sum(announced) == clock.steps
     assert (times == step_ns).all() and len(times) >= 5
+
+
+def test_range_checks_bench_accepts_each_batch_and_refuses_a_block_taken_twice_both_ways(tmp_path: Path) -> None:
+    """`bench/range_checks.py` (CPU cost of checking a KV batch, the C pass against numpy alone) runs end to end: every
+    case both ways, each batch accepted, the same batch with one block taken twice refused, and its JSON written."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "range-checks.json"
+    script = Path(__file__).resolve().parent.parent / "bench" / "range_checks.py"
+    done = subprocess.run([sys.executable, str(script), "--seconds", "0.01", "--rounds", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    cases = {row["case"] for row in report["rows"]}
+    assert len(cases) == 5 and sum("sparse" in case for case in cases) == 3
+    assert sorted((row["case"], row["way"]) for row in report["rows"]) == sorted((case, way) for case in cases for way in ("c", "numpy"))
+    assert all(row["accepted"] and row["refused_a_block_taken_twice"] and row["p50_us"] > 0 for row in report["rows"])
+    assert {ratio["case"] for ratio in report["ratios"]} == cases
+

@@ -40,7 +40,8 @@ _I64_MIN = int(np.iinfo(np.int64).min)
 _SMALL = 8
 """Up to this many ranges, checks run on Python ints: a numpy call costs more than the whole loop."""
 _SLOTS_PER_RANGE = 64
-"""The overlap check's grid of equal-length blocks has at most this many slots (bytes) per range, else it sorts."""
+"""The overlap check of equal-length blocks: up to this many grid slots per range, a map of the grid (a bit a slot in
+C, a byte in numpy); beyond, the C pass keeps a set of the slots taken, and numpy sorts."""
 
 
 class _Facts:
