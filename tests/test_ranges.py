@@ -307,6 +307,33 @@ def test_kv_blocks_scattered_over_a_far_larger_cache_are_checked_without_a_sort(
         RangeList.build(src, taken_twice, lengths).check_disjoint_dst()
 
 
+def test_slots_chosen_to_collide_in_the_c_pass_set_fall_back_to_numpy_and_are_still_checked() -> None:
+    """A peer's ranges whose grid slots all hash to one entry of the C pass's set (2048 of them, a table of 4096):
+    past its probe budget the set gives up (no quadratic probing) and numpy checks the list, which is accepted, and
+    refused with one block taken twice."""
+    from hmc.transport._ranges import _Facts
+
+    assert _Facts._library() is not None, "setup.py did not build hmc.transport._ranges_c"
+    count, bits, multiplier = 2048, 12, np.uint64(0x9E3779B97F4A7C15)  # the set's table: 2^12 entries for 2048 slots
+    found: list[np.ndarray] = []
+    start = 1
+    while sum(part.size for part in found) < count:
+        keys = np.arange(start, start + (1 << 22), dtype=np.uint64)  # a slot s is kept as s + 1
+        found.append(keys[(keys * multiplier) >> np.uint64(64 - bits) == 0])
+        start += 1 << 22
+    slots = (np.concatenate(found)[:count].astype(np.int64) - 1)
+    length = 4096
+    src, dst, lengths = np.arange(count, dtype=np.int64) * length, slots * length, np.full(count, length, np.int64)
+    assert _Facts.of(src, dst, lengths) is None
+    ranges = RangeList.build(src, dst, lengths)
+    ranges.check(1 << 40, 1 << 40)
+    ranges.check_disjoint_dst()
+    taken_twice = dst.copy()
+    taken_twice[-1] = taken_twice[100]
+    with pytest.raises(ArgumentError, match=r"#100 .* and #2047 .* overlap"):
+        RangeList.build(src, taken_twice, lengths).check_disjoint_dst()
+
+
 def test_build_copies_the_callers_arrays_so_what_was_checked_is_what_moves() -> None:
     """An int64 array (or a view of one) given to `build` is copied: the caller may refill it at once, and a check
     made before stays true of the list."""

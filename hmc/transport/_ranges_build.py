@@ -13,7 +13,8 @@ Why (docs/decisions.md, "Range checks in one C pass"): on the GPU hosts, checkin
   and, with `grid`, `disjoint`: 1 when no two destination blocks coincide, 0 when two do. Up to `max_slots` (>= 1)
   grid slots per range, a bitmap of the grid says; beyond, a hash set of the slots taken (a batch of KV blocks
   scattered over a cache far larger than itself: sorting 16384 of them took 0.6 ms on the CI VM). Returns 0, or -1
-  when the bitmap or the set could not be allocated (`disjoint` -1 then: the caller sorts).
+  when the bitmap or the set could not be allocated, or the set gave up on slots that collide in it (`disjoint` -1
+  then: the caller checks it all with numpy).
 
 The arrays are int64, contiguous, aligned and n long. The module never calls into Python.
 """
@@ -52,8 +53,10 @@ static uint64_t slot_of(uint64_t d, uint64_t length, unsigned shift, int power) 
     return power ? d >> shift : d / length;
 }
 
-/* 1 when no two ranges take one grid slot, 0 when two do, -1 without memory: open addressing in a table of at least
-   2n entries (a slot s kept as s + 1, so 0 is free), Fibonacci hashing, linear probing. */
+/* 1 when no two ranges take one grid slot, 0 when two do, -1 without memory or past the probe budget: open
+   addressing in a table of at least 2n entries (a slot s kept as s + 1, so 0 is free), Fibonacci hashing, linear
+   probing. The ranges may come from a peer: slots chosen to collide would make the probing quadratic, so past 8n
+   probes in all the set gives up and the caller sorts (O(n log n)); random slots take about 1.5n. */
 static int slots_disjoint_hashed(const int64_t *dst, uint64_t n, uint64_t length, unsigned shift, int power) {
     unsigned bits = 1;
     while (bits < 62 && ((uint64_t)1 << bits) < 2 * n) ++bits;
@@ -61,12 +64,18 @@ static int slots_disjoint_hashed(const int64_t *dst, uint64_t n, uint64_t length
     uint64_t *table = (uint64_t *)calloc((size_t)(mask + 1), sizeof(uint64_t));
     if (table == NULL) return -1;
     int disjoint = 1;
-    for (uint64_t i = 0; i < n && disjoint; ++i) {
+    uint64_t probes = 0;
+    const uint64_t budget = 8 * n + 64;
+    for (uint64_t i = 0; i < n && disjoint == 1; ++i) {
         const uint64_t key = slot_of((uint64_t)dst[i], length, shift, power) + 1;
         uint64_t at = (key * 0x9E3779B97F4A7C15ull) >> (64 - bits);
         while (table[at] != 0) {
             if (table[at] == key) {
                 disjoint = 0;
+                break;
+            }
+            if (++probes > budget) {
+                disjoint = -1;
                 break;
             }
             at = (at + 1) & mask;
