@@ -3,8 +3,11 @@ meets on the CPU-only paths: declarations, routing, the owner's grant, and stage
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import threading
 import time
+import types
 from typing import Any
 
 import numpy as np
@@ -14,7 +17,7 @@ from hmc.agent import Agent
 from hmc.agent._buffers import ConnBuffer
 from hmc.config import Config
 from hmc.control._inventory import transports
-from hmc.errors import BrokenResourceError, UnsupportedError
+from hmc.errors import BrokenResourceError, DeviceError, UnsupportedError
 from hmc.memory import Device, DeviceKind, MemoryKind, MemoryRegion, Vendor
 from hmc.memory._host import HOST_DEVICE
 from hmc.transport._base import Capabilities, PathName, TransferOp, TransferRequest, Transport
@@ -202,12 +205,105 @@ def test_cut_long_ranges_into_pieces_keeping_alignment() -> None:
 def test_a_batch_is_launched_in_growing_parts_that_cover_each_row_once(rows: int) -> None:
     parts = list(_parts(rows))
     assert parts[0][0] == 0 and parts[-1][1] == rows
-    assert all(stop == start for (_, stop), (start, _) in zip(parts, parts[1:]))
+    assert all(stop == start for (_, stop), (start, _) in itertools.pairwise(parts))
     sizes = [stop - start for start, stop in parts]
     assert all(size > 0 for size in sizes)
     assert sizes[0] == min(rows, 1024) or len(sizes) == 1
-    assert all(later >= earlier for earlier, later in zip(sizes, sizes[1:]))  # the GPU copies a part while the next is written
+    assert all(later >= earlier for earlier, later in itertools.pairwise(sizes))  # the GPU copies a part while the next is written
     assert len(parts) == (1 if rows < 2048 else 2 if rows < 1024 + 2 * 4096 else 3 if rows < 1024 + 4096 + 2 * 16384 else 4)
+
+
+class _TableRuntime:
+    """The runtime calls `Lane._launch` makes, on host memory: events are tokens, `recorded` lists what was recorded."""
+
+    not_ready, ok = 600, 0
+
+    def __init__(self) -> None:
+        self.recorded: list[object] = []
+
+    def event_create(self) -> object:
+        return object()
+
+    def event_query(self, event: object) -> tuple[int]:
+        return (0,)
+
+    def event_record(self, event: object, stream: object) -> None:
+        self.recorded.append(event)
+
+    def check(self, result: object) -> None:
+        return None
+
+    def use(self, ordinal: int) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    def mapped_pointer(self, address: int) -> int:
+        return address  # the rows, as the kernel would read them in place
+
+
+class _HostRows:
+    def __init__(self, size: int) -> None:
+        self.array = np.zeros(size, np.uint8)
+        self.address, self.size = self.array.ctypes.data, size
+
+    def numpy(self) -> np.ndarray:
+        return self.array
+
+    def free(self) -> None:
+        pass
+
+
+class _ReadingKernel:
+    """Reads its part's rows out of the table when launched, as the GPU would; the `fail_at`-th launch raises."""
+
+    def __init__(self, lane: Any, fail_at: int = 0) -> None:
+        self.lane, self.fail_at, self.parts = lane, fail_at, []
+
+    def launch(self, grid: int, block: int, columns: tuple[int, int, int], stream: object) -> None:
+        if len(self.parts) + 1 == self.fail_at:
+            raise DeviceError("the launch failed")
+        table = next(t for t in self.lane._tables if t.host is not None and t.host.address <= columns[0] < t.host.address + t.host.size)
+        rows = [(column - table.host.address) // 8 for column in columns]
+        self.parts.append(tuple(table.array[row : row + grid].copy() for row in rows))
+
+
+def _host_lane() -> Any:
+    from hmc.transport import _gpu_copy
+
+    lane = _gpu_copy.Lane.__new__(_gpu_copy.Lane)
+    lane._rt, lane.ordinal, lane._native, lane._turn = _TableRuntime(), 0, None, 0
+    lane._backend = types.SimpleNamespace(allocate_pinned_host=_HostRows)
+    lane._tables = [_gpu_copy._Table(lane._rt) for _ in range(8)]
+    return lane
+
+
+@pytest.mark.parametrize("count", [5, 2047, 2048, 5300, 16384])
+def test_a_lane_launch_hands_every_part_its_own_rows(count: int) -> None:
+    """`Lane._launch` on host memory with a kernel that reads its rows as the GPU would: every piece (ranges longer than
+    256 KiB cut first) reaches exactly one part, base added, and the table's reader is recorded after the last."""
+    from hmc.transport._gpu_copy import _cut
+
+    rng = np.random.default_rng(count)
+    lengths = rng.integers(1, 600000, count).astype(np.int64)
+    src, dst = rng.integers(0, 1 << 40, count).astype(np.int64), rng.integers(0, 1 << 40, count).astype(np.int64)
+    lane = _host_lane()
+    kernel = _ReadingKernel(lane)
+    lane._launch(kernel, src, 1000, dst, 7, lengths, time.monotonic() + 5)
+    pieces_src, pieces_dst, pieces_lengths, _ = _cut(src, dst, lengths)
+    got = [np.concatenate(column) for column in zip(*kernel.parts)]
+    assert got[0].tolist() == (pieces_src + 1000).tolist() and got[1].tolist() == (pieces_dst + 7).tolist()
+    assert got[2].tolist() == pieces_lengths.tolist()
+    assert len(kernel.parts) == len(list(_parts(pieces_lengths.size))) and len(lane._rt.recorded) == 1
+
+
+def test_a_failed_later_launch_still_marks_the_table_read_by_the_parts_queued_before() -> None:
+    """Part 2's launch fails after part 1 was queued: the table's reader is recorded all the same, so it is not
+    rewritten while part 1 may still read it."""
+    lane = _host_lane()
+    kernel = _ReadingKernel(lane, fail_at=2)
+    lengths = np.full(3000, 64, np.int64)
+    with pytest.raises(DeviceError):
+        lane._launch(kernel, np.zeros(3000, np.int64), 0, np.arange(3000, dtype=np.int64) * 64, 0, lengths, time.monotonic() + 5)
+    assert len(kernel.parts) == 1 and len(lane._rt.recorded) == 1
 
 
 class _FakeLane:

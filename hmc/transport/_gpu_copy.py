@@ -436,15 +436,20 @@ class Lane:
         first and 981 (843) uploaded and launched in one piece."""
         src, dst, lengths, block = _cut(src, dst, lengths)
         table = self._table(int(lengths.size), deadline)
-        for start, stop in _parts(int(lengths.size)):
-            rows = stop - start
-            at = 3 * start  # this part's sources, destinations and lengths: `rows` entries each, back to back
-            rows_out = table.array[at : at + 3 * rows]
-            np.add(src[start:stop], src_base, out=rows_out[:rows])
-            np.add(dst[start:stop], dst_base, out=rows_out[rows : 2 * rows])
-            rows_out[2 * rows :] = lengths[start:stop]
-            kernel.launch(rows, block, _columns(table.host_pointer + 8 * at, rows), self._native)
-        self._rt.event_record(table.read, self._native)
+        launched = False
+        try:
+            for start, stop in _parts(int(lengths.size)):
+                rows = stop - start
+                at = 3 * start  # this part's sources, destinations and lengths: `rows` entries each, back to back
+                rows_out = table.array[at : at + 3 * rows]
+                np.add(src[start:stop], src_base, out=rows_out[:rows])
+                np.add(dst[start:stop], dst_base, out=rows_out[rows : 2 * rows])
+                rows_out[2 * rows :] = lengths[start:stop]
+                kernel.launch(rows, block, _columns(table.host_pointer + 8 * at, rows), self._native)
+                launched = True
+        finally:  # a later part's launch may fail: the parts queued before it still read the table
+            if launched:
+                self._rt.event_record(table.read, self._native)
 
     def _table(self, rows: int, deadline: float) -> _Table:
         """The next range table (under `_lock`), holding at least `rows` rows, once the launch that last read it ended."""

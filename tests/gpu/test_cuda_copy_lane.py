@@ -30,7 +30,7 @@ CASES = {
     "kv 16 KiB": lambda rng: np.full(1024, 16384, np.int64),
     "odd lengths": lambda rng: rng.integers(1, 70000, 300).astype(np.int64),
     "pieces": lambda rng: np.array([(1 << 20) + 3, 5, (3 << 20) + 1, 262145, 7, 262144], np.int64),
-    "launched in three parts": lambda rng: rng.integers(1, 3000, 5300).astype(np.int64),
+    "launched in three parts": lambda rng: rng.integers(1, 1500, 9300).astype(np.int64),
     "parts after cutting": lambda rng: np.concatenate((rng.integers(1, 600, 2043), [(1 << 20) + 5, 3])).astype(np.int64),
 }
 
