@@ -16,8 +16,9 @@ Moving bytes (`hmc.transport._gpu_copy.Lane`). The copies run on the GPU of
 the local buffer when it is device memory (a WRITE pushes, a READ pulls, over
 NVLink or XGMI), else on the GPU the peer's memory lives on. One range is one
 memcpyAsync; a batch is a gather/scatter kernel reading its range table in
-place (a long one launched in a few parts). Local host memory is page-locked once per buffer so the GPU reaches it
-directly; where the runtime refuses, each range is one memcpyAsync. The two
+place (a long one launched in a few parts). Local host memory is page-locked
+once per buffer so the GPU reaches it directly; where the runtime refuses,
+each range is one memcpyAsync. The two
 GPUs must reach each other (NVLink, XGMI or PCIe peer access; opening the IPC
 handle enables it for the mapping). Local device memory and a peer's *host* memory
 meet through a page-locked bounce buffer and the host-memory ipc transport
