@@ -1,7 +1,7 @@
 """Copy-lane calls for CUDA GPUs that cost one C call instead of a dozen through cuda-python and numpy: the staged
-ring's fused slot batch, and a single copy waited for. A cffi module in API mode, compiled at
-install (setup.py compiles what `binding()` declares); no CUDA headers or libraries are needed to build it: the driver (libcuda.so.1) is
-opened at run time, by the process that already loaded it.
+ring's fused slot batch, and a single copy waited for. A cffi module in API mode, compiled at install (setup.py
+compiles what `binding()` declares); no CUDA headers or libraries are needed to build it: the driver (libcuda.so.1)
+is opened at run time, by the process that already loaded it.
 
 Why (docs/decisions.md, "Staged slot batches in one C call"): a ring slot's gather (or scatter) and its copy were
 about 20 driver calls through cuda-python plus numpy's table writes: on one H100, 110-135 us of CPU a batch on the

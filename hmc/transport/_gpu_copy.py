@@ -19,8 +19,8 @@ runtime calls (`hmc.memory._gpu.Runtime`: the CUDA driver, or the HIP runtime):
 On CUDA GPUs with the compiled helper (`hmc.transport._gpu_batch`), a single copy and its first polls
 (`copy_now`) are one C call, and so are the staged ring's slot batches, a gather or scatter and its copy-engine
 copy on two lanes (`fused`): same steps, same tables and events. A lane's own batches stay in Python: one C call
-for their table writes, upload and launch was measured no faster (2x H200, 16384 ranges: 82 against 85 us; the
-table writes are bound by memory, not by Python).
+for their table writes and launch was measured no faster (2x H200, 16384 ranges: 82 against 85 us; the table
+writes are bound by memory, not by Python).
 
 Pointers may be memory of this GPU, of a peer GPU (peer access enabled, or an
 IPC mapping), or page-locked host memory mapped for the device.

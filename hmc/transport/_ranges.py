@@ -48,7 +48,7 @@ class _Facts:
     """What one C pass (`hmc_range_facts`) learns of a long list; None from `of()` where the module was not built, or
     the arrays are not contiguous and aligned."""
 
-    __slots__ = ("disjoint", "dst_end", "grid", "joins", "min_length", "src_end", "total", "valid")
+    __slots__ = ("disjoint", "dst_end", "joins", "min_length", "src_end", "total", "valid")
 
     def __init__(self, out: Any) -> None:
         self.valid = not out.negative and not out.overflow
@@ -56,7 +56,6 @@ class _Facts:
         self.src_end, self.dst_end, self.total = int(out.src_end), int(out.dst_end), int(out.total)
         self.min_length = int(out.min_length)
         self.joins = bool(out.joins)
-        self.grid = bool(out.grid)
         self.disjoint = bool(out.grid and out.disjoint == 1)
         """KV blocks of one grid, no two the same: the destination ranges share no byte."""
 
