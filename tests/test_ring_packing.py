@@ -85,6 +85,38 @@ def test_blocks_that_divide_the_slot_are_cut_between_blocks(per_slot: int, block
         chunks[len(chunks)]
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    block=st.sampled_from([1, 3, 64, 4096, 16384]), count=st.integers(9, 300), slot_blocks=st.integers(1, 40), extra=st.integers(0, 2),
+    read=st.booleans(), seed=st.integers(0, 2**32 - 1),
+)
+def test_checked_kv_blocks_are_cut_by_counting_as_the_general_cut_would(
+    block: int, count: int, slot_blocks: int, extra: int, read: bool, seed: int
+) -> None:
+    """Once the checks' C pass found blocks of one length (every transfer's list is checked before it is packed), a
+    slot that holds whole blocks is cut by counting alone; a READ's swapped list keeps those facts. The chunks are
+    the general cut's, row for row; a slot that does not hold whole blocks (`extra`) takes the general cut."""
+    from hmc.transport._ranges import _Facts
+
+    assert _Facts._library() is not None, "setup.py did not build hmc.transport._ranges_c"
+    rng = np.random.default_rng(seed)
+    src = rng.permutation(count).astype(np.int64) * block
+    dst = rng.permutation(count).astype(np.int64) * block
+    checked = RangeList.build(src, dst, block)
+    checked.check(count * block, count * block)  # the agent's checks: the C pass runs, its facts stay with the list
+    checked.check_disjoint_dst()
+    plain = RangeList.build(src, dst, block)
+    plain.__dict__["_facts"] = None  # as where the C pass was not built
+    if read:
+        checked, plain = checked.swapped(), plain.swapped()
+        assert checked.__dict__.get("_facts") is not None, "the swapped list lost the facts"
+    slot = slot_blocks * block + extra
+    fast, general = checked.packed(slot), plain.packed(slot)
+    assert len(fast) == len(general)
+    for a, b in zip(fast, general):
+        assert a.src.tolist() == b.src.tolist() and a.dst.tolist() == b.dst.tolist() and a.lengths.tolist() == b.lengths.tolist()
+
+
 def test_packing_drops_empty_ranges_and_refuses_a_bad_slot() -> None:
     ranges = RangeList.build([0, 5, 9], [0, 5, 9], [0, 4, 0])
     assert [(c.src.tolist(), c.lengths.tolist()) for c in ranges.packed(3)] == [([5], [3]), ([8], [1])]
