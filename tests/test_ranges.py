@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hmc.errors import ArgumentError, OutOfRangeError, ProtocolError
-from hmc.transport._ranges import RangeList, extent
+from hmc.transport._ranges import RangeList
 from hmc.v1 import common_pb2
 
 SPACE = 4096
@@ -398,16 +398,3 @@ def test_a_swapped_list_keeps_the_c_pass_facts_with_its_sides_exchanged_and_stil
     with pytest.raises(OutOfRangeError):
         swapped.check(1 << 20, int(src.max()))  # the swapped extents bound the swapped sides
 
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(_EXTREME, _EXTREME), min_size=9, max_size=40))
-def test_extent_is_the_total_largest_end_and_longest_or_none_for_what_numpy_must_judge(rows: list[tuple[int, int]]) -> None:
-    """The owner's one pass over a frame's long list: (total, largest end, longest) exactly, None where a value is
-    negative or an end or the total overflows int64 (the owner's numpy checks then name the fault)."""
-    offsets, lengths = (np.array(column, np.int64) for column in zip(*rows))
-    bad = any(o < 0 or n < 0 or o + n > 2**63 - 1 for o, n in rows) or sum(n for _, n in rows) > 2**63 - 1
-    got = extent(offsets, lengths)
-    if bad:
-        assert got is None
-    else:
-        assert got == (sum(n for _, n in rows), max(o + n for o, n in rows), max(n for _, n in rows))

@@ -32,7 +32,7 @@ import numpy as np
 from hmc.errors import ArgumentError, OutOfRangeError, ProtocolError
 from hmc.v1 import common_pb2
 
-__all__ = ["MAX_TIMEOUT_S", "RangeList", "check_timeout", "end_to_end", "extent", "iovec_rows"]
+__all__ = ["MAX_TIMEOUT_S", "RangeList", "check_timeout", "end_to_end", "iovec_rows"]
 
 _I64 = np.dtype("<i8")
 _I64_MAX = int(np.iinfo(np.int64).max)
@@ -463,15 +463,6 @@ def _disjoint_blocks(starts: np.ndarray, lengths: np.ndarray) -> bool:
     taken = np.zeros(span, np.bool_)
     taken[slots] = True
     return int(np.count_nonzero(taken)) == starts.size
-
-
-def extent(offsets: np.ndarray, lengths: np.ndarray) -> tuple[int, int, int] | None:
-    """(total, largest end, longest) of one side of a long list (int64 arrays) in the C pass; None where some value is
-    negative, an end overflows, or the pass is not built (the caller's numpy checks then say which)."""
-    facts = _Facts.of(offsets, offsets, lengths)
-    if facts is None or not facts.valid:
-        return None
-    return facts.total, facts.src_end, facts.max_length
 
 
 def end_to_end(lengths: np.ndarray) -> np.ndarray:

@@ -39,7 +39,6 @@ import numpy as np
 from hmc.errors import AccessDeniedError, HMCError, OutOfRangeError, ProtocolError, TimeoutError, UnsupportedError
 from hmc.memory import MemoryKind
 from hmc.transport._pinned import PinnedMapping
-from hmc.transport._ranges import extent
 from hmc.transport._staged_mailbox import RECHECK_S, SmallRequest, decode_request, token_of
 from hmc.transport._staged_owner import OwnerSegments, ReplyTo
 from hmc.transport._staged_tcp_ring import BOUNCE_WAIT_S, BounceSlots
@@ -347,7 +346,7 @@ class _Side:
     bytes, checked with four reductions (a staged chunk holds up to thousands of ranges, one per frame).
     """
 
-    __slots__ = ("end", "lengths", "many", "offsets", "total")
+    __slots__ = ("lengths", "many", "offsets", "total")
 
     def __init__(self, message: common_pb2.RangeList, field: str) -> None:
         raw_offsets, raw_lengths = getattr(message, field), message.lengths
@@ -355,19 +354,12 @@ class _Side:
             raise ProtocolError("range list fields of a data request are not whole int64 arrays of one length")
         count = len(raw_lengths) >> 3
         self.many = count > _FEW
-        self.end: int | None = None
-        """The largest end, where the C pass vouched for every value (no negative, no overflow): `check` compares it."""
         if self.many:
             lengths = np.frombuffer(raw_lengths, _WIRE_I64)
-            offsets = np.frombuffer(raw_offsets, _WIRE_I64) if raw_offsets else np.zeros(count, _WIRE_I64)
-            self.lengths: Sequence[int] = lengths
-            self.offsets: Sequence[int] = offsets
-            known = extent(offsets, lengths)  # one C pass where it was built: a chunk's first copy waits for this
-            if known is not None and known[2] <= _MAX_RANGE:
-                self.total, self.end = known[0], known[1]
-                return
             if int(lengths.min()) < 0 or int(lengths.max()) > _MAX_RANGE:
                 raise ProtocolError("range lengths in a data request are negative or absurd")
+            self.lengths: Sequence[int] = lengths
+            self.offsets: Sequence[int] = np.frombuffer(raw_offsets, _WIRE_I64) if raw_offsets else np.zeros(count, _WIRE_I64)
             self.total = int(lengths.sum())
             return
         unpack = _INT64S[count].unpack
@@ -381,15 +373,11 @@ class _Side:
     def single(cls, offset: int, length: int) -> _Side:
         """One range (a mailbox request's: decoded as unsigned ints, so never negative)."""
         side = cls.__new__(cls)
-        side.many, side.offsets, side.lengths, side.total, side.end = False, [offset], [length], length, None
+        side.many, side.offsets, side.lengths, side.total = False, [offset], [length], length
         return side
 
     def check(self, size: int) -> None:
         """OutOfRangeError unless every range lies inside a buffer of `size` bytes."""
-        if self.end is not None:
-            if self.end > size:
-                raise OutOfRangeError(f"a range of the request lies outside the buffer of {size} bytes")
-            return
         if self.many:
             offsets = self.offsets
             assert isinstance(offsets, np.ndarray)
