@@ -20,6 +20,7 @@ Concurrency: a RangeList is immutable; any thread may use it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -62,9 +63,7 @@ class _Facts:
     def swapped(self) -> _Facts:
         """The facts of the list with its sides exchanged: extents swap; whether the new destinations are disjoint
         is not known (False: `_dst_overlap` looks itself)."""
-        facts = _Facts.__new__(_Facts)
-        facts.valid, facts.total, facts.joins = self.valid, self.total, self.joins
-        facts.min_length, facts.max_length = self.min_length, self.max_length
+        facts = copy.copy(self)
         facts.src_end, facts.dst_end, facts.disjoint = self.dst_end, self.src_end, False
         return facts
 
@@ -199,6 +198,10 @@ class RangeList:
         """The one C pass over a long list (None: not built, or a short list)."""
         return _Facts.of(self.src, self.dst, self.lengths) if self.lengths.size > _SMALL else None
 
+    def _learnt(self) -> _Facts | None:
+        """The C pass's facts where they were learnt already (by the checks), else None: no pass for this."""
+        return self.__dict__.get("_facts")
+
     def check(self, src_size: int, dst_size: int) -> None:
         """Raise OutOfRangeError unless every range lies inside both buffers."""
         if not self.lengths.size:
@@ -284,7 +287,7 @@ class RangeList:
     def swapped(self) -> RangeList:
         """Source and destination exchanged (a READ seen from the data's owner), with the C pass's facts when it ran."""
         out = RangeList(self.dst, self.src, self.lengths)
-        facts = self.__dict__.get("_facts")  # only facts already learnt: no pass for this
+        facts = self._learnt()
         if facts is not None:
             out.__dict__["_facts"] = facts.swapped()
         return out
@@ -355,7 +358,7 @@ class RangeList:
             length = int(self.lengths[0])
             if 0 < length <= slot_bytes:
                 return [self]
-        facts = self.__dict__.get("_facts")  # learnt by the checks: KV blocks of one length that divides the slot
+        facts = self._learnt()  # from the checks: KV blocks of one length that divides the slot
         if facts is not None and facts.valid and 0 < facts.min_length == facts.max_length and not slot_bytes % facts.min_length:
             count, per_slot = int(self.lengths.size), slot_bytes // facts.min_length  # cut every per_slot blocks: no pass
             return Packed(self.src, self.dst, self.lengths, [*range(0, count, per_slot), count])
