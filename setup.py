@@ -1,12 +1,13 @@
-"""Build hook: generate the control-plane code in hmc/v1/ from proto/hmc/v1/*.proto, and compile the three cffi
+"""Build hook: generate the control-plane code in hmc/v1/ from proto/hmc/v1/*.proto, and compile the four cffi
 modules: the UCP binding of the `ucx` path (hmc/transport/_ucx_c, see hmc/transport/_ucx_build.py), the copy
-lanes' CUDA calls (hmc/transport/_gpu_batch_c, see hmc/transport/_gpu_batch_build.py) and the one-pass range
-list facts (hmc/transport/_ranges_c, see hmc/transport/_ranges_build.py).
+lanes' CUDA and HIP calls (hmc/transport/_gpu_batch_c, see hmc/transport/_gpu_batch_build.py), the one-pass range
+list facts (hmc/transport/_ranges_c, see hmc/transport/_ranges_build.py), and the HIP-on-CUDA runtime's C entry
+points (hmc/memory/_hip_on_cuda/_runtime_c, see its _runtime_build.py).
 
 None is edited or committed; every install (regular or editable) regenerates them, with the pinned
 grpcio-tools, cffi and libucx-cu13 from pyproject.toml. Every module is optional: where one cannot be built
 (no libucx wheel for the platform, no C compiler) the install goes on, the `ucx` path says why it is
-unavailable, the staged ring queues its CUDA batches from Python, and numpy alone checks range lists.
+unavailable, the staged ring queues its CUDA (and HIP-on-CUDA) batches from Python, and numpy alone checks range lists.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ _COMPILE = """
 import runpy, sys
 from pathlib import Path
 script, package_dir = Path(sys.argv[1]), Path(sys.argv[2])
-runpy.run_path(str(script))["binding"]().compile(tmpdir=str(package_dir.parent.parent), verbose=False)
+root = Path(sys.argv[3]) if len(sys.argv) > 3 else package_dir.parent.parent
+runpy.run_path(str(script))["binding"]().compile(tmpdir=str(root), verbose=False)
 stem = script.name.removesuffix("_build.py") + "_c"
 for leftover in (package_dir / (stem + ".c"), package_dir / (stem + ".o")):
     leftover.unlink(missing_ok=True)
@@ -55,16 +57,16 @@ for leftover in (package_dir / (stem + ".c"), package_dir / (stem + ".o")):
 """Compiles the cffi module a build script declares (its `binding()`), leaving only the extension behind."""
 
 
-def build_binding(script: str, what: str) -> bool:
-    """Compile one cffi module of hmc/transport, as its build script declares it; a warning naming `what` is lost,
-    not a failure, where it cannot be (False then).
+def build_binding(script: str, what: str, package: str = "hmc/transport") -> bool:
+    """Compile one cffi module of `package` (a directory under the root), as its build script declares it; a warning
+    naming `what` is lost, not a failure, where it cannot be (False then).
 
     In a process of its own: cffi's compiler run would otherwise reset the distutils state setup() uses."""
     import subprocess
     import sys
 
-    package_dir = ROOT / "hmc" / "transport"
-    result = subprocess.run([sys.executable, "-c", _COMPILE, str(package_dir / script), str(package_dir)], capture_output=True, text=True)
+    package_dir = ROOT / package
+    result = subprocess.run([sys.executable, "-c", _COMPILE, str(package_dir / script), str(package_dir), str(ROOT)], capture_output=True, text=True)
     if result.returncode != 0:
         why = (result.stderr.strip().splitlines() or ["unknown"])[-1]
         print(f"warning: {script} did not build, {what}: {why}")
@@ -84,4 +86,8 @@ generate_protos()
 build_binding("_ucx_build.py", "the ucx path will be unavailable")
 build_binding("_gpu_batch_build.py", "the staged ring's CUDA batches will be queued from Python")
 build_binding("_ranges_build.py", "long range lists will be checked by numpy alone")
-setup(package_data={"hmc.transport": ["_ucx_c*.so", "_gpu_batch_c*.so", "_ranges_c*.so"]}, distclass=_Distribution)
+build_binding("_runtime_build.py", "HIP-on-CUDA batches will be queued from Python", "hmc/memory/_hip_on_cuda")
+setup(
+    package_data={"hmc.transport": ["_ucx_c*.so", "_gpu_batch_c*.so", "_ranges_c*.so"], "hmc.memory._hip_on_cuda": ["_runtime_c*.so"]},
+    distclass=_Distribution,
+)

@@ -225,12 +225,14 @@ def test_replies_taken_while_a_copy_is_waited_for_keep_every_byte_in_order(
         peer.unregister(remote.id)
 
 
-def test_many_short_ranges_travel_in_pairs_of_slots_only_where_an_end_queues_its_batches_in_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One 16 MiB-style slot per chunk where both ends queue a slot's batch in one C call; pairs of slots for short
-    ranges (the KV pattern) where an end is HIP memory or CUDA memory without the compiled helper. Long ranges, and
-    the TCP ring (whose owner's bounce slots hold one), keep one slot per chunk."""
+def test_many_short_ranges_travel_in_pairs_of_slots_only_where_this_end_queues_its_batches_in_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One 16 MiB-style slot per chunk where this end queues a slot's batch in one C call (CUDA, or HIP where its
+    runtime library loads; the other end is taken to have its helper too); pairs of slots for short ranges (the KV
+    pattern) where this end's GPU runtime has no helper. Long ranges, host memory here, and the TCP ring (whose
+    owner's bounce slots hold one) keep one slot per chunk."""
     from types import SimpleNamespace
 
+    import hmc.memory
     from hmc.memory import DeviceKind
     from hmc.transport import _gpu_batch
     from hmc.transport._staged_tcp_ring import TcpRingStaging
@@ -240,19 +242,24 @@ def test_many_short_ranges_travel_in_pairs_of_slots_only_where_an_end_queues_its
         ranges = RangeList.build(np.arange(count) * length, np.arange(count) * length, length)
         return SimpleNamespace(ranges=ranges, local=SimpleNamespace(region=SimpleNamespace(device=SimpleNamespace(kind=local))), remote=SimpleNamespace(device=SimpleNamespace(kind=remote)))
 
+    runtimes = {DeviceKind.CUDA: SimpleNamespace(name="CUDA"), DeviceKind.HIP: SimpleNamespace(name="HIP", libraries=("libamdhip64.so",))}
+    monkeypatch.setattr(hmc.memory, "backend_for", lambda device: SimpleNamespace(runtime=runtimes[device.kind]))
+    helpers: dict[str, Any] = {}
+    monkeypatch.setattr(_gpu_batch, "helper_for", lambda runtime: helpers.get(runtime.name))
     cuda, hip, host = DeviceKind.CUDA, DeviceKind.HIP, DeviceKind.HOST
     remote_cuda, remote_hip = common_pb2.DEVICE_KIND_CUDA, common_pb2.DEVICE_KIND_HIP
     ring = ShmStaging(lambda *_: None, slots=8, slot_bytes=SLOT)  # type: ignore[arg-type]
     tcp = TcpRingStaging(lambda *_: None, slots=8, slot_bytes=SLOT)  # type: ignore[arg-type]
     try:
-        monkeypatch.setattr(_gpu_batch, "library", lambda: object())  # the helper built and loaded
-        assert ring._layout(request(64, 64, cuda, remote_cuda)) == (SLOT, 8)
-        assert ring._layout(request(64, 64, host, remote_cuda)) == (SLOT, 8)
-        assert ring._layout(request(64, 64, cuda, remote_hip)) == (2 * SLOT, 4)
+        helpers.update(CUDA=object(), HIP=object())  # both helpers built and their libraries loaded
+        for local, remote in ((cuda, remote_cuda), (host, remote_cuda), (cuda, remote_hip), (hip, remote_cuda), (hip, remote_hip)):
+            assert ring._layout(request(64, 64, local, remote)) == (SLOT, 8), (local, remote)
+        helpers.pop("HIP")  # no HIP runtime library here: this HIP end queues its batches in steps
         assert ring._layout(request(64, 64, hip, remote_cuda)) == (2 * SLOT, 4)
-        assert ring._layout(request(1, 5 << 20, cuda, remote_hip)) == (SLOT, 8)  # long ranges
-        assert tcp._layout(request(64, 64, cuda, remote_hip)) == (SLOT, 8)
-        monkeypatch.setattr(_gpu_batch, "library", lambda: None)  # not built here: CUDA batches go in steps too
+        assert ring._layout(request(64, 64, cuda, remote_hip)) == (SLOT, 8)  # the other end's helper is its own
+        assert ring._layout(request(1, 5 << 20, hip, remote_cuda)) == (SLOT, 8)  # long ranges
+        assert tcp._layout(request(64, 64, hip, remote_cuda)) == (SLOT, 8)
+        helpers.clear()  # nothing built here: CUDA batches go in steps too
         assert ring._layout(request(64, 64, cuda, remote_cuda)) == (2 * SLOT, 4)
         assert ring._layout(request(64, 64, host, remote_cuda)) == (SLOT, 8)
     finally:

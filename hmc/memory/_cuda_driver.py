@@ -218,6 +218,7 @@ class CudaRuntime:
     """`hmc.memory._gpu.Runtime` on the CUDA driver: device scopes are primary contexts (`Contexts`)."""
 
     name = "CUDA"
+    libraries = ("libcuda.so.1",)
 
     def __init__(self, contexts: Contexts) -> None:
         self._contexts = contexts
@@ -239,6 +240,9 @@ class CudaRuntime:
 
     def is_current(self, ordinal: int) -> bool:
         return int(driver.cuCtxGetCurrent()[1]) == self.context_handle(ordinal)
+
+    def c_target(self, ordinal: int) -> int:
+        return self.context_handle(ordinal)
 
     def context_handle(self, ordinal: int) -> int:
         """Device `ordinal`'s primary context as an integer handle (for C code that makes it current itself)."""

@@ -30,8 +30,8 @@ class Kernel(Protocol):
 
     kind: str
     handle: int
-    """The loaded CUDA function a C caller may launch itself, in its context (`hmc.transport._gpu_batch`); 0 where
-    launches go through this object only (CuPy, HIP)."""
+    """The loaded function (CUDA's CUfunction, HIP's hipFunction_t) a C caller may launch itself on its GPU
+    (`hmc.transport._gpu_batch`); 0 where launches go through this object only (CuPy)."""
 
     def launch(self, grid: int, block: int, arguments: Sequence[int], stream: Any) -> None:
         """Queue `grid` blocks of `block` threads on `stream`, the kernel's arguments 64-bit values (pointers)."""
@@ -49,6 +49,13 @@ class Runtime(Protocol):
     name: str
     ok: Any
     not_ready: Any
+    libraries: tuple[str, ...]
+    """The shared libraries a C caller may open for this runtime's entry points, the first that loads
+    (`hmc.transport._gpu_batch`); empty where there is none."""
+
+    def c_target(self, ordinal: int) -> int:
+        """What a C caller passes to run on GPU `ordinal`: CUDA's primary context handle (pushed for the call), HIP's
+        device ordinal (made current for the call)."""
 
     def check(self, result: tuple[Any, ...]) -> Any:
         """The outputs of a call's result tuple; DeviceError unless its status is `ok`."""

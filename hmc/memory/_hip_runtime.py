@@ -24,7 +24,7 @@ import numpy as np
 from hmc.errors import DeviceError
 from hmc.memory._base import Device, Owned, Stream
 from hmc.memory._gpu import PeerLinks, argument_pointers
-from hmc.memory._hip_on_cuda import SWITCH, enabled
+from hmc.memory._hip_on_cuda import SWITCH, enabled, library_path
 
 __all__ = ["ON_CUDA", "Devices", "HipEvent", "HipRuntime", "HipStream", "check", "hip", "missing"]
 
@@ -32,6 +32,9 @@ _log = logging.getLogger(__name__)
 
 ON_CUDA = enabled()
 """Whether this process runs its HIP backend on the HIP-on-CUDA runtime (NVIDIA hardware)."""
+_ROCM_LIBRARIES = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6")
+"""Where ROCm's HIP runtime is found (hip-python has loaded one of them already: the unversioned name needs ROCm's
+development files)."""
 
 try:
     if ON_CUDA:
@@ -185,6 +188,7 @@ class HipRuntime:
 
     def __init__(self, devices: Devices) -> None:
         self._devices = devices
+        self.libraries = tuple(name for name in ((library_path(),) if ON_CUDA else _ROCM_LIBRARIES) if name)
         self.ok = hip.hipError_t.hipSuccess
         self.not_ready = hip.hipError_t.hipErrorNotReady
         copy, kind = hip.hipMemcpyAsync, hip.hipMemcpyKind.hipMemcpyDefault
@@ -206,6 +210,10 @@ class HipRuntime:
     @staticmethod
     def is_current(ordinal: int) -> bool:
         return int(check(hip.hipGetDevice())) == ordinal
+
+    @staticmethod
+    def c_target(ordinal: int) -> int:
+        return ordinal
 
     @staticmethod
     def stream_wait_event(stream: Any, event: Any) -> None:
@@ -273,12 +281,12 @@ class _HipKernel:
     """A kernel loaded from a code object on the current device."""
 
     kind = "hiprtc"
-    handle = 0
 
     def __init__(self, image: bytes, name: str) -> None:
         self._image = np.frombuffer(image, np.uint8)
         self._module = check(hip.hipModuleLoadData(self._image.ctypes.data))
         self._function = check(hip.hipModuleGetFunction(self._module, name.encode()))
+        self.handle = int(self._function)
 
     def launch(self, grid: int, block: int, arguments: Sequence[int], stream: Any) -> None:
         values, pointers = argument_pointers(arguments)

@@ -1,9 +1,11 @@
-"""Copy-lane calls on CUDA GPUs in one C call each (`_gpu_batch_build`) instead of a dozen driver calls through
-cuda-python and numpy's range table writes: the staged ring's fused slot batch (a gather or scatter and its
-copy-engine copy), and a single copy waited for (the ipc path's and ucx's single ranges).
+"""Copy-lane calls on CUDA and HIP GPUs in one C call each (`_gpu_batch_build`) instead of a dozen runtime calls
+through cuda-python or hip-python and numpy's range table writes: the staged ring's fused slot batch (a gather or
+scatter and its copy-engine copy), and a single copy waited for (the ipc path's, ucx's and the ring's single ranges).
 
-`library()` is None where the helper was not built (no C compiler at install) or no CUDA driver loads: the copy
-lane then makes the same calls from Python (`_gpu_copy.Lane`), as it does on HIP GPUs and with CuPy's kernels.
+`helper_for(runtime)` is the helper for a GPU runtime's lanes: `library()` on CUDA, `hip_library(names)` on HIP (the
+HIP runtime library the runtime names: libamdhip64 on ROCm, the HIP-on-CUDA runtime's C module in a process on that
+stand-in). It is None where the helper was not built (no C compiler at install) or the runtime's library does not
+load: the copy lane then makes the same calls from Python (`_gpu_copy.Lane`), as it does with CuPy's kernels.
 """
 
 from __future__ import annotations
@@ -15,19 +17,22 @@ import numpy as np
 
 from hmc.errors import DeviceError
 
-__all__ = ["Helper", "library"]
+__all__ = ["Helper", "helper_for", "hip_library", "library"]
 
 
 class Helper:
-    """The loaded helper: `run()` queues a slot batch, `copy_now()` one copy."""
+    """The loaded helper for one runtime: `run()` queues a slot batch, `copy_now()` one copy, each on a GPU given as
+    `context`: CUDA's context handle, or HIP's device ordinal (made current for the call)."""
 
     NOT_READY = 600
-    """CUDA_ERROR_NOT_READY: the range table's last reader still runs (nothing queued), or a copy still runs."""
+    """CUDA_ERROR_NOT_READY and hipErrorNotReady: the range table's last reader still runs (nothing queued), or a copy
+    still runs."""
 
-    def __init__(self, ffi: Any, lib: Any) -> None:
+    def __init__(self, ffi: Any, lib: Any, *, hip: bool = False) -> None:
         self._ffi = ffi
-        self._run = lib.hmc_batch_run
-        self._copy_now = lib.hmc_copy_now
+        self._run = lib.hmc_hip_batch_run if hip else lib.hmc_batch_run
+        self._copy_now = lib.hmc_hip_copy_now if hip else lib.hmc_copy_now
+        self._failed = "HIP runtime call failed: hipError_t" if hip else "CUDA driver call failed: CUresult"
 
     def run(
         self, context: int, function: int, block: int, *, gather: bool, kernel_stream: int, copy_stream: int,
@@ -51,7 +56,7 @@ class Helper:
         if status == self.NOT_READY and not step[0]:
             return False
         if status:
-            raise DeviceError(f"CUDA driver call failed: CUresult {status} (a fused staging batch, after {step[0]} steps)")
+            raise DeviceError(f"{self._failed} {status} (a fused staging batch, after {step[0]} steps)")
         return True
 
     def copy_now(self, context: int, dst: int, src: int, length: int, stream: int, polls: int) -> bool:
@@ -63,12 +68,19 @@ class Helper:
             return True
         if status == self.NOT_READY and step[0]:
             return False
-        raise DeviceError(f"CUDA driver call failed: CUresult {status} (a copy, {'queued' if step[0] else 'not queued'})")
+        raise DeviceError(f"{self._failed} {status} (a copy, {'queued' if step[0] else 'not queued'})")
+
+
+def helper_for(runtime: Any) -> Helper | None:
+    """The helper for the lanes of `runtime` (a GPU backend's: CUDA's driver or HIP's runtime), or None."""
+    if runtime.name == "CUDA":
+        return library()
+    return hip_library(tuple(getattr(runtime, "libraries", ())))
 
 
 @functools.cache
 def library() -> Helper | None:
-    """The helper with the driver's entry points resolved, or None (not built, or no CUDA driver here)."""
+    """The CUDA helper with the driver's entry points resolved, or None (not built, or no CUDA driver here)."""
     try:
         from hmc.transport import _gpu_batch_c  # type: ignore[attr-defined]
     except ImportError:
@@ -76,3 +88,17 @@ def library() -> Helper | None:
     if _gpu_batch_c.lib.hmc_batch_load() != 0:
         return None
     return Helper(_gpu_batch_c.ffi, _gpu_batch_c.lib)
+
+
+@functools.cache
+def hip_library(names: tuple[str, ...]) -> Helper | None:
+    """The HIP helper with the entry points of the first of `names` (paths or sonames of a HIP runtime library) that
+    loads and has them all, or None (not built, none loads)."""
+    try:
+        from hmc.transport import _gpu_batch_c  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    for name in names:
+        if _gpu_batch_c.lib.hmc_hip_load(name.encode()) == 0:
+            return Helper(_gpu_batch_c.ffi, _gpu_batch_c.lib, hip=True)
+    return None

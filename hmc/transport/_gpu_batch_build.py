@@ -1,7 +1,8 @@
-"""Copy-lane calls for CUDA GPUs that cost one C call instead of a dozen through cuda-python and numpy: the staged
-ring's fused slot batch, and a single copy waited for. A cffi module in API mode, compiled at install (setup.py
-compiles what `binding()` declares); no CUDA headers or libraries are needed to build it: the driver (libcuda.so.1)
-is opened at run time, by the process that already loaded it.
+"""Copy-lane calls for CUDA and HIP GPUs that cost one C call instead of a dozen through cuda-python (hip-python) and
+numpy: the staged ring's fused slot batch, and a single copy waited for. A cffi module in API mode, compiled at
+install (setup.py compiles what `binding()` declares); no CUDA or ROCm headers or libraries are needed to build it:
+the CUDA driver (libcuda.so.1) and the HIP runtime (libamdhip64.so, or the library a HIP runtime names) are opened
+at run time, by the process that already loaded them.
 
 Why (docs/decisions.md, "Staged slot batches in one C call"): a ring slot's gather (or scatter) and its copy were
 about 20 driver calls through cuda-python plus numpy's table writes: on one H100, 110-135 us of CPU a batch on the
@@ -23,6 +24,10 @@ share its GIL). One call takes 75-95 and 100-175 us (what is left is Python arou
 - `hmc_copy_now`: one memcpyAsync on `stream`, in `context`, then up to `polls` looks at the stream; returns
   0 once it finished, CUDA_ERROR_NOT_READY while it runs (the caller polls on, bounded), or the failing CUresult
   (`*step` 0: the copy was not queued). A 4 KiB copy's whole way below the caller, without the GIL.
+- `hmc_hip_load(library)`, `hmc_hip_batch_run`, `hmc_hip_copy_now`: the same on HIP's runtime API, opened from
+  `library` (a path or a soname). Where CUDA takes a context to push, HIP takes a device to make current (and the
+  caller's current device back before returning). hipErrorNotReady is 600 as CUDA_ERROR_NOT_READY is, and
+  success 0 on both; copies are hipMemcpyAsync with hipMemcpyDefault (unified addressing, as HMC requires).
 
 The module is `hmc.transport._gpu_batch_c`; `hmc.transport._gpu_batch` loads it. It never calls into Python and
 never waits: every wait stays with the caller, bounded by its deadline.
@@ -43,6 +48,14 @@ int hmc_batch_run(uint64_t context, uint64_t function, unsigned block, int gathe
                   const int64_t *src, int64_t src_base, const int64_t *dst, int64_t dst_base, const int64_t *lengths,
                   uint64_t copy_dst, uint64_t copy_src, uint64_t whole, int *step);
 int hmc_copy_now(uint64_t context, uint64_t dst, uint64_t src, uint64_t length, uint64_t stream, unsigned polls, int *step);
+int hmc_hip_load(const char *library);
+int hmc_hip_batch_run(int device, uint64_t function, unsigned block, int gather,
+                      uint64_t kernel_stream, uint64_t copy_stream,
+                      uint64_t wait_event, uint64_t join_event, uint64_t table_event, uint64_t end_event, uint64_t freed_event,
+                      int64_t *table, uint64_t table_device, uint64_t rows,
+                      const int64_t *src, int64_t src_base, const int64_t *dst, int64_t dst_base, const int64_t *lengths,
+                      uint64_t copy_dst, uint64_t copy_src, uint64_t whole, int *step);
+int hmc_hip_copy_now(int device, uint64_t dst, uint64_t src, uint64_t length, uint64_t stream, unsigned polls, int *step);
 """
 
 SOURCE = r"""
@@ -55,12 +68,17 @@ typedef void *CUstream;
 typedef void *CUevent;
 typedef void *CUfunction;
 
-static CUresult (*copy_async)(uint64_t, uint64_t, size_t, CUstream);
-static CUresult (*launch)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **);
-static CUresult (*record)(CUevent, CUstream);
-static CUresult (*wait_for)(CUstream, CUevent, unsigned);
-static CUresult (*query)(CUevent);
-static CUresult (*stream_query)(CUstream);
+/* The calls a batch makes, on either runtime (CUresult and hipError_t: 0 success, 600 not ready). */
+typedef struct {
+    CUresult (*copy_async)(uint64_t, uint64_t, size_t, CUstream);
+    CUresult (*launch)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **);
+    CUresult (*record)(CUevent, CUstream);
+    CUresult (*wait_for)(CUstream, CUevent, unsigned);
+    CUresult (*query)(CUevent);
+    CUresult (*stream_query)(CUstream);
+} api_t;
+
+static api_t cuda;
 static CUresult (*push)(void *);
 static CUresult (*pop)(void **);
 
@@ -68,15 +86,15 @@ int hmc_batch_load(void) {
     void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
     if (driver == NULL) driver = dlopen("libcuda.so.1", RTLD_NOW);
     if (driver == NULL) return -1;
-    copy_async = (CUresult (*)(uint64_t, uint64_t, size_t, CUstream))dlsym(driver, "cuMemcpyAsync");
-    launch = (CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **))dlsym(driver, "cuLaunchKernel");
-    record = (CUresult (*)(CUevent, CUstream))dlsym(driver, "cuEventRecord");
-    wait_for = (CUresult (*)(CUstream, CUevent, unsigned))dlsym(driver, "cuStreamWaitEvent");
-    query = (CUresult (*)(CUevent))dlsym(driver, "cuEventQuery");
-    stream_query = (CUresult (*)(CUstream))dlsym(driver, "cuStreamQuery");
+    cuda.copy_async = (CUresult (*)(uint64_t, uint64_t, size_t, CUstream))dlsym(driver, "cuMemcpyAsync");
+    cuda.launch = (CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **))dlsym(driver, "cuLaunchKernel");
+    cuda.record = (CUresult (*)(CUevent, CUstream))dlsym(driver, "cuEventRecord");
+    cuda.wait_for = (CUresult (*)(CUstream, CUevent, unsigned))dlsym(driver, "cuStreamWaitEvent");
+    cuda.query = (CUresult (*)(CUevent))dlsym(driver, "cuEventQuery");
+    cuda.stream_query = (CUresult (*)(CUstream))dlsym(driver, "cuStreamQuery");
     push = (CUresult (*)(void *))dlsym(driver, "cuCtxPushCurrent_v2");
     pop = (CUresult (*)(void **))dlsym(driver, "cuCtxPopCurrent_v2");
-    if (!copy_async || !launch || !record || !wait_for || !query || !stream_query || !push || !pop) return -2;
+    if (!cuda.copy_async || !cuda.launch || !cuda.record || !cuda.wait_for || !cuda.query || !cuda.stream_query || !push || !pop) return -2;
     return 0;
 }
 
@@ -89,40 +107,40 @@ static void write_table(int64_t *table, uint64_t rows, const int64_t *src, int64
     }
 }
 
-static CUresult launch_on(uint64_t function, unsigned block, CUstream stream, uint64_t table_read, uint64_t rows) {
+static CUresult launch_on(const api_t *api, uint64_t function, unsigned block, CUstream stream, uint64_t table_read, uint64_t rows) {
     uint64_t columns[3] = {table_read, table_read + 8 * rows, table_read + 16 * rows};
     void *arguments[3] = {&columns[0], &columns[1], &columns[2]};
-    return launch((CUfunction)(uintptr_t)function, (unsigned)rows, 1, 1, block, 1, 1, 0, stream, arguments, NULL);
+    return api->launch((CUfunction)(uintptr_t)function, (unsigned)rows, 1, 1, block, 1, 1, 0, stream, arguments, NULL);
 }
 
 #define STEP(call) do { CUresult status_ = (call); if (status_ != 0) return status_; ++*step; } while (0)
 
-static int batch(int gather, uint64_t function, unsigned block, CUstream kernels, CUstream copies,
+static int batch(const api_t *api, int gather, uint64_t function, unsigned block, CUstream kernels, CUstream copies,
                  uint64_t wait_event, uint64_t join_event, uint64_t table_event, uint64_t end_event, uint64_t freed_event,
                  int64_t *table, uint64_t table_device, uint64_t rows,
                  const int64_t *src, int64_t src_base, const int64_t *dst, int64_t dst_base, const int64_t *lengths,
                  uint64_t copy_dst, uint64_t copy_src, uint64_t whole, int *step) {
     CUstream last = gather ? copies : kernels;
-    CUresult status = query((CUevent)(uintptr_t)table_event);  /* the table's last reader still runs: nothing queued */
+    CUresult status = api->query((CUevent)(uintptr_t)table_event);  /* the table's last reader still runs: nothing queued */
     if (status != 0) return status;
-    if (wait_event) STEP(wait_for(gather ? kernels : copies, (CUevent)(uintptr_t)wait_event, 0));
+    if (wait_event) STEP(api->wait_for(gather ? kernels : copies, (CUevent)(uintptr_t)wait_event, 0));
     if (gather) {
         write_table(table, rows, src, src_base, dst, dst_base, lengths);
-        STEP(launch_on(function, block, kernels, table_device, rows));
-        STEP(record((CUevent)(uintptr_t)table_event, kernels));
-        STEP(record((CUevent)(uintptr_t)join_event, kernels));
-        STEP(wait_for(copies, (CUevent)(uintptr_t)join_event, 0));
-        STEP(copy_async(copy_dst, copy_src, (size_t)whole, copies));
+        STEP(launch_on(api, function, block, kernels, table_device, rows));
+        STEP(api->record((CUevent)(uintptr_t)table_event, kernels));
+        STEP(api->record((CUevent)(uintptr_t)join_event, kernels));
+        STEP(api->wait_for(copies, (CUevent)(uintptr_t)join_event, 0));
+        STEP(api->copy_async(copy_dst, copy_src, (size_t)whole, copies));
     } else {
-        STEP(copy_async(copy_dst, copy_src, (size_t)whole, copies));
-        STEP(record((CUevent)(uintptr_t)join_event, copies));
-        STEP(wait_for(kernels, (CUevent)(uintptr_t)join_event, 0));
+        STEP(api->copy_async(copy_dst, copy_src, (size_t)whole, copies));
+        STEP(api->record((CUevent)(uintptr_t)join_event, copies));
+        STEP(api->wait_for(kernels, (CUevent)(uintptr_t)join_event, 0));
         write_table(table, rows, src, src_base, dst, dst_base, lengths);
-        STEP(launch_on(function, block, kernels, table_device, rows));
-        STEP(record((CUevent)(uintptr_t)table_event, kernels));
+        STEP(launch_on(api, function, block, kernels, table_device, rows));
+        STEP(api->record((CUevent)(uintptr_t)table_event, kernels));
     }
-    STEP(record((CUevent)(uintptr_t)end_event, last));
-    STEP(record((CUevent)(uintptr_t)freed_event, last));
+    STEP(api->record((CUevent)(uintptr_t)end_event, last));
+    STEP(api->record((CUevent)(uintptr_t)freed_event, last));
     return 0;
 }
 
@@ -136,11 +154,22 @@ int hmc_batch_run(uint64_t context, uint64_t function, unsigned block, int gathe
     *step = 0;
     CUresult status = push((void *)(uintptr_t)context);
     if (status != 0) return status;
-    status = batch(gather, function, block, (CUstream)(uintptr_t)kernel_stream, (CUstream)(uintptr_t)copy_stream,
+    status = batch(&cuda, gather, function, block, (CUstream)(uintptr_t)kernel_stream, (CUstream)(uintptr_t)copy_stream,
                    wait_event, join_event, table_event, end_event, freed_event, table, table_device, rows,
                    src, src_base, dst, dst_base, lengths, copy_dst, copy_src, whole, step);
     CUresult popped = pop(&previous);
     return status != 0 ? status : popped;  /* a failed pop shows once nothing of the call still runs */
+}
+
+/* One copy queued on `stream`, then up to `polls` looks at it: 0 landed, 600 still running (`*step` 1), else the
+   failing call's status (`*step` 0: nothing queued). */
+static CUresult copied(const api_t *api, uint64_t dst, uint64_t src, uint64_t length, uint64_t stream, unsigned polls, int *step) {
+    CUresult status = api->copy_async(dst, src, (size_t)length, (CUstream)(uintptr_t)stream);
+    if (status != 0) return status;
+    *step = 1;
+    status = 600;  /* not ready */
+    for (unsigned i = 0; i < polls && status == 600; ++i) status = api->stream_query((CUstream)(uintptr_t)stream);
+    return status;
 }
 
 int hmc_copy_now(uint64_t context, uint64_t dst, uint64_t src, uint64_t length, uint64_t stream, unsigned polls, int *step) {
@@ -148,14 +177,76 @@ int hmc_copy_now(uint64_t context, uint64_t dst, uint64_t src, uint64_t length, 
     *step = 0;
     CUresult status = push((void *)(uintptr_t)context);
     if (status != 0) return status;
-    status = copy_async(dst, src, (size_t)length, (CUstream)(uintptr_t)stream);
-    if (status == 0) {
-        *step = 1;
-        status = 600;  /* CUDA_ERROR_NOT_READY */
-        for (unsigned i = 0; i < polls && status == 600; ++i) status = stream_query((CUstream)(uintptr_t)stream);
-    }
+    status = copied(&cuda, dst, src, length, stream, polls, step);
     CUresult popped = pop(&previous);
     return status != 0 ? status : popped;  /* a failed pop shows once nothing of the call still runs */
+}
+
+/* HIP: the runtime API's calls, opened from the library a HIP runtime names; a device made current per call. */
+
+static api_t hip;
+static CUresult (*hip_memcpy_async)(uint64_t, uint64_t, size_t, int, CUstream);
+static CUresult (*get_device)(int *);
+static CUresult (*set_device)(int);
+
+static CUresult hip_copy_async(uint64_t dst, uint64_t src, size_t length, CUstream stream) {
+    return hip_memcpy_async(dst, src, length, 4 /* hipMemcpyDefault */, stream);
+}
+
+int hmc_hip_load(const char *library) {
+    void *runtime = dlopen(library, RTLD_NOW | RTLD_NOLOAD);
+    if (runtime == NULL) runtime = dlopen(library, RTLD_NOW);
+    if (runtime == NULL) return -1;
+    hip_memcpy_async = (CUresult (*)(uint64_t, uint64_t, size_t, int, CUstream))dlsym(runtime, "hipMemcpyAsync");
+    hip.copy_async = hip_copy_async;
+    hip.launch = (CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **))dlsym(runtime, "hipModuleLaunchKernel");
+    hip.record = (CUresult (*)(CUevent, CUstream))dlsym(runtime, "hipEventRecord");
+    hip.wait_for = (CUresult (*)(CUstream, CUevent, unsigned))dlsym(runtime, "hipStreamWaitEvent");
+    hip.query = (CUresult (*)(CUevent))dlsym(runtime, "hipEventQuery");
+    hip.stream_query = (CUresult (*)(CUstream))dlsym(runtime, "hipStreamQuery");
+    get_device = (CUresult (*)(int *))dlsym(runtime, "hipGetDevice");
+    set_device = (CUresult (*)(int))dlsym(runtime, "hipSetDevice");
+    if (!hip_memcpy_async || !hip.launch || !hip.record || !hip.wait_for || !hip.query || !hip.stream_query || !get_device || !set_device) return -2;
+    return 0;
+}
+
+/* Make `device` current; `*previous` is the caller's (-1: nothing to give back). */
+static CUresult enter_device(int device, int *previous) {
+    *previous = -1;
+    int current = -1;
+    CUresult status = get_device(&current);
+    if (status != 0) return status;
+    if (current == device) return 0;
+    status = set_device(device);
+    if (status == 0) *previous = current;
+    return status;
+}
+
+int hmc_hip_batch_run(int device, uint64_t function, unsigned block, int gather,
+                      uint64_t kernel_stream, uint64_t copy_stream,
+                      uint64_t wait_event, uint64_t join_event, uint64_t table_event, uint64_t end_event, uint64_t freed_event,
+                      int64_t *table, uint64_t table_device, uint64_t rows,
+                      const int64_t *src, int64_t src_base, const int64_t *dst, int64_t dst_base, const int64_t *lengths,
+                      uint64_t copy_dst, uint64_t copy_src, uint64_t whole, int *step) {
+    int previous = -1;
+    *step = 0;
+    CUresult status = enter_device(device, &previous);
+    if (status != 0) return status;
+    status = batch(&hip, gather, function, block, (CUstream)(uintptr_t)kernel_stream, (CUstream)(uintptr_t)copy_stream,
+                   wait_event, join_event, table_event, end_event, freed_event, table, table_device, rows,
+                   src, src_base, dst, dst_base, lengths, copy_dst, copy_src, whole, step);
+    CUresult back = previous >= 0 ? set_device(previous) : 0;
+    return status != 0 ? status : back;
+}
+
+int hmc_hip_copy_now(int device, uint64_t dst, uint64_t src, uint64_t length, uint64_t stream, unsigned polls, int *step) {
+    int previous = -1;
+    *step = 0;
+    CUresult status = enter_device(device, &previous);
+    if (status != 0) return status;
+    status = copied(&hip, dst, src, length, stream, polls, step);
+    CUresult back = previous >= 0 ? set_device(previous) : 0;
+    return status != 0 ? status : back;
 }
 """
 

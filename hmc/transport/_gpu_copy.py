@@ -16,9 +16,9 @@ runtime calls (`hmc.memory._gpu.Runtime`: the CUDA driver, or the HIP runtime):
   (else 8, 4, 2 or 1 bytes), unrolled so each thread keeps four loads in
   flight, and a byte tail.
 
-On CUDA GPUs with the compiled helper (`hmc.transport._gpu_batch`), a single copy and its first polls
-(`copy_now`) are one C call, and so are the staged ring's slot batches, a gather or scatter and its copy-engine
-copy on two lanes (`fused`): same steps, same tables and events. A lane's own batches stay in Python: one C call
+With the compiled helper (`hmc.transport._gpu_batch`: the CUDA driver, or the HIP runtime library the HIP runtime
+names), a single copy and its first polls (`copy_now`) are one C call, and so are the staged ring's slot batches, a
+gather or scatter and its copy-engine copy on two lanes (`fused`): same steps, same tables and events. A lane's own batches stay in Python: one C call
 for their table writes and launch was measured no faster (2x H200, 16384 ranges: 82 against 85 us; the table
 writes are bound by memory, not by Python).
 
@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hmc.errors import HMCError, TimeoutError
-from hmc.memory._base import Device, DeviceKind, MemoryRegion
+from hmc.memory._base import Device, MemoryRegion
 from hmc.transport import _gpu_batch
 
 if TYPE_CHECKING:
@@ -264,20 +264,21 @@ class Lane:
         (copy_src -> copy_dst) on `copy`'s stream: gather (the kernel, then the copy) or scatter (the copy, then the
         kernel). The kernel reads its range table in place; `wait` (an event, or None) is waited for by the stream
         that goes first. Returns (end, freed): two events recorded on the stream that goes last (release both), or
-        None where there is no fused path (HIP, CuPy's kernel, the helper not built): queue the steps instead."""
-        fused = _gpu_batch.library()
+        None where there is no fused path (CuPy's kernel, the helper not built, the runtime's library not loaded):
+        queue the steps instead."""
+        fused = _gpu_batch.helper_for(self._rt)
         if fused is None:
             return None
-        with self._lock:  # the C call makes the GPU's context current itself (for that call only)
+        with self._lock:  # the C call makes the GPU current itself (for that call only)
             kernel = self._kernel_here()
-            if kernel is None or not kernel.handle:  # HIP, or CuPy's kernel
+            if kernel is None or not kernel.handle:  # CuPy's kernel
                 return None
             src, dst, lengths, block = _cut(src, dst, lengths)
             table = self._next_table(int(lengths.size), deadline)
             join, end, freed = self._event(), copy._event(), copy._event()
             try:
                 while not fused.run(
-                    self._rt.context_handle(self.ordinal), kernel.handle, block, gather=gather,
+                    self._rt.c_target(self.ordinal), kernel.handle, block, gather=gather,
                     kernel_stream=self.handle, copy_stream=copy.handle,
                     events=(int(wait) if wait is not None else 0, int(join), int(table.read), int(end), int(freed)),
                     table=table.array, table_device=table.host_pointer,
@@ -301,16 +302,16 @@ class Lane:
         mapping on 2x H200: 4 KiB write p50 11.9 us against 7.0 for a plain
         cudaMemcpyAsync) and the stream polls run with the lane's GPU made current
         unless the caller's thread has it current already (PyTorch on this GPU).
-        On CUDA with the helper, the copy and its first 256 polls are one C call
-        (2x H200, 4 KiB into the other GPU: p50 8.7 us against 9.2 from Python).
+        With the helper (CUDA, or HIP where its runtime library loads), the copy and its first 256 polls are one C
+        call (2x H200, 4 KiB into the other GPU: p50 8.7 us against 9.2 from Python).
         """
         rt = self._rt
         stream, ok, not_ready, ordinal = self._native, rt.ok, rt.not_ready, self.ordinal
         memcpy, query, current, use, check = rt.memcpy_async, rt.stream_query, rt.is_current, rt.use, rt.check
-        helper = _gpu_batch.library() if self.device.kind is DeviceKind.CUDA else None
+        helper = _gpu_batch.helper_for(rt)
 
         if helper is not None:  # the copy and its first polls in one C call, without the GIL
-            c_copy, context, handle = helper.copy_now, rt.context_handle(ordinal), self.handle  # type: ignore[attr-defined]
+            c_copy, context, handle = helper.copy_now, rt.c_target(ordinal), self.handle
 
             def copy_in_c(dst: int, src: int, length: int, deadline: float) -> bool:
                 if c_copy(context, dst, src, length, handle, 256):

@@ -217,12 +217,19 @@ def _copied_first(copy: Pending, stream: FrameStream, deadline: float) -> bool:
 
 
 def _stepwise(request: TransferRequest) -> bool:
-    """Whether an end of `request` queues a slot's batch in steps from Python rather than in one C call
-    (`_gpu_batch`): HIP memory (either end), or CUDA memory here without the compiled helper."""
+    """Whether this end of `request` queues a slot's batch in steps from Python rather than in one C call
+    (`_gpu_batch`): GPU memory whose runtime has no helper here (not built, or its library does not load). The
+    other end is taken to have its helper, as an install of the same release does (CUDA and HIP alike)."""
     device = request.local.region.device
-    if device.kind is DeviceKind.HIP or request.remote.device.kind == common_pb2.DEVICE_KIND_HIP:
+    if device.kind not in (DeviceKind.CUDA, DeviceKind.HIP):
+        return False
+    from hmc.memory import backend_for
+
+    try:
+        backend: Any = backend_for(device)
+    except HMCError:  # no backend for it here: nothing of it runs in C either
         return True
-    return device.kind is DeviceKind.CUDA and _gpu_batch.library() is None
+    return _gpu_batch.helper_for(backend.runtime) is None
 
 
 def frame_of(message: peer_pb2.DataWrite | peer_pb2.DataRead) -> peer_pb2.PeerFrame:
@@ -450,7 +457,7 @@ class ShmStaging:
 
     def _layout(self, request: TransferRequest) -> tuple[int, int]:
         """(chunk size, chunks in flight): one slot per chunk, all slots in flight; pairs of slots for many short
-        ranges where an end queues each chunk's batch in steps from Python (`_stepwise`), whose cost per chunk a
+        ranges where this end queues each chunk's batch in steps from Python (`_stepwise`), whose cost per chunk a
         16 MiB copy does not hide (docs/decisions.md, "Every chunk is one 16 MiB slot where both ends batch in one C call")."""
         ranges = request.ranges
         if self._PAIRED and self._slots >= 4 and ranges.total < len(ranges) * _SHORT_RANGE and _stepwise(request):
