@@ -28,11 +28,15 @@ class Helper:
     """CUDA_ERROR_NOT_READY and hipErrorNotReady: the range table's last reader still runs (nothing queued), or a copy
     still runs."""
 
-    def __init__(self, ffi: Any, lib: Any, *, hip: bool = False) -> None:
+    def __init__(self, ffi: Any, lib: Any, *, hip_runtime: int = 0) -> None:
+        """`hip_runtime`: the table of calls `hmc_hip_load` made for one HIP runtime library (0: CUDA's driver)."""
         self._ffi = ffi
-        self._run = lib.hmc_hip_batch_run if hip else lib.hmc_batch_run
-        self._copy_now = lib.hmc_hip_copy_now if hip else lib.hmc_copy_now
-        self._failed = "HIP runtime call failed: hipError_t" if hip else "CUDA driver call failed: CUresult"
+        if hip_runtime:
+            self._run: Any = functools.partial(lib.hmc_hip_batch_run, hip_runtime)
+            self._copy_now: Any = functools.partial(lib.hmc_hip_copy_now, hip_runtime)
+        else:
+            self._run, self._copy_now = lib.hmc_batch_run, lib.hmc_copy_now
+        self._failed = "HIP runtime call failed: hipError_t" if hip_runtime else "CUDA driver call failed: CUresult"
 
     def run(
         self, context: int, function: int, block: int, *, gather: bool, kernel_stream: int, copy_stream: int,
@@ -93,12 +97,12 @@ def library() -> Helper | None:
 @functools.cache
 def hip_library(names: tuple[str, ...]) -> Helper | None:
     """The HIP helper with the entry points of the first of `names` (paths or sonames of a HIP runtime library) that
-    loads and has them all, or None (not built, none loads)."""
+    loads and has them all, or None (not built, none loads). Each library's calls are a table of their own."""
     try:
         from hmc.transport import _gpu_batch_c  # type: ignore[attr-defined]
     except ImportError:
         return None
     for name in names:
-        if _gpu_batch_c.lib.hmc_hip_load(name.encode()) == 0:
-            return Helper(_gpu_batch_c.ffi, _gpu_batch_c.lib, hip=True)
+        if runtime := int(_gpu_batch_c.lib.hmc_hip_load(name.encode())):
+            return Helper(_gpu_batch_c.ffi, _gpu_batch_c.lib, hip_runtime=runtime)
     return None

@@ -9,7 +9,8 @@ about 20 driver calls through cuda-python plus numpy's table writes: on one H100
 initiator and 185-235 us on the owner, the process that owns the KV cache (an inference engine, whose threads
 share its GIL). One call takes 75-95 and 100-175 us (what is left is Python around it).
 
-- `hmc_batch_load`: resolve the driver entry points (dlopen of libcuda.so.1, dlsym); 0 when all are there.
+- `hmc_batch_load`: resolve the driver entry points (dlopen of libcuda.so.1, dlsym); 0 when all are there. Once,
+  under a lock: the table is published whole, and only when every entry point is there.
 - `hmc_batch_run`: one slot batch, in `context` (pushed, and popped before returning, so the calling thread's
   current context is untouched). First it looks at `table_event`: while the launch that last read the range
   table runs, it returns CUDA_ERROR_NOT_READY with nothing queued (`*step` 0; the caller waits, bounded, and
@@ -25,8 +26,10 @@ share its GIL). One call takes 75-95 and 100-175 us (what is left is Python arou
   0 once it finished, CUDA_ERROR_NOT_READY while it runs (the caller polls on, bounded), or the failing CUresult
   (`*step` 0: the copy was not queued). A 4 KiB copy's whole way below the caller, without the GIL.
 - `hmc_hip_load(library)`, `hmc_hip_batch_run`, `hmc_hip_copy_now`: the same on HIP's runtime API, opened from
-  `library` (a path or a soname). Where CUDA takes a context to push, HIP takes a device to make current (and the
-  caller's current device back before returning). hipErrorNotReady is 600 as CUDA_ERROR_NOT_READY is, and
+  `library` (a path or a soname). The load returns that library's own table of calls (0 when it does not load or
+  lacks one), which the other two take first: two HIP runtime libraries in one process never share one, and one
+  that failed to load leaves the others' alone. Where CUDA takes a context to push, HIP takes a device to make
+  current (and the caller's current device back before returning). hipErrorNotReady is 600 as CUDA_ERROR_NOT_READY is, and
   success 0 on both; copies are hipMemcpyAsync with hipMemcpyDefault (unified addressing, as HMC requires).
 
 The module is `hmc.transport._gpu_batch_c`; `hmc.transport._gpu_batch` loads it. It never calls into Python and
@@ -48,29 +51,32 @@ int hmc_batch_run(uint64_t context, uint64_t function, unsigned block, int gathe
                   const int64_t *src, int64_t src_base, const int64_t *dst, int64_t dst_base, const int64_t *lengths,
                   uint64_t copy_dst, uint64_t copy_src, uint64_t whole, int *step);
 int hmc_copy_now(uint64_t context, uint64_t dst, uint64_t src, uint64_t length, uint64_t stream, unsigned polls, int *step);
-int hmc_hip_load(const char *library);
-int hmc_hip_batch_run(int device, uint64_t function, unsigned block, int gather,
+uint64_t hmc_hip_load(const char *library);
+int hmc_hip_batch_run(uint64_t runtime, int device, uint64_t function, unsigned block, int gather,
                       uint64_t kernel_stream, uint64_t copy_stream,
                       uint64_t wait_event, uint64_t join_event, uint64_t table_event, uint64_t end_event, uint64_t freed_event,
                       int64_t *table, uint64_t table_device, uint64_t rows,
                       const int64_t *src, int64_t src_base, const int64_t *dst, int64_t dst_base, const int64_t *lengths,
                       uint64_t copy_dst, uint64_t copy_src, uint64_t whole, int *step);
-int hmc_hip_copy_now(int device, uint64_t dst, uint64_t src, uint64_t length, uint64_t stream, unsigned polls, int *step);
+int hmc_hip_copy_now(uint64_t runtime, int device, uint64_t dst, uint64_t src, uint64_t length, uint64_t stream, unsigned polls, int *step);
 """
 
 SOURCE = r"""
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 typedef int CUresult;
 typedef void *CUstream;
 typedef void *CUevent;
 typedef void *CUfunction;
 
-/* The calls a batch makes, on either runtime (CUresult and hipError_t: 0 success, 600 not ready). */
+/* The calls a batch makes, on either runtime (CUresult and hipError_t: 0 success, 600 not ready). `copy` is
+   hipMemcpyAsync's signature; its kind (hipMemcpyDefault) means nothing to CUDA's, which `cuda_copy` calls. */
 typedef struct {
-    CUresult (*copy_async)(uint64_t, uint64_t, size_t, CUstream);
+    CUresult (*copy)(uint64_t, uint64_t, size_t, int, CUstream);
     CUresult (*launch)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **);
     CUresult (*record)(CUevent, CUstream);
     CUresult (*wait_for)(CUstream, CUevent, unsigned);
@@ -79,23 +85,49 @@ typedef struct {
 } api_t;
 
 static api_t cuda;
+static CUresult (*cu_memcpy_async)(uint64_t, uint64_t, size_t, CUstream);
 static CUresult (*push)(void *);
 static CUresult (*pop)(void **);
+static int cuda_loaded;
+static pthread_mutex_t cuda_lock = PTHREAD_MUTEX_INITIALIZER;
 
-int hmc_batch_load(void) {
+static CUresult cuda_copy(uint64_t dst, uint64_t src, size_t length, int kind, CUstream stream) {
+    (void)kind;
+    return cu_memcpy_async(dst, src, length, stream);
+}
+
+/* The driver's entry points into locals, published only when all are there. */
+static int resolve_cuda(void) {
     void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
     if (driver == NULL) driver = dlopen("libcuda.so.1", RTLD_NOW);
     if (driver == NULL) return -1;
-    cuda.copy_async = (CUresult (*)(uint64_t, uint64_t, size_t, CUstream))dlsym(driver, "cuMemcpyAsync");
-    cuda.launch = (CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **))dlsym(driver, "cuLaunchKernel");
-    cuda.record = (CUresult (*)(CUevent, CUstream))dlsym(driver, "cuEventRecord");
-    cuda.wait_for = (CUresult (*)(CUstream, CUevent, unsigned))dlsym(driver, "cuStreamWaitEvent");
-    cuda.query = (CUresult (*)(CUevent))dlsym(driver, "cuEventQuery");
-    cuda.stream_query = (CUresult (*)(CUstream))dlsym(driver, "cuStreamQuery");
-    push = (CUresult (*)(void *))dlsym(driver, "cuCtxPushCurrent_v2");
-    pop = (CUresult (*)(void **))dlsym(driver, "cuCtxPopCurrent_v2");
-    if (!cuda.copy_async || !cuda.launch || !cuda.record || !cuda.wait_for || !cuda.query || !cuda.stream_query || !push || !pop) return -2;
+    api_t api;
+    CUresult (*memcpy_async)(uint64_t, uint64_t, size_t, CUstream) = (CUresult (*)(uint64_t, uint64_t, size_t, CUstream))dlsym(driver, "cuMemcpyAsync");
+    api.copy = cuda_copy;
+    api.launch = (CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **))dlsym(driver, "cuLaunchKernel");
+    api.record = (CUresult (*)(CUevent, CUstream))dlsym(driver, "cuEventRecord");
+    api.wait_for = (CUresult (*)(CUstream, CUevent, unsigned))dlsym(driver, "cuStreamWaitEvent");
+    api.query = (CUresult (*)(CUevent))dlsym(driver, "cuEventQuery");
+    api.stream_query = (CUresult (*)(CUstream))dlsym(driver, "cuStreamQuery");
+    CUresult (*pusher)(void *) = (CUresult (*)(void *))dlsym(driver, "cuCtxPushCurrent_v2");
+    CUresult (*popper)(void **) = (CUresult (*)(void **))dlsym(driver, "cuCtxPopCurrent_v2");
+    if (!memcpy_async || !api.launch || !api.record || !api.wait_for || !api.query || !api.stream_query || !pusher || !popper) {
+        dlclose(driver);
+        return -2;
+    }
+    cuda = api;
+    cu_memcpy_async = memcpy_async;
+    push = pusher;
+    pop = popper;
+    cuda_loaded = 1;
     return 0;
+}
+
+int hmc_batch_load(void) {
+    pthread_mutex_lock(&cuda_lock);
+    int status = cuda_loaded ? 0 : resolve_cuda();
+    pthread_mutex_unlock(&cuda_lock);
+    return status;
 }
 
 static void write_table(int64_t *table, uint64_t rows, const int64_t *src, int64_t src_base, const int64_t *dst, int64_t dst_base,
@@ -113,6 +145,7 @@ static CUresult launch_on(const api_t *api, uint64_t function, unsigned block, C
     return api->launch((CUfunction)(uintptr_t)function, (unsigned)rows, 1, 1, block, 1, 1, 0, stream, arguments, NULL);
 }
 
+#define MEMCPY_DEFAULT 4  /* hipMemcpyDefault: unified addressing, as HMC requires */
 #define STEP(call) do { CUresult status_ = (call); if (status_ != 0) return status_; ++*step; } while (0)
 
 static int batch(const api_t *api, int gather, uint64_t function, unsigned block, CUstream kernels, CUstream copies,
@@ -130,9 +163,9 @@ static int batch(const api_t *api, int gather, uint64_t function, unsigned block
         STEP(api->record((CUevent)(uintptr_t)table_event, kernels));
         STEP(api->record((CUevent)(uintptr_t)join_event, kernels));
         STEP(api->wait_for(copies, (CUevent)(uintptr_t)join_event, 0));
-        STEP(api->copy_async(copy_dst, copy_src, (size_t)whole, copies));
+        STEP(api->copy(copy_dst, copy_src, (size_t)whole, MEMCPY_DEFAULT, copies));
     } else {
-        STEP(api->copy_async(copy_dst, copy_src, (size_t)whole, copies));
+        STEP(api->copy(copy_dst, copy_src, (size_t)whole, MEMCPY_DEFAULT, copies));
         STEP(api->record((CUevent)(uintptr_t)join_event, copies));
         STEP(api->wait_for(kernels, (CUevent)(uintptr_t)join_event, 0));
         write_table(table, rows, src, src_base, dst, dst_base, lengths);
@@ -164,7 +197,7 @@ int hmc_batch_run(uint64_t context, uint64_t function, unsigned block, int gathe
 /* One copy queued on `stream`, then up to `polls` looks at it: 0 landed, 600 still running (`*step` 1), else the
    failing call's status (`*step` 0: nothing queued). */
 static CUresult copied(const api_t *api, uint64_t dst, uint64_t src, uint64_t length, uint64_t stream, unsigned polls, int *step) {
-    CUresult status = api->copy_async(dst, src, (size_t)length, (CUstream)(uintptr_t)stream);
+    CUresult status = api->copy(dst, src, (size_t)length, MEMCPY_DEFAULT, (CUstream)(uintptr_t)stream);
     if (status != 0) return status;
     *step = 1;
     status = 600;  /* not ready */
@@ -182,70 +215,78 @@ int hmc_copy_now(uint64_t context, uint64_t dst, uint64_t src, uint64_t length, 
     return status != 0 ? status : popped;  /* a failed pop shows once nothing of the call still runs */
 }
 
-/* HIP: the runtime API's calls, opened from the library a HIP runtime names; a device made current per call. */
+/* HIP: the runtime API's calls, opened from the library a HIP runtime names, one table per library; a device made
+   current per call. */
 
-static api_t hip;
-static CUresult (*hip_memcpy_async)(uint64_t, uint64_t, size_t, int, CUstream);
-static CUresult (*get_device)(int *);
-static CUresult (*set_device)(int);
+typedef struct {
+    api_t api;
+    CUresult (*get_device)(int *);
+    CUresult (*set_device)(int);
+} hip_t;
 
-static CUresult hip_copy_async(uint64_t dst, uint64_t src, size_t length, CUstream stream) {
-    return hip_memcpy_async(dst, src, length, 4 /* hipMemcpyDefault */, stream);
-}
-
-int hmc_hip_load(const char *library) {
+uint64_t hmc_hip_load(const char *library) {
     void *runtime = dlopen(library, RTLD_NOW | RTLD_NOLOAD);
     if (runtime == NULL) runtime = dlopen(library, RTLD_NOW);
-    if (runtime == NULL) return -1;
-    hip_memcpy_async = (CUresult (*)(uint64_t, uint64_t, size_t, int, CUstream))dlsym(runtime, "hipMemcpyAsync");
-    hip.copy_async = hip_copy_async;
-    hip.launch = (CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **))dlsym(runtime, "hipModuleLaunchKernel");
-    hip.record = (CUresult (*)(CUevent, CUstream))dlsym(runtime, "hipEventRecord");
-    hip.wait_for = (CUresult (*)(CUstream, CUevent, unsigned))dlsym(runtime, "hipStreamWaitEvent");
-    hip.query = (CUresult (*)(CUevent))dlsym(runtime, "hipEventQuery");
-    hip.stream_query = (CUresult (*)(CUstream))dlsym(runtime, "hipStreamQuery");
-    get_device = (CUresult (*)(int *))dlsym(runtime, "hipGetDevice");
-    set_device = (CUresult (*)(int))dlsym(runtime, "hipSetDevice");
-    if (!hip_memcpy_async || !hip.launch || !hip.record || !hip.wait_for || !hip.query || !hip.stream_query || !get_device || !set_device) return -2;
-    return 0;
+    if (runtime == NULL) return 0;
+    hip_t table;
+    table.api.copy = (CUresult (*)(uint64_t, uint64_t, size_t, int, CUstream))dlsym(runtime, "hipMemcpyAsync");
+    table.api.launch = (CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **))dlsym(runtime, "hipModuleLaunchKernel");
+    table.api.record = (CUresult (*)(CUevent, CUstream))dlsym(runtime, "hipEventRecord");
+    table.api.wait_for = (CUresult (*)(CUstream, CUevent, unsigned))dlsym(runtime, "hipStreamWaitEvent");
+    table.api.query = (CUresult (*)(CUevent))dlsym(runtime, "hipEventQuery");
+    table.api.stream_query = (CUresult (*)(CUstream))dlsym(runtime, "hipStreamQuery");
+    table.get_device = (CUresult (*)(int *))dlsym(runtime, "hipGetDevice");
+    table.set_device = (CUresult (*)(int))dlsym(runtime, "hipSetDevice");
+    hip_t *kept = NULL;
+    if (table.api.copy && table.api.launch && table.api.record && table.api.wait_for && table.api.query && table.api.stream_query
+        && table.get_device && table.set_device)
+        kept = malloc(sizeof *kept);
+    if (kept == NULL) {
+        dlclose(runtime);
+        return 0;
+    }
+    *kept = table;  /* kept, with its library, for the life of the process */
+    return (uint64_t)(uintptr_t)kept;
 }
 
 /* Make `device` current; `*previous` is the caller's (-1: nothing to give back). */
-static CUresult enter_device(int device, int *previous) {
+static CUresult enter_device(const hip_t *hip, int device, int *previous) {
     *previous = -1;
     int current = -1;
-    CUresult status = get_device(&current);
+    CUresult status = hip->get_device(&current);
     if (status != 0) return status;
     if (current == device) return 0;
-    status = set_device(device);
+    status = hip->set_device(device);
     if (status == 0) *previous = current;
     return status;
 }
 
-int hmc_hip_batch_run(int device, uint64_t function, unsigned block, int gather,
+int hmc_hip_batch_run(uint64_t runtime, int device, uint64_t function, unsigned block, int gather,
                       uint64_t kernel_stream, uint64_t copy_stream,
                       uint64_t wait_event, uint64_t join_event, uint64_t table_event, uint64_t end_event, uint64_t freed_event,
                       int64_t *table, uint64_t table_device, uint64_t rows,
                       const int64_t *src, int64_t src_base, const int64_t *dst, int64_t dst_base, const int64_t *lengths,
                       uint64_t copy_dst, uint64_t copy_src, uint64_t whole, int *step) {
+    const hip_t *hip = (const hip_t *)(uintptr_t)runtime;
     int previous = -1;
     *step = 0;
-    CUresult status = enter_device(device, &previous);
+    CUresult status = enter_device(hip, device, &previous);
     if (status != 0) return status;
-    status = batch(&hip, gather, function, block, (CUstream)(uintptr_t)kernel_stream, (CUstream)(uintptr_t)copy_stream,
+    status = batch(&hip->api, gather, function, block, (CUstream)(uintptr_t)kernel_stream, (CUstream)(uintptr_t)copy_stream,
                    wait_event, join_event, table_event, end_event, freed_event, table, table_device, rows,
                    src, src_base, dst, dst_base, lengths, copy_dst, copy_src, whole, step);
-    CUresult back = previous >= 0 ? set_device(previous) : 0;
+    CUresult back = previous >= 0 ? hip->set_device(previous) : 0;
     return status != 0 ? status : back;
 }
 
-int hmc_hip_copy_now(int device, uint64_t dst, uint64_t src, uint64_t length, uint64_t stream, unsigned polls, int *step) {
+int hmc_hip_copy_now(uint64_t runtime, int device, uint64_t dst, uint64_t src, uint64_t length, uint64_t stream, unsigned polls, int *step) {
+    const hip_t *hip = (const hip_t *)(uintptr_t)runtime;
     int previous = -1;
     *step = 0;
-    CUresult status = enter_device(device, &previous);
+    CUresult status = enter_device(hip, device, &previous);
     if (status != 0) return status;
-    status = copied(&hip, dst, src, length, stream, polls, step);
-    CUresult back = previous >= 0 ? set_device(previous) : 0;
+    status = copied(&hip->api, dst, src, length, stream, polls, step);
+    CUresult back = previous >= 0 ? hip->set_device(previous) : 0;
     return status != 0 ? status : back;
 }
 """
@@ -257,5 +298,5 @@ def binding() -> Any:
 
     ffi = cffi.FFI()
     ffi.cdef(CDEF)
-    ffi.set_source("hmc.transport._gpu_batch_c", SOURCE, libraries=["dl"], extra_compile_args=["-O2"])
+    ffi.set_source("hmc.transport._gpu_batch_c", SOURCE, libraries=["dl", "pthread"], extra_compile_args=["-O2"])
     return ffi
