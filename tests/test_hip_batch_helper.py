@@ -348,3 +348,19 @@ def test_the_hip_on_cuda_runtime_library_offers_every_entry_point_and_refuses_wi
             helper.copy_now(0, 1, 2, 3, 4, 1)
     finally:
         _gpu_batch.hip_library.cache_clear()
+
+
+def test_a_runtime_gets_the_helper_of_its_own_family(fakes: dict[str, tuple[Any, Any, Path]]) -> None:
+    """`helper_for`: CUDA's driver gets the CUDA helper (None without a driver); a HIP runtime the helper of the first
+    library it names that loads, or None when it names none."""
+    from types import SimpleNamespace
+
+    builder, lib, path = fakes["a"]
+    assert _gpu_batch.helper_for(SimpleNamespace(name="CUDA")) is _gpu_batch.library()
+    assert _gpu_batch.helper_for(SimpleNamespace(name="HIP")) is None
+    helper = _gpu_batch.helper_for(SimpleNamespace(name="HIP", libraries=("/nonexistent/libamdhip64.so", str(path))))
+    assert helper is not None
+    src, dst = np.arange(32, dtype=np.uint8), np.full(32, 0xA5, np.uint8)
+    lib.fake_reset(0, 0, 0, 0, 0)
+    assert helper.copy_now(0, _address(dst), _address(src), 32, COPIES, 1) and np.array_equal(dst, src)
+    assert _log(builder, lib) == ["get", f"copy kind=4 stream={COPIES}", "poll"]
