@@ -218,7 +218,6 @@ class CudaRuntime:
     """`hmc.memory._gpu.Runtime` on the CUDA driver: device scopes are primary contexts (`Contexts`)."""
 
     name = "CUDA"
-    libraries = ("libcuda.so.1",)
 
     def __init__(self, contexts: Contexts) -> None:
         self._contexts = contexts

@@ -49,9 +49,6 @@ class Runtime(Protocol):
     name: str
     ok: Any
     not_ready: Any
-    libraries: tuple[str, ...]
-    """The shared libraries a C caller may open for this runtime's entry points, the first that loads
-    (`hmc.transport._gpu_batch`); empty where there is none."""
 
     def c_target(self, ordinal: int) -> int:
         """What a C caller passes to run on GPU `ordinal`: CUDA's primary context handle (pushed for the call), HIP's

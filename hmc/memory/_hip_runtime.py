@@ -189,6 +189,8 @@ class HipRuntime:
     def __init__(self, devices: Devices) -> None:
         self._devices = devices
         self.libraries = tuple(name for name in ((library_path(),) if ON_CUDA else _ROCM_LIBRARIES) if name)
+        """The HIP runtime libraries the copy lanes' C helper may open, the first that loads (`hmc.transport._gpu_batch`;
+        CUDA's helper opens the driver itself)."""
         self.ok = hip.hipError_t.hipSuccess
         self.not_ready = hip.hipError_t.hipErrorNotReady
         copy, kind = hip.hipMemcpyAsync, hip.hipMemcpyKind.hipMemcpyDefault
