@@ -35,7 +35,7 @@ FAKE = r"""
 static int current = 0;
 static char log_[8192];
 static size_t used = 0;
-static int fail_launch = 0, not_ready_table = 0, busy_polls = 0, fail_set = 0;
+static int fail_launch = 0, not_ready_table = 0, busy_polls = 0, fail_set = 0, sets = 0;
 
 static void note(const char *line) {
     size_t n = strlen(line);
@@ -45,7 +45,7 @@ static void note(const char *line) {
 const char *fake_log(void) { return log_; }
 void fake_reset(int device, int launch_fails, int table_busy, int polls_busy, int set_fails) {
     used = 0; log_[0] = 0; current = device; fail_launch = launch_fails; not_ready_table = table_busy; busy_polls = polls_busy;
-    fail_set = set_fails;
+    fail_set = set_fails; sets = 0;  /* set_fails: 1 every hipSetDevice fails, 2 all but the first (giving the caller's back) */
 }
 int fake_current(void) { return current; }
 
@@ -53,7 +53,8 @@ EXPORT int hipGetDevice(int *device) { *device = current; note("get"); return 0;
 #ifndef WITHOUT_SET_DEVICE
 EXPORT int hipSetDevice(int device) {
     char s[32]; snprintf(s, sizeof s, "set %d", device); note(s);
-    if (fail_set) return 101;  /* hipErrorInvalidDevice */
+    if (fail_set == 1 || (fail_set == 2 && sets > 0)) return 101;  /* hipErrorInvalidDevice */
+    ++sets;
     current = device; return 0;
 }
 #endif
@@ -263,6 +264,10 @@ def test_a_copy_still_running_says_so_and_a_device_that_cannot_be_made_current_q
             copy_dst=_address(dst), copy_src=_address(src), whole=10,
         )
     assert (dst == 0xA5).all() and _log(builder, lib) == ["get", "set 3", "get", "set 3"]
+    lib.fake_reset(0, 0, 0, 0, 2)  # the copy lands, but the caller's device cannot be given back: that is the call's error
+    with pytest.raises(DeviceError, match=r"hipError_t 101 \(a copy, queued\)"):
+        helper.copy_now(3, _address(dst), _address(src), 100, COPIES, 2)
+    assert np.array_equal(dst, src) and _log(builder, lib) == ["get", "set 3", f"copy kind=4 stream={COPIES}", "poll", "set 0"]
 
 
 FAKE_CUDA = r"""
@@ -291,6 +296,15 @@ int cuEventRecord(void *event, void *stream) { (void)event; (void)stream; note("
 int cuStreamWaitEvent(void *stream, void *event, unsigned flags) { (void)stream; (void)event; (void)flags; note("wait"); return 0; }
 int cuEventQuery(void *event) { (void)event; note("query"); return 0; }
 int cuStreamQuery(void *stream) { (void)stream; note("poll"); return 0; }
+static uintptr_t current_context = 0;  /* a device's primary context is 1000 + its ordinal; two devices */
+int cuInit(unsigned flags) { (void)flags; return 0; }
+int cuCtxGetCurrent(void **context) { *context = (void *)current_context; return 0; }
+int cuCtxSetCurrent(void *context) { char s[32]; snprintf(s, sizeof s, "current %lu", (unsigned long)(uintptr_t)context); note(s); current_context = (uintptr_t)context; return 0; }
+int cuCtxGetDevice(int *device) { if (!current_context) return 201; *device = (int)(current_context - 1000); return 0; }
+int cuDeviceGet(int *device, int ordinal) { if (ordinal < 0 || ordinal > 1) return 101; *device = ordinal; return 0; }
+int cuDevicePrimaryCtxRetain(void **context, int device) {
+    char s[32]; snprintf(s, sizeof s, "retain %d", device); note(s); *context = (void *)(uintptr_t)(1000 + device); return 0;
+}
 """
 
 _BOTH = """
@@ -311,11 +325,26 @@ print(json.dumps({"done": done, "landed": bool((dst == src).all()), "cuda": cuda
 """
 
 
-def test_the_cuda_helper_keeps_the_drivers_calls_once_a_hip_runtime_library_is_loaded(
-    fakes: dict[str, tuple[Any, Any, Path]], tmp_path: Path,
-) -> None:
-    """In a process whose CUDA driver is a fake (libcuda.so.1 on LD_LIBRARY_PATH), a copy through the CUDA helper after
-    a HIP runtime library was loaded runs in its context on the driver's calls, and none of HIP's."""
+_SHIM = """
+import ctypes, json
+from hmc.memory._hip_on_cuda import _runtime_c, library_path
+hip = ctypes.CDLL(_runtime_c.__file__)
+log = ctypes.CDLL("libcuda.so.1").fake_log
+log.restype = ctypes.c_char_p
+device = ctypes.c_int(-7)
+report = {"path": library_path() == _runtime_c.__file__}
+report["bad"] = [hip.hipSetDevice(n) for n in (-1, 64, 2**31 - 1, 5)]
+report["first"] = [hip.hipGetDevice(ctypes.byref(device)), device.value]
+report["set"] = [hip.hipSetDevice(1), hip.hipSetDevice(0), hip.hipSetDevice(1), hip.hipGetDevice(ctypes.byref(device)), device.value]
+src, dst = ctypes.create_string_buffer(bytes(range(64))), ctypes.create_string_buffer(b"\\xa5" * 64)
+report["copy"] = [hip.hipMemcpyAsync(ctypes.c_uint64(ctypes.addressof(dst)), ctypes.c_uint64(ctypes.addressof(src)), ctypes.c_size_t(64), 4, ctypes.c_void_p(9)), dst.raw == src.raw]
+report["log"] = log().decode()
+print(json.dumps(report))
+"""
+
+
+def _fake_driver(tmp_path: Path) -> dict[str, str]:
+    """A fake CUDA driver compiled as libcuda.so.1, and the environment of a process that finds it by soname."""
     import cffi
 
     builder = cffi.FFI()
@@ -324,8 +353,27 @@ def test_the_cuda_helper_keeps_the_drivers_calls_once_a_hip_runtime_library_is_l
     driver = tmp_path / "driver"
     driver.mkdir()
     shutil.copy(builder.compile(tmpdir=str(tmp_path), verbose=False), driver / "libcuda.so.1")
-    env = {**os.environ, "LD_LIBRARY_PATH": f"{driver}{os.pathsep}{os.environ.get('LD_LIBRARY_PATH', '')}"}
-    done = subprocess.run([sys.executable, "-c", _BOTH, str(fakes["b"][2])], check=False, env=env, capture_output=True, text=True, timeout=60)
+    return {**os.environ, "LD_LIBRARY_PATH": f"{driver}{os.pathsep}{os.environ.get('LD_LIBRARY_PATH', '')}"}
+
+
+def test_the_hip_on_cuda_runtime_library_refuses_bad_devices_and_makes_primary_contexts_current(tmp_path: Path) -> None:
+    """The HIP-on-CUDA runtime's C entry points over a fake CUDA driver: a negative, huge or absent device is
+    hipErrorInvalidDevice (101) and leaves the current context alone; without a current context hipGetDevice makes
+    device 0's current, as HIP does; each device's primary context is retained once; a copy lands."""
+    done = subprocess.run([sys.executable, "-c", _SHIM], check=False, env=_fake_driver(tmp_path), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["path"] and report["bad"] == [101, 101, 101, 101]
+    assert report["first"] == [0, 0] and report["set"] == [0, 0, 0, 0, 1] and report["copy"] == [0, True]
+    assert report["log"] == "retain 0;current 1000;retain 1;current 1001;current 1000;current 1001;copy stream=9;"
+
+
+def test_the_cuda_helper_keeps_the_drivers_calls_once_a_hip_runtime_library_is_loaded(
+    fakes: dict[str, tuple[Any, Any, Path]], tmp_path: Path,
+) -> None:
+    """In a process whose CUDA driver is a fake (libcuda.so.1 on LD_LIBRARY_PATH), a copy through the CUDA helper after
+    a HIP runtime library was loaded runs in its context on the driver's calls, and none of HIP's."""
+    done = subprocess.run([sys.executable, "-c", _BOTH, str(fakes["b"][2])], check=False, env=_fake_driver(tmp_path), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report == {"done": True, "landed": True, "cuda": "push 77;copy stream=5;poll;pop;", "hip": ""}
