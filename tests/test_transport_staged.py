@@ -234,3 +234,42 @@ def test_a_reply_with_bytes_nobody_asked_for_breaks_the_round_trip(expect_payloa
     finally:
         ring.close()
         ring_owner.close()
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_transfer_ids_a_peer_makes_up_do_not_grow_the_owner_without_bound(peer: PeerProcess) -> None:
+    """A hostile initiator names a new megabyte-long transfer id in every frame, with the longest deadline a frame can
+    carry (and a wrong key proof: the deadline is recorded first): the owner's record of deadlines stays small."""
+    remote = peer.register(1 << 16, fill=POISON)
+    stream = _data_connection(peer, remote)
+    try:
+        before = _rss_bytes(peer.pid)
+        for index in range(300):
+            request = peer_pb2.DataRead(buffer_id=remote.id, key_proof=b"wrong", transfer_id=f"{index:08d}" + "x" * (1 << 20), expires_ms=0xFFFFFFFF)
+            stream.send(peer_pb2.PeerFrame(read=request), deadline=time.monotonic() + 5)
+            assert stream.recv(time.monotonic() + 5).reply.HasField("error")
+        grown = _rss_bytes(peer.pid) - before
+    finally:
+        stream.close()
+    assert grown < 64 << 20, f"the owner grew by {grown >> 20} MiB"
+
+
+def test_the_owners_record_of_deadlines_stays_bounded_and_keeps_recent_ones() -> None:
+    from hmc.transport._staged_serve import _EXPECTED_MAX, _Expiry
+
+    expiry = _Expiry(10.0)
+    first = expiry.deadline("t-recent", 3_600_000)
+    for index in range(3 * _EXPECTED_MAX):  # transfers far from over, each seen once
+        expiry.deadline(f"t-{index}", 3_600_000)
+        assert len(expiry._deadlines) <= _EXPECTED_MAX
+    assert expiry.deadline(f"t-{3 * _EXPECTED_MAX - 1}", 1) > time.monotonic() + 3000  # as first seen, not as now sent
+    assert expiry.deadline("t-recent", 1) < first  # forgotten: a later frame gets the deadline it carries
+    long_id = "y" * (1 << 20)
+    assert expiry.deadline(long_id, 3_600_000) == expiry.deadline(long_id, 1)

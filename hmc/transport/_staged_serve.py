@@ -29,6 +29,7 @@ lock) and the default budget, so one serves every connection of a listener.
 from __future__ import annotations
 
 import functools
+import hashlib
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -60,7 +61,10 @@ _LOOKS = 128
 """Looks at the mailbox between two at the socket (a select, a system call) while polling: a few microseconds of
 looks, so a request posted meanwhile is seen within one look, not after a select (2-4 us on the GPU hosts)."""
 _EXPECTED_MAX = 4096
-"""Transfers a data connection remembers the deadline of; older entries past their deadline are forgotten."""
+"""Transfers a data connection remembers the deadline of; older entries past their deadline are forgotten (and, when
+that is not enough, the first seen of those not over)."""
+_ID_KEPT = 256
+"""A transfer id up to this long is remembered as it is; a longer one (a peer's frames may carry megabytes) by its digest."""
 
 
 class DataConnections:
@@ -304,7 +308,7 @@ class _Expiry:
 
     def __init__(self, default_s: float) -> None:
         self._default_s = default_s
-        self._deadlines: dict[str, float] = {}
+        self._deadlines: dict[str | bytes, float] = {}
 
     def deadline(self, transfer_id: str, expires_ms: int) -> float:
         """The monotonic deadline of `transfer_id`'s frames (a frame without one gets the agent's default budget)."""
@@ -312,11 +316,15 @@ class _Expiry:
         budget = expires_ms / 1000 if expires_ms else self._default_s
         if not transfer_id:
             return now + budget
-        known = self._deadlines.get(transfer_id)
+        key: str | bytes = transfer_id if len(transfer_id) <= _ID_KEPT else hashlib.blake2b(transfer_id.encode(), digest_size=16).digest()
+        known = self._deadlines.get(key)
         if known is None:
             if len(self._deadlines) >= _EXPECTED_MAX:
-                self._deadlines = {tid: when for tid, when in self._deadlines.items() if when >= now}
-            known = self._deadlines[transfer_id] = now + budget
+                live = [(tid, when) for tid, when in self._deadlines.items() if when >= now]
+                # still full of transfers not over (a peer's far deadlines): forget the first seen of them; a later
+                # frame of one gets the deadline it carries itself
+                self._deadlines = dict(live[-(_EXPECTED_MAX // 2) :])
+            known = self._deadlines[key] = now + budget
         return known
 
 
