@@ -7,8 +7,14 @@ against a real owner process. tests/gpu/test_cuda_staged.py runs it with CUDA me
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import os
+import struct
 import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -17,13 +23,14 @@ import pytest
 import hmc.transport._staged as staged
 from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
-from hmc.errors import AccessDeniedError, DeviceError, HMCError, OutOfRangeError
+from hmc.errors import AccessDeniedError, DeviceError, HMCError, OutOfRangeError, ProtocolError
 from hmc.testing import PeerProcess
+from hmc.transport._handshake import connect, handshake
 from hmc.transport._pinned import SlotCopier
 from hmc.transport._staged_owner import OwnerSegments
-from hmc.transport._staged_shm import SMALL_BYTES
-from hmc.transport._wire import error_reply
-from hmc.v1 import peer_pb2
+from hmc.transport._staged_shm import SMALL_BYTES, ring_dirs
+from hmc.transport._wire import FrameStream, error_reply, raise_for_reply
+from hmc.v1 import common_pb2, peer_pb2
 from staged_support import POISON, grown, scattered_read_every_byte, write_read_every_byte
 
 STAGED = PathPolicy(allow=("staged",))
@@ -169,6 +176,67 @@ def test_the_ring_fast_path_fails_typed_when_the_owner_dies(config: Config, make
         with pytest.raises(HMCError):
             handle.wait()
         assert not src.inline_routes  # the failed route is forgotten: the next call takes the slow path again
+
+
+@contextlib.contextmanager
+def _hostile_ring(size: int) -> Iterator[tuple[str, int]]:
+    """A ring file an initiator of this host made (its path, and its descriptor, to resize it), removed afterwards."""
+    path = os.path.join(ring_dirs()[0] if os.path.isdir(ring_dirs()[0]) else ring_dirs()[1], f"hmc-staged-{uuid.uuid4().hex}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        yield path, fd
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def _raw_slot_write(peer: PeerProcess, remote: Any) -> tuple[FrameStream, Callable[[str, int, int], peer_pb2.PeerFrame]]:
+    """A raw data connection to the peer agent and what makes a DataWrite of 4096 bytes through a named ring's slot 0."""
+    stream = FrameStream(connect(peer.info.endpoint, time.monotonic() + 5), "owner")
+    handshake(stream, common_pb2.AgentInfo(id="raw-initiator"), peer_pb2.PeerHello.CHANNEL_DATA, time.monotonic() + 5, remote)
+
+    def frame(segment: str, segment_bytes: int, length: int = 4096) -> peer_pb2.PeerFrame:
+        ranges = common_pb2.RangeList(dst_offsets=struct.pack("<q", 0), lengths=struct.pack("<q", length))
+        shm = peer_pb2.ShmSlot(segment=segment, segment_bytes=segment_bytes, offset=0)
+        proof = stream.proof(remote.access_key, remote.registry_epoch)
+        return peer_pb2.PeerFrame(write=peer_pb2.DataWrite(buffer_id=remote.id, key_proof=proof, ranges=ranges, shm=shm))
+
+    return stream, frame
+
+
+def test_an_empty_ring_file_is_refused_typed(peer: PeerProcess) -> None:
+    """A slot naming an empty ring file with a size of 0 (nothing to move): a ProtocolError reply, not an uncaught
+    error in the owner's connection thread."""
+    remote = peer.register(1 << 16, fill=POISON)
+    with _hostile_ring(0) as (path, _):
+        stream, frame = _raw_slot_write(peer, remote)
+        try:
+            stream.send(frame(path, 0, 0), deadline=time.monotonic() + 5)
+            with pytest.raises(ProtocolError):
+                raise_for_reply(stream.recv(time.monotonic() + 5).reply)
+        finally:
+            stream.close()
+    assert peer.contents(remote.id) == bytes([POISON]) * (1 << 16)
+
+
+@pytest.mark.xfail(strict=True, reason="the owner memmoves through its mapping of a file the initiator may shrink: SIGBUS kills it")
+def test_an_initiator_shrinking_its_ring_under_the_owner_does_not_kill_it(peer: PeerProcess) -> None:
+    """A hostile (or buggy) initiator of this host names its ring, lets the owner map it, then truncates the file and
+    names a slot again: the owner's copy touches pages past the file's end."""
+    remote = peer.register(1 << 16, fill=POISON)
+    with _hostile_ring(1 << 20) as (path, fd):
+        stream, frame = _raw_slot_write(peer, remote)
+        try:
+            stream.send(frame(path, 1 << 20), deadline=time.monotonic() + 5)
+            raise_for_reply(stream.recv(time.monotonic() + 5).reply)  # mapped, copied
+            os.ftruncate(fd, 0)
+            stream.send(frame(path, 1 << 20), deadline=time.monotonic() + 5)
+            with contextlib.suppress(HMCError):
+                stream.recv(time.monotonic() + 5)
+        finally:
+            stream.close()
+    peer.contents(remote.id)  # the owner still answers
 
 
 def test_the_fused_slot_batch_helper_is_built_and_stands_aside_without_a_cuda_driver() -> None:

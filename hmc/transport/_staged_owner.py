@@ -117,7 +117,7 @@ class OwnerSegments:
             raise ProtocolError(f"{shm.segment!r} is not a staging ring")
         try:
             mapping = PinnedMapping(shm.segment, shm.segment_bytes, create=False)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: mmap of an empty file, or of one shrunk since its size was checked
             raise ProtocolError(f"cannot map staging ring {shm.segment}: {exc}") from exc
         self._unmap(shm.segment)
         self._mappings[shm.segment] = mapping
