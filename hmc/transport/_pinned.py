@@ -14,6 +14,7 @@ import ctypes
 import logging
 import mmap
 import os
+import stat
 import threading
 import time
 from typing import Any
@@ -51,6 +52,20 @@ def gpu_backends() -> list[Any]:
     return found
 
 
+def _check_theirs(fd: int, path: str, size: int) -> None:
+    """Refuse a ring file another process made unless it is a regular file of this user, of at least `size` bytes.
+
+    Another user could otherwise hand over a file it may shrink once it is mapped here (a copy through the mapping
+    then touches pages past its end: SIGBUS, the whole process), a FIFO or a device. A process of this user can
+    shrink the file too, but it can also signal this process (docs/decisions.md, "The peer port")."""
+    info = os.fstat(fd)
+    name = os.path.basename(path)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+        raise ProtocolError(f"shared ring {name} is not a regular file of this user")
+    if info.st_size < size:
+        raise ProtocolError(f"shared ring {name} is smaller than announced")
+
+
 class PinnedMapping:
     """A /dev/shm file (`path`), or private memory (`path` None), mapped here and pinned for the GPUs present."""
 
@@ -58,13 +73,13 @@ class PinnedMapping:
         if path is None:
             self._mmap = mmap.mmap(-1, size)
         else:
-            flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+            flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else os.O_NOFOLLOW | os.O_NONBLOCK)
             fd = os.open(path, flags, 0o600)
             try:
                 if create:
                     os.posix_fallocate(fd, 0, size)  # ENOSPC now rather than SIGBUS on first touch
-                elif os.fstat(fd).st_size < size:
-                    raise ProtocolError(f"shared ring {os.path.basename(path)} is smaller than announced")
+                else:
+                    _check_theirs(fd, path, size)
                 self._mmap = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
