@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import struct
 import threading
 import time
@@ -10,10 +11,12 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+from control_fixtures import wait_until
 
+import hmc.transport._staged as staged
 from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
-from hmc.errors import BrokenResourceError, ProtocolError
+from hmc.errors import BrokenResourceError, ProtocolError, TimeoutError
 from hmc.testing import PeerProcess, TransportPair, check_transport
 from hmc.transport._handshake import connect, handshake
 from hmc.transport._wire import FrameStream, raise_for_reply
@@ -273,3 +276,31 @@ def test_the_owners_record_of_deadlines_stays_bounded_and_keeps_recent_ones() ->
     assert expiry.deadline("t-recent", 1) < first  # forgotten: a later frame gets the deadline it carries
     long_id = "y" * (1 << 20)
     assert expiry.deadline(long_id, 3_600_000) == expiry.deadline(long_id, 1)
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+@pytest.mark.parametrize("through", ["tcp", "ring"])
+def test_a_write_that_timed_out_against_a_frozen_owner_never_lands(
+    config: Config, peer: PeerProcess, monkeypatch: pytest.MonkeyPatch, through: str
+) -> None:
+    """The owner process is stopped while a small write waits in its socket (tcp) or its ring's mailbox (ring: host
+    memory forced through the shared ring, as device memory goes); the initiator's deadline passes, it reports
+    TimeoutError and hangs up. Once the owner resumes, the request is not served: the destination keeps its bytes."""
+    if through == "ring":
+        monkeypatch.setattr(staged, "_HOST_KINDS", ())
+    remote = peer.register(1 << 16, fill=POISON)
+    with Agent(config.replace(policy=STAGED), daemon=False) as agent:
+        local = agent.register(np.full(1 << 16, 0x11, np.uint8))
+        agent.write(local, remote, 0, 0, 4096).wait()  # the connection (and ring) are up; 0x11 landed
+        before = _threads(peer.pid)
+        local.numpy()[:4096] = 0x77
+        with peer.stalled(), pytest.raises(TimeoutError):
+            agent.write(local, remote, 0, 0, 4096, timeout=0.3).wait()
+        # resumed: the connection's thread ends, having served the request or not
+        wait_until(lambda: _threads(peer.pid) < before, 10.0, "the owner's connection thread to end")
+        assert peer.contents(remote.id)[:4096] == bytes([0x11]) * 4096, "a write that timed out landed late"
+        agent.write(local, remote, 0, 0, 4096).wait()  # the pair works again, on a new connection
+        assert peer.contents(remote.id)[:4096] == bytes([0x77]) * 4096

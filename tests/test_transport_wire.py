@@ -412,3 +412,24 @@ def test_a_large_frame_body_after_read_ahead_bytes_arrives_whole(tcp_streams: tu
     assert right.recv(time.monotonic() + 5).request_id == 4
     assert right.recv(time.monotonic() + 5) == big
     sender.join()
+
+
+@pytest.mark.parametrize("ending", ["close", "abort"])
+def test_a_peer_that_left_is_seen_before_its_last_frames_are_read(tcp_streams: tuple[FrameStream, FrameStream], ending: str) -> None:
+    """`peer_left()`: False while the peer is connected (frames waiting or not), True once it closed or reset the
+    connection, although a frame it sent before still waits to be read."""
+    left, right = tcp_streams
+    assert not right.peer_left()
+    left.send(peer_pb2.PeerFrame(request_id=7))
+    wait_readable = time.monotonic() + 5
+    while not right.readable(0.1):
+        assert time.monotonic() < wait_readable
+    assert not right.peer_left()  # a frame waits; its sender is still there
+    if ending == "close":
+        left.close()
+    else:
+        left.abort()
+    seen = time.monotonic() + 5
+    while not right.peer_left():
+        assert time.monotonic() < seen, "the peer's leaving was not seen"
+    assert right.recv(time.monotonic() + 5).request_id == 7  # the frame it sent before is still there to read

@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
@@ -187,6 +188,23 @@ _COMMANDS = {
 }
 
 
+def _wait_stopped(pid: int, deadline: float) -> None:
+    """Return once every thread of `pid` is stopped (state T in /proc), or it is gone; AssertionError at `deadline`."""
+    while True:
+        try:
+            states = []
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                    states.append(stat.read().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        if all(state in ("T", "t", "Z", "X") for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} did not stop: thread states {states}")
+        os.sched_yield()
+
+
 class PeerProcess:
     """A peer agent running in its own process."""
 
@@ -274,9 +292,11 @@ class PeerProcess:
 
     @contextlib.contextmanager
     def stalled(self) -> Iterator[None]:
-        """Freeze the process (SIGSTOP) for the duration of the block (a peer killed inside stays dead)."""
+        """Freeze the process (SIGSTOP) for the duration of the block (a peer killed inside stays dead); the block
+        starts once every thread of it has stopped (a signal takes effect a little after `kill` returns)."""
         os.kill(self.pid, signal.SIGSTOP)
         try:
+            _wait_stopped(self.pid, time.monotonic() + 10.0)
             yield
         finally:
             with contextlib.suppress(ProcessLookupError):

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hmc.errors import AccessDeniedError, HMCError, OutOfRangeError, ProtocolError, TimeoutError, UnsupportedError
+from hmc.errors import AccessDeniedError, BrokenResourceError, HMCError, OutOfRangeError, ProtocolError, TimeoutError, UnsupportedError
 from hmc.memory import MemoryKind
 from hmc.transport._pinned import PinnedMapping
 from hmc.transport._staged_mailbox import RECHECK_S, SmallRequest, decode_request, token_of
@@ -60,6 +60,10 @@ messages back to back posts the next within tens of microseconds (a GPU copy and
 _LOOKS = 128
 """Looks at the mailbox between two at the socket (a select, a system call) while polling: a few microseconds of
 looks, so a request posted meanwhile is seen within one look, not after a select (2-4 us on the GPU hosts)."""
+_UNSEEN_S = 1e-3
+"""A request taken longer than this after the one before it (the connection's thread slept, or its process was
+stopped meanwhile) is served only while its initiator is still connected: one that gave up (its deadline passed while
+the owner was frozen) hung up, and its request must not land late."""
 _EXPECTED_MAX = 4096
 """Transfers a data connection remembers the deadline of; older entries past their deadline are forgotten (and, when
 that is not enough, the first seen of those not over)."""
@@ -73,9 +77,11 @@ class DataConnections:
     `timeout_s` is the budget of a frame that names no deadline (and of draining a late frame's payload).
     """
 
-    def __init__(self, buffers: BufferTable, timeout_s: float) -> None:
+    def __init__(self, buffers: BufferTable, timeout_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._buffers = buffers
         self._timeout_s = timeout_s
+        self._clock = clock
+        """When the connection's thread looks for a request and when it has one (`_UNSEEN_S`); injectable for tests."""
 
     def serve(self, stream: FrameStream) -> None:
         """Serve one data connection, whose hello was accepted, until it ends (an HMCError ends it)."""
@@ -90,8 +96,13 @@ class DataConnections:
     def _serve_frames(self, stream: FrameStream, segments: OwnerSegments, bounce: BounceSlots, expiry: _Expiry) -> None:
         queued = False  # copies (or replies) handed to `segments` since it last drained: a reply sent here waits for them
         token = token_of(stream)
+        taken = self._clock()  # when the last request was taken: a stop since then shows in the next one's wait
         while True:
             frame, reply_to = _next_request(stream, segments, token)
+            now = self._clock()
+            if now - taken > _UNSEEN_S and stream.peer_left():
+                raise BrokenResourceError(f"{stream.peer} left while its request waited; not served")
+            taken = now
             if isinstance(frame, SmallRequest):  # from the ring's mailbox: one range through slot 0, answered there
                 self._small(stream, frame, segments, reply_to)
                 queued = True

@@ -523,6 +523,18 @@ class FrameStream:
     def broken(self) -> bool:
         return self._broken is not None
 
+    def peer_left(self) -> bool:
+        """Whether the peer closed or reset the connection, seen without reading anything (frames it sent before
+        still wait to be read): an owner asks before serving a request that waited while it was not looking."""
+        if self._broken is not None:
+            return True
+        poller = select.poll()
+        poller.register(self._rx, select.POLLRDHUP)  # POLLHUP and POLLERR are always reported
+        try:
+            return bool(poller.poll(0))
+        except OSError:
+            return True
+
     def abort(self) -> None:
         """Reset the connection now: what the kernel still holds to send (lent pages included) is dropped, never
         sent, and every thread blocked on the stream wakes with BrokenResourceError."""
