@@ -189,7 +189,7 @@ _COMMANDS = {
 
 
 def _wait_stopped(pid: int, deadline: float) -> None:
-    """Return once every thread of `pid` is stopped (state T in /proc), or it is gone; AssertionError at `deadline`."""
+    """Return once every thread of `pid` is stopped (state T in /proc), or it is gone; TimeoutError at `deadline`."""
     while True:
         try:
             states = []
@@ -201,7 +201,7 @@ def _wait_stopped(pid: int, deadline: float) -> None:
         if all(state in ("T", "t", "Z", "X") for state in states):
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"process {pid} did not stop: thread states {states}")
+            raise TimeoutError(f"process {pid} did not stop: thread states {states}")
         os.sched_yield()
 
 

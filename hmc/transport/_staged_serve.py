@@ -77,11 +77,9 @@ class DataConnections:
     `timeout_s` is the budget of a frame that names no deadline (and of draining a late frame's payload).
     """
 
-    def __init__(self, buffers: BufferTable, timeout_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, buffers: BufferTable, timeout_s: float) -> None:
         self._buffers = buffers
         self._timeout_s = timeout_s
-        self._clock = clock
-        """When the connection's thread looks for a request and when it has one (`_UNSEEN_S`); injectable for tests."""
 
     def serve(self, stream: FrameStream) -> None:
         """Serve one data connection, whose hello was accepted, until it ends (an HMCError ends it)."""
@@ -96,10 +94,10 @@ class DataConnections:
     def _serve_frames(self, stream: FrameStream, segments: OwnerSegments, bounce: BounceSlots, expiry: _Expiry) -> None:
         queued = False  # copies (or replies) handed to `segments` since it last drained: a reply sent here waits for them
         token = token_of(stream)
-        taken = self._clock()  # when the last request was taken: a stop since then shows in the next one's wait
+        taken = time.monotonic()  # when the last request was taken: a stop since then shows in the next one's wait
         while True:
             frame, reply_to = _next_request(stream, segments, token)
-            now = self._clock()
+            now = time.monotonic()
             if now - taken > _UNSEEN_S and stream.peer_left():
                 raise BrokenResourceError(f"{stream.peer} left while its request waited; not served")
             taken = now
