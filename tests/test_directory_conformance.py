@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 from control_fixtures import DaemonSet, FakeAgent, Hmcd, etcd_server, submit_as_forwarder, wait_until
 
+from hmc.agent._peer_process import wait_stopped
 from hmc.errors import BufferWithdrawnError, StaleDescriptorError, UnavailableError, UnknownBufferError
 from hmc.testing._etcd import EtcdServer
 from hmc.v1 import common_pb2, daemon_pb2
@@ -208,6 +209,7 @@ def test_a_partition_serves_what_it_can_and_never_guesses(cluster: Cluster, node
         if cluster.kind == "static":
             owner.process.send_signal(19)  # SIGSTOP
             try:
+                wait_stopped(owner.process.pid, time.monotonic() + 10.0)
                 with viewer.client() as client, pytest.raises(UnavailableError):
                     client.lookup("conf-partition")
                 assert local.register("conf-local").name == "conf-local"

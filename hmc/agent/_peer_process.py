@@ -38,7 +38,7 @@ from hmc.errors import BrokenResourceError, HMCError, TimeoutError, error_from_c
 from hmc.memory import MemoryKind
 from hmc.v1 import common_pb2
 
-__all__ = ["PeerProcess", "ranges_digest"]
+__all__ = ["PeerProcess", "ranges_digest", "wait_stopped"]
 
 _START_S = 60.0
 
@@ -188,8 +188,9 @@ _COMMANDS = {
 }
 
 
-def _wait_stopped(pid: int, deadline: float) -> None:
-    """Return once every thread of `pid` is stopped (state T in /proc), or it is gone; TimeoutError at `deadline`."""
+def wait_stopped(pid: int, deadline: float) -> None:
+    """Return once every thread of `pid` is stopped (state T in /proc), or it is gone; TimeoutError at `deadline`.
+    `kill(SIGSTOP)` returns before the stop takes hold: a test that freezes a process waits for this first."""
     while True:
         try:
             states = []
@@ -296,7 +297,7 @@ class PeerProcess:
         starts once every thread of it has stopped (a signal takes effect a little after `kill` returns)."""
         os.kill(self.pid, signal.SIGSTOP)
         try:
-            _wait_stopped(self.pid, time.monotonic() + 10.0)
+            wait_stopped(self.pid, time.monotonic() + 10.0)
             yield
         finally:
             with contextlib.suppress(ProcessLookupError):

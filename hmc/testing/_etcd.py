@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from hmc.agent._peer_process import wait_stopped
 from hmc.errors import HMCError, UnavailableError
 
 __all__ = ["EtcdServer", "etcd_available"]
@@ -114,6 +115,7 @@ class EtcdServer:
         assert self.process is not None
         self.process.send_signal(signal.SIGSTOP)
         try:
+            wait_stopped(self.process.pid, time.monotonic() + 10.0)
             yield
         finally:
             self.process.send_signal(signal.SIGCONT)

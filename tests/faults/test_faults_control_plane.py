@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from control_fixtures import REPO, DaemonSet, FakeAgent, clean_env, daemon_set, short_tempdir, start_peered, wait_until
 
+from hmc.agent._peer_process import wait_stopped
 from hmc.config import Config
 from hmc.control import Client
 from hmc.control._auth import check_socket_dir
@@ -322,6 +323,7 @@ def test_a_lookup_while_a_peer_is_silent_is_unavailable_naming_it(daemons: Daemo
         here.register("kv-here", size=4096)
         os.kill(node_b.process.pid, signal.SIGSTOP)
         try:
+            wait_stopped(node_b.process.pid, time.monotonic() + 10.0)
             with Client(config=node_a.config(), timeout=15.0) as client:
                 with pytest.raises(UnavailableError, match=node_b.tcp_address):  # before or after the health check notices
                     client.lookup("kv-somewhere")
