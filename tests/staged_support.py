@@ -1,10 +1,17 @@
-"""Helpers shared by the staged path's ring tests (shared ring, TCP ring): a whole-buffer round trip and a grown descriptor."""
+"""Helpers shared by the staged path's tests (streams, shared ring, TCP ring): a whole-buffer round trip, a grown
+descriptor, and a raw data connection to a peer agent (what a hostile initiator opens)."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
 from hmc.agent import Agent, ConnBuffer
+from hmc.testing import PeerProcess
+from hmc.transport._handshake import connect, handshake
+from hmc.transport._wire import FrameStream
+from hmc.v1 import common_pb2, peer_pb2
 from hmc.v1.common_pb2 import BufferDescriptor
 
 POISON = 0xA5
@@ -49,3 +56,10 @@ def scattered_read_every_byte(a: Agent, out: ConnBuffer, remote: BufferDescripto
     for o, n in zip(offsets.tolist(), lengths.tolist()):
         mine[o : o + n] = holds[o : o + n]
     assert np.array_equal(out.numpy(), mine)
+
+
+def data_connection(peer: PeerProcess, proves: BufferDescriptor) -> FrameStream:
+    """A raw data connection to the peer agent, authenticated with `proves`' key (what a staged initiator opens)."""
+    stream = FrameStream(connect(peer.info.endpoint, time.monotonic() + 5), "owner")
+    handshake(stream, common_pb2.AgentInfo(id="raw-initiator"), peer_pb2.PeerHello.CHANNEL_DATA, time.monotonic() + 5, proves)
+    return stream

@@ -12,13 +12,13 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 from control_fixtures import wait_until
+from staged_support import data_connection
 
 import hmc.transport._staged as staged
 from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
 from hmc.errors import BrokenResourceError, ProtocolError, TimeoutError
 from hmc.testing import PeerProcess, TransportPair, check_transport
-from hmc.transport._handshake import connect, handshake
 from hmc.transport._wire import FrameStream, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
@@ -149,13 +149,6 @@ def test_concurrent_small_transfers_share_the_round_trip_connections(config: Con
         assert peer.contents(remote.id) == src.numpy().tobytes()
 
 
-def _data_connection(peer: PeerProcess, proves: common_pb2.BufferDescriptor) -> FrameStream:
-    """A raw data connection to the peer agent, authenticated with `proves`' key (what a staged initiator opens)."""
-    stream = FrameStream(connect(peer.info.endpoint, time.monotonic() + 5), "owner")
-    handshake(stream, common_pb2.AgentInfo(id="raw-initiator"), peer_pb2.PeerHello.CHANNEL_DATA, time.monotonic() + 5, proves)
-    return stream
-
-
 def _write_of(stream: FrameStream, remote: common_pb2.BufferDescriptor, offset: int, length: int) -> peer_pb2.PeerFrame:
     ranges = common_pb2.RangeList(dst_offsets=struct.pack("<q", offset), lengths=struct.pack("<q", length))
     return peer_pb2.PeerFrame(write=peer_pb2.DataWrite(buffer_id=remote.id, key_proof=stream.proof(remote.access_key), ranges=ranges))
@@ -164,7 +157,7 @@ def _write_of(stream: FrameStream, remote: common_pb2.BufferDescriptor, offset: 
 def test_an_inline_write_lands_whole_on_the_owner(peer: PeerProcess, rng: np.random.Generator) -> None:
     remote = peer.register(1 << 16, fill=POISON)
     data = rng.integers(0, 256, 4096, dtype=np.uint8)
-    stream = _data_connection(peer, remote)
+    stream = data_connection(peer, remote)
     try:
         stream.send(_write_of(stream, remote, 1000, 4096), [memoryview(data)], time.monotonic() + 5)
         raise_for_reply(stream.recv(time.monotonic() + 5, spin_s=1e-4).reply)
@@ -178,7 +171,7 @@ def test_an_inline_write_lands_whole_on_the_owner(peer: PeerProcess, rng: np.ran
 @pytest.mark.parametrize("inline", [100, 8192])  # too little for the ranges, too much
 def test_an_inline_payload_unlike_its_ranges_is_refused_and_nothing_lands(peer: PeerProcess, rng: np.random.Generator, inline: int) -> None:
     remote = peer.register(1 << 16, fill=POISON)
-    stream = _data_connection(peer, remote)
+    stream = data_connection(peer, remote)
     try:
         stream.send(_write_of(stream, remote, 0, 4096), [memoryview(rng.integers(0, 256, inline, dtype=np.uint8))], time.monotonic() + 5)
         with pytest.raises(ProtocolError):  # a typed refusal, then the owner hangs up
@@ -192,7 +185,7 @@ def test_an_inline_payload_unlike_its_ranges_is_refused_and_nothing_lands(peer: 
 
 def test_an_inline_frame_cut_short_ends_its_connection_and_nothing_lands(peer: PeerProcess, rng: np.random.Generator) -> None:
     remote = peer.register(1 << 16, fill=POISON)
-    stream = _data_connection(peer, remote)
+    stream = data_connection(peer, remote)
     body = _write_of(stream, remote, 0, 4096).SerializeToString()
     data = rng.integers(0, 256, 4096, dtype=np.uint8).tobytes()
     try:
@@ -251,7 +244,7 @@ def test_transfer_ids_a_peer_makes_up_do_not_grow_the_owner_without_bound(peer: 
     """A hostile initiator names a new megabyte-long transfer id in every frame, with the longest deadline a frame can
     carry (and a wrong key proof: the deadline is recorded first): the owner's record of deadlines stays small."""
     remote = peer.register(1 << 16, fill=POISON)
-    stream = _data_connection(peer, remote)
+    stream = data_connection(peer, remote)
     try:
         before = _rss_bytes(peer.pid)
         for index in range(300):
@@ -304,3 +297,26 @@ def test_a_write_that_timed_out_against_a_frozen_owner_never_lands(
         assert peer.contents(remote.id)[:4096] == bytes([0x11]) * 4096, "a write that timed out landed late"
         agent.write(local, remote, 0, 0, 4096).wait()  # the pair works again, on a new connection
         assert peer.contents(remote.id)[:4096] == bytes([0x77]) * 4096
+
+
+def test_a_request_that_waited_out_a_frozen_owner_is_served_while_its_initiator_waits(peer: PeerProcess, rng: np.random.Generator) -> None:
+    """The owner's look after a pause drops only what an initiator gave up on: a write sent while the owner is stopped
+    (longer than the pause it looks for), on a connection still open, is served once it resumes, every byte landed."""
+    from hmc.transport._staged_serve import _UNSEEN_S
+
+    remote = peer.register(1 << 16, fill=POISON)
+    first, late = rng.integers(0, 256, 4096, dtype=np.uint8), rng.integers(0, 256, 4096, dtype=np.uint8)
+    stream = data_connection(peer, remote)
+    try:
+        stream.send(_write_of(stream, remote, 0, 4096), [memoryview(first)], time.monotonic() + 5)
+        raise_for_reply(stream.recv(time.monotonic() + 5).reply)  # the owner took a request: its pause counts from here
+        with peer.stalled():
+            stream.send(_write_of(stream, remote, 8192, 4096), [memoryview(late)], time.monotonic() + 5)
+            stopped = time.monotonic()
+            wait_until(lambda: time.monotonic() - stopped > 10 * _UNSEEN_S, 5.0, "the owner to stay stopped past its pause")
+        raise_for_reply(stream.recv(time.monotonic() + 10).reply)
+    finally:
+        stream.close()
+    expected = np.full(1 << 16, POISON, np.uint8)
+    expected[:4096], expected[8192:12288] = first, late
+    assert peer.contents(remote.id) == expected.tobytes()

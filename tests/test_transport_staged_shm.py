@@ -19,19 +19,30 @@ from typing import Any
 
 import numpy as np
 import pytest
+from staged_support import (
+    POISON,
+    data_connection,
+    grown,
+    scattered_read_every_byte,
+    write_read_every_byte,
+)
 
 import hmc.transport._staged as staged
 from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
-from hmc.errors import AccessDeniedError, DeviceError, HMCError, OutOfRangeError, ProtocolError
+from hmc.errors import (
+    AccessDeniedError,
+    DeviceError,
+    HMCError,
+    OutOfRangeError,
+    ProtocolError,
+)
 from hmc.testing import PeerProcess
-from hmc.transport._handshake import connect, handshake
 from hmc.transport._pinned import SlotCopier
 from hmc.transport._staged_owner import OwnerSegments
-from hmc.transport._staged_shm import SMALL_BYTES, ring_dirs
+from hmc.transport._staged_shm import SMALL_BYTES, _ring_dir
 from hmc.transport._wire import FrameStream, error_reply, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
-from staged_support import POISON, grown, scattered_read_every_byte, write_read_every_byte
 
 STAGED = PathPolicy(allow=("staged",))
 
@@ -181,7 +192,7 @@ def test_the_ring_fast_path_fails_typed_when_the_owner_dies(config: Config, make
 @contextlib.contextmanager
 def _hostile_ring(size: int) -> Iterator[tuple[str, int]]:
     """A ring file an initiator of this host made (its path, and its descriptor, to resize it), removed afterwards."""
-    path = os.path.join(ring_dirs()[0] if os.path.isdir(ring_dirs()[0]) else ring_dirs()[1], f"hmc-staged-{uuid.uuid4().hex}")
+    path = os.path.join(_ring_dir(max(size, 1)), f"hmc-staged-{uuid.uuid4().hex}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)
@@ -193,8 +204,7 @@ def _hostile_ring(size: int) -> Iterator[tuple[str, int]]:
 
 def _raw_slot_write(peer: PeerProcess, remote: Any) -> tuple[FrameStream, Callable[[str, int, int], peer_pb2.PeerFrame]]:
     """A raw data connection to the peer agent and what makes a DataWrite of 4096 bytes through a named ring's slot 0."""
-    stream = FrameStream(connect(peer.info.endpoint, time.monotonic() + 5), "owner")
-    handshake(stream, common_pb2.AgentInfo(id="raw-initiator"), peer_pb2.PeerHello.CHANNEL_DATA, time.monotonic() + 5, remote)
+    stream = data_connection(peer, remote)
 
     def frame(segment: str, segment_bytes: int, length: int = 4096) -> peer_pb2.PeerFrame:
         ranges = common_pb2.RangeList(dst_offsets=struct.pack("<q", 0), lengths=struct.pack("<q", length))
@@ -232,10 +242,10 @@ def test_a_ring_another_user_could_shrink_is_refused_typed(peer: PeerProcess, ki
                 pytest.skip("giving a file to another user needs root")
             os.fchown(fd, 65534, 65534)
         elif kind == "symlink":
-            named = path[: -len("0" * 32)] + uuid.uuid4().hex
+            named = path[:-32] + uuid.uuid4().hex  # another ring's name
             os.symlink(path, named)
         else:
-            named = path[: -len("0" * 32)] + uuid.uuid4().hex
+            named = path[:-32] + uuid.uuid4().hex
             os.mkfifo(named, 0o600)
         stream, frame = _raw_slot_write(peer, remote)
         try:
