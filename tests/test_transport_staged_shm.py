@@ -230,14 +230,17 @@ def test_an_empty_ring_file_is_refused_typed(peer: PeerProcess) -> None:
     assert peer.contents(remote.id) == bytes([POISON]) * (1 << 16)
 
 
-@pytest.mark.parametrize("kind", ["another user's", "symlink", "fifo"])
-def test_a_ring_another_user_could_shrink_is_refused_typed(peer: PeerProcess, kind: str) -> None:
+@pytest.mark.parametrize("kind", ["another user's", "symlink", "fifo", "shorter than announced"])
+def test_a_ring_the_owner_must_not_map_is_refused_typed(peer: PeerProcess, kind: str) -> None:
     """A slot naming a ring file of another user (which that user could shrink under the owner's mapping: SIGBUS), a
-    symbolic link or a FIFO with a ring's name: a ProtocolError reply, nothing written, the owner alive."""
+    symbolic link or a FIFO with a ring's name, or a ring shorter than its frame says: a ProtocolError reply, nothing
+    written, the owner alive."""
     remote = peer.register(1 << 16, fill=POISON)
     with _hostile_ring(1 << 20) as (path, fd):
-        named = path
-        if kind == "another user's":
+        named, announced = path, 1 << 20
+        if kind == "shorter than announced":
+            announced = 1 << 40
+        elif kind == "another user's":
             if os.geteuid() != 0:
                 pytest.skip("giving a file to another user needs root")
             os.fchown(fd, 65534, 65534)
@@ -249,8 +252,8 @@ def test_a_ring_another_user_could_shrink_is_refused_typed(peer: PeerProcess, ki
             os.mkfifo(named, 0o600)
         stream, frame = _raw_slot_write(peer, remote)
         try:
-            stream.send(frame(named, 1 << 20), deadline=time.monotonic() + 5)
-            with pytest.raises(ProtocolError, match="regular file of this user|cannot map"):
+            stream.send(frame(named, announced), deadline=time.monotonic() + 5)
+            with pytest.raises(ProtocolError, match="regular file of this user|cannot map|smaller than announced"):
                 raise_for_reply(stream.recv(time.monotonic() + 5).reply)
         finally:
             stream.close()
