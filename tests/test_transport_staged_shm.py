@@ -301,21 +301,21 @@ def test_the_fused_slot_batch_helper_is_built_and_stands_aside_without_a_cuda_dr
     ids=["landed", "still running", "not queued", "refused", "failed while polled"],
 )
 def test_the_helpers_single_copy_answers_landed_running_or_a_device_error(status: int, queued: int, outcome: object) -> None:
-    """`Helper.copy_now` reads the C call's status and step: 0 landed; NOT_READY after queueing, poll on; any other
-    answer (NOT_READY with nothing queued included) a DeviceError, never a silent success."""
+    """`Helper.copy_now` reads the C call's status, whose bit 30 says the copy was queued: 0 landed; NOT_READY after
+    queueing, poll on; any other answer (NOT_READY with nothing queued included) a DeviceError, never a silent
+    success."""
     from hmc.transport import _gpu_batch, _gpu_batch_c  # type: ignore[attr-defined]
 
     class Lib:
         hmc_batch_run = None
 
         @staticmethod
-        def hmc_copy_now(context: int, dst: int, src: int, length: int, stream: int, polls: int, step: Any) -> int:
-            step[0] = queued
-            return status
+        def hmc_copy_now(context: int, dst: int, src: int, length: int, stream: int, polls: int) -> int:
+            return status | (queued << 30 if status else 0)
 
     helper = _gpu_batch.Helper(_gpu_batch_c.ffi, Lib())
     if outcome is DeviceError:
-        with pytest.raises(DeviceError, match=f"CUresult {status}"):
+        with pytest.raises(DeviceError, match=rf"CUresult {status} \(a copy, {'queued' if queued else 'not queued'}\)"):
             helper.copy_now(1, 2, 3, 4096, 5, 256)
     else:
         assert helper.copy_now(1, 2, 3, 4096, 5, 256) is outcome

@@ -19,6 +19,11 @@ from hmc.errors import DeviceError
 
 __all__ = ["Helper", "helper_for", "hip_library", "library"]
 
+_QUEUED = 1 << 30
+"""Set in a single copy's status once the copy was queued (`hmc_copy_now`)."""
+_RUNNING = _QUEUED | 600
+"""A single copy queued and still running: CUDA_ERROR_NOT_READY / hipErrorNotReady with the copy queued."""
+
 
 class Helper:
     """The loaded helper for one runtime: `run()` queues a slot batch, `copy_now()` one copy, each on a GPU given as
@@ -66,13 +71,13 @@ class Helper:
     def copy_now(self, context: int, dst: int, src: int, length: int, stream: int, polls: int) -> bool:
         """One copy queued on `stream` in `context` and the stream looked at up to `polls` times: True once it
         finished, False while it runs (poll on); DeviceError when the copy or a look at the stream failed."""
-        step = self._ffi.new("int *")
-        status = self._copy_now(context, dst, src, length, stream, polls, step)
+        status = self._copy_now(context, dst, src, length, stream, polls)
         if status == 0:
             return True
-        if status == self.NOT_READY and step[0]:
+        if status == _RUNNING:
             return False
-        raise DeviceError(f"{self._failed} {status} (a copy, {'queued' if step[0] else 'not queued'})")
+        queued = bool(status & _QUEUED)
+        raise DeviceError(f"{self._failed} {status & ~_QUEUED} (a copy, {'queued' if queued else 'not queued'})")
 
 
 def helper_for(runtime: Any) -> Helper | None:
