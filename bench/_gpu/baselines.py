@@ -10,6 +10,8 @@ Systems (row `system`, `path`):
     pinned-both  torch      one process: cuda:0 -> pinned host and pinned host -> cuda:0 at once, on two
                             streams, bulk; GB/s per direction: the ceiling of a staged pair whose two
                             ends share one GPU (its PCIe link carries both directions)
+    pinned-across torch     the same with the H2D into cuda:1, bulk; two GPUs only: the ceiling of a staged
+                            pair across two GPUs (each end's link and the host between them, both busy)
     torch-gather torch      one process: index_select on the source device -> (peer copy) -> index_copy_
                             on the destination device, KV
     copy-kernel  push/pull  one process: the copy kernel (one block per range) on cuda:0 writing the
@@ -67,12 +69,13 @@ from hmc.bench._workloads import SEED, Workload, make_ranges
 
 __all__ = ["LOCAL_SYSTEMS", "NCCL_SYSTEMS", "TWO_GPU_SYSTEMS", "ipc_initiator", "ipc_target", "local_child", "nccl_rank", "probe_child"]
 
-LOCAL_SYSTEMS = ("device-copy", "peer-copy", "pinned-d2h", "pinned-h2d", "pinned-both", "torch-gather", "copy-kernel")
+LOCAL_SYSTEMS = ("device-copy", "peer-copy", "pinned-d2h", "pinned-h2d", "pinned-both", "pinned-across", "torch-gather", "copy-kernel")
 """Systems measured in one process that sees every GPU of the run."""
 NCCL_SYSTEMS: dict[str, dict[str, str]] = {"nccl": {}, "nccl-nop2p": {"NCCL_P2P_DISABLE": "1"}}
 """System name -> extra environment of both ranks."""
 TWO_GPU_SYSTEMS = {
     "peer-copy": "a copy between two GPUs",
+    "pinned-across": "a D2H on one GPU and an H2D on another",
     "nccl": "NCCL refuses two ranks on one GPU",
     "nccl-nop2p": "NCCL refuses two ranks on one GPU",
 }
@@ -339,27 +342,30 @@ def _copy_kernel(t: _Local, w: Workload, timing: Timing, push: bool, streams: di
     return gpu_row("copy-kernel", "push" if push else "pull", w, times, ok, detail, pipe, "cuda-events")
 
 
-def _pinned_both(t: _Local, w: Workload, timing: Timing) -> Any:
-    """D2H and H2D of `w.nbytes` each at once, on two streams; every byte of both results compared."""
+def _pinned_both(t: _Local, w: Workload, timing: Timing, across: bool = False) -> Any:
+    """D2H (from the source GPU) and H2D of `w.nbytes` each at once, on two streams; the H2D into the source GPU,
+    or with `across` into the destination GPU; every byte of both results compared."""
     torch, n = t.torch, w.nbytes
+    target, expected, d_in = (t.dst1, t.expected1, t.d1) if across else (t.dst0, t.src0, t.d0)
     into, out = t.pinned(), t.pinned_out()
-    into[:n].copy_(t.src0[:n])
+    into[:n].copy_(expected[:n])
     out[:n].fill_(0xA5)
-    poison(t.dst0, w.total_size)
+    poison(target, w.total_size)
     t.sync()
-    down, up = torch.cuda.Stream(t.d0), torch.cuda.Stream(t.d0)
+    down, up = torch.cuda.Stream(t.d0), torch.cuda.Stream(d_in)
 
     def step() -> None:
         with torch.cuda.stream(down):
             out[:n].copy_(t.src0[:n], non_blocking=True)
         with torch.cuda.stream(up):
-            t.dst0[:n].copy_(into[:n], non_blocking=True)
+            target[:n].copy_(into[:n], non_blocking=True)
         down.synchronize()
         up.synchronize()
 
     times = measure_row(step, timing, w)
-    ok = verify(t.dst0, t.src0, w, *make_ranges(w)[:2]) and bool(torch.equal(out[:n].to(t.d0), t.src0[:n]))
-    return gpu_row("pinned-both", "torch", w, times, ok, f"{t.d0} -> pinned host and pinned host -> {t.d0} at once (two streams); GB/s per direction")
+    ok = verify(target, expected, w, *make_ranges(w)[:2]) and bool(torch.equal(out[:n].to(t.d0), t.src0[:n]))
+    detail = f"{t.d0} -> pinned host and pinned host -> {d_in} at once (two streams); GB/s per direction"
+    return gpu_row("pinned-across" if across else "pinned-both", "torch", w, times, ok, detail)
 
 
 _BULK_SYSTEMS: dict[str, Callable[[_Local, Workload, Timing], Any]] = {
@@ -368,6 +374,7 @@ _BULK_SYSTEMS: dict[str, Callable[[_Local, Workload, Timing], Any]] = {
     "pinned-d2h": functools.partial(_pinned, to_host=True),
     "pinned-h2d": functools.partial(_pinned, to_host=False),
     "pinned-both": _pinned_both,
+    "pinned-across": functools.partial(_pinned_both, across=True),
 }
 """The one-process systems that run every bulk workload, in the order they run."""
 

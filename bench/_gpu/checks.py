@@ -141,6 +141,8 @@ def two_gpu_staged_checks(workloads: Sequence[Workload]) -> list[Check | MinChec
         name = f"hmc {path} (two GPUs)"
         for op in OPS:
             checks.append(MinCheck(f"{name} {big} {op} vs min(pinned D2H, pinned H2D)", ("hmc", path, op, big), pinned, 0.9))
+            checks.append(Check(f"{name} {big} {op} vs D2H on one GPU and H2D on the other at once", ("hmc", path, op, big),
+                                ("pinned-across", "", "WRITE", big), 0.9))
             checks += [Check(f"{name} {kv} {op} vs its {big} {op}", ("hmc", path, op, kv), ("hmc", path, op, big), 0.8) for kv in kvs]
         checks.append(Check(f"{name} {big} WRITE vs NCCL with P2P disabled", ("hmc", path, "WRITE", big), ("nccl-nop2p", "", "WRITE", big), 1.3))
         checks.append(Check(f"{name} {small} WRITE p50 latency vs NIXL UCX_TLS=tcp,cuda_copy", ("hmc", path, "WRITE", small),

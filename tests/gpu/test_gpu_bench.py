@@ -296,7 +296,7 @@ def test_gpu_bench_quick_on_one_gpu(tmp_path: Path) -> None:
         pytest.skip("needs a CUDA GPU")
     report = _quick_run(tmp_path, 1)
     skipped = {s["system"] for s in report["skipped"]}
-    assert {"peer-copy", "nccl", "nccl-nop2p"} <= skipped <= {"peer-copy", "nccl", "nccl-nop2p", *NIXL_GPU_SYSTEMS}
+    assert {"peer-copy", "pinned-across", "nccl", "nccl-nop2p"} <= skipped <= {"peer-copy", "pinned-across", "nccl", "nccl-nop2p", *NIXL_GPU_SYSTEMS}
     assert {(r["path"], r["workload"]) for r in report["rows"] if r["system"] == "copy-kernel"} == {("push", w.name) for w in gpu_quick_workloads()}
     staged = [r for r in report["rows"] if r["system"] == "hmc" and r["path"] == "staged"]
     assert all("declares its GPU AMD" in r["detail"] and r["detail"].endswith("(negotiated)") for r in staged)
@@ -311,7 +311,7 @@ def test_gpu_bench_quick_on_two_gpus(tmp_path: Path) -> None:
     report = _quick_run(tmp_path, 2)
     assert {s["system"] for s in report["skipped"]} <= set(NIXL_GPU_SYSTEMS)
     bulk = [w.name for w in gpu_quick_workloads() if not w.random]
-    for system in ("peer-copy", "nccl", "nccl-nop2p"):
+    for system in ("peer-copy", "pinned-across", "nccl", "nccl-nop2p"):
         assert [r["workload"] for r in report["rows"] if r["system"] == system] == bulk
     assert {(r["path"], r["workload"]) for r in report["rows"] if r["system"] == "copy-kernel"} == {
         (p, w.name) for p in ("push", "pull") for w in gpu_quick_workloads()}
@@ -324,10 +324,14 @@ def test_two_gpu_staged_checks_of_issue_16() -> None:
         _row("pinned-d2h", "torch", big, 1e-4), _row("pinned-h2d", "torch", big, 2e-4),  # min is H2D (5.2 GB/s)
         _row("hmc", "staged-hip", big, 2.1e-4), _row("hmc", "staged-hip", kv, 4e-3), _row("nccl-nop2p", "torch", big, 4e-4),
         _row("hmc", "staged-hip", small, 50e-6), _row("nixl-tcp-cuda-copy", "UCX", small, 40e-6),
+        _row("pinned-across", "torch", big, 2.05e-4),
     ]
     ratios = {r["check"]: r for r in evaluate_checks(gpu_checks(wls, 2), rows)}
     name = "hmc staged-hip (two GPUs)"
     assert ratios[f"{name} bulk_1MiB WRITE vs min(pinned D2H, pinned H2D)"]["ratio"] == pytest.approx(2e-4 / 2.1e-4, rel=1e-3)
+    across = ratios[f"{name} bulk_1MiB WRITE vs D2H on one GPU and H2D on the other at once"]
+    assert across["ratio"] == pytest.approx(2.05e-4 / 2.1e-4, rel=1e-3) and across["ok"] is True
+    assert ratios[f"{name} bulk_1MiB READ vs D2H on one GPU and H2D on the other at once"]["ok"] is None  # no READ row
     assert ratios[f"{name} bulk_1MiB WRITE vs NCCL with P2P disabled"]["ok"] is True  # 1.9x
     assert ratios[f"{name} kv_256x64KiB WRITE vs its bulk_1MiB WRITE"]["ok"] is True  # 16 MiB in 4 ms against 1 MiB in 0.21 ms
     assert ratios[f"{name} bulk_4KiB WRITE p50 latency vs NIXL UCX_TLS=tcp,cuda_copy"]["ok"] is False
