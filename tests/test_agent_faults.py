@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from hmc.agent import Agent, TransferState
+from hmc.agent._peer_process import wait_stopped
 from hmc.errors import BrokenResourceError, HMCError, TimeoutError, UnavailableError
 from hmc.testing import PeerProcess
 
@@ -69,3 +75,24 @@ def test_frozen_owner_times_out_and_the_pair_recovers(make_agent: Callable[..., 
     except HMCError as exc:  # pragma: no cover - the message says what went wrong
         pytest.fail(f"pair did not recover: {exc}")
     assert peer.contents(remote.id) == src.numpy().tobytes()
+
+
+def test_wait_stopped_returns_once_every_thread_stopped_and_never_waits_past_its_deadline() -> None:
+    """The freeze every fault test relies on: a running process is a TimeoutError at the deadline, a stopped one
+    (all of its threads) returns, and so does one that is gone."""
+    code = "import threading, time\nfor _ in range(3): threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\ntime.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="did not stop"):
+            wait_stopped(child.pid, start + 0.05)
+        assert time.monotonic() - start < 5.0
+        os.kill(child.pid, signal.SIGSTOP)
+        wait_stopped(child.pid, time.monotonic() + 10.0)
+        states = [Path(f"/proc/{child.pid}/task/{task}/stat").read_text().rsplit(")", 1)[1].split()[0] for task in os.listdir(f"/proc/{child.pid}/task")]
+        assert states and all(state in ("T", "t") for state in states)
+        os.kill(child.pid, signal.SIGCONT)
+    finally:
+        child.kill()
+        child.wait(10)
+    wait_stopped(child.pid, time.monotonic() + 1.0)  # gone: nothing to wait for

@@ -192,18 +192,29 @@ def wait_stopped(pid: int, deadline: float) -> None:
     """Return once every thread of `pid` is stopped (state T in /proc), or it is gone; TimeoutError at `deadline`.
     `kill(SIGSTOP)` returns before the stop takes hold: a test that freezes a process waits for this first."""
     while True:
-        try:
-            states = []
-            for task in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{task}/stat") as stat:
-                    states.append(stat.read().rsplit(")", 1)[1].split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            return
-        if all(state in ("T", "t", "Z", "X") for state in states):
+        states = _thread_states(pid)
+        if states is None or all(state in ("T", "t", "Z", "X") for state in states):
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"process {pid} did not stop: thread states {states}")
         os.sched_yield()
+
+
+def _thread_states(pid: int) -> list[str] | None:
+    """The /proc state letter of each thread of `pid`; None once the process is gone (a thread that ends while
+    they are read is left out: the others still count)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return None
+    states = []
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                states.append(stat.read().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return states
 
 
 class PeerProcess:
