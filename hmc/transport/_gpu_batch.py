@@ -21,8 +21,6 @@ __all__ = ["Helper", "helper_for", "hip_library", "library"]
 
 _QUEUED = 1 << 30
 """Set in a single copy's status once the copy was queued (`hmc_copy_now`)."""
-_RUNNING = _QUEUED | 600
-"""A single copy queued and still running: CUDA_ERROR_NOT_READY / hipErrorNotReady with the copy queued."""
 
 
 class Helper:
@@ -32,6 +30,8 @@ class Helper:
     NOT_READY = 600
     """CUDA_ERROR_NOT_READY and hipErrorNotReady: the range table's last reader still runs (nothing queued), or a copy
     still runs."""
+    RUNNING = _QUEUED | NOT_READY
+    """A single copy's status while it runs: NOT_READY with the copy queued."""
 
     def __init__(self, ffi: Any, lib: Any, *, hip_runtime: int = 0) -> None:
         """`hip_runtime`: the table of calls `hmc_hip_load` made for one HIP runtime library (0: CUDA's driver)."""
@@ -74,7 +74,7 @@ class Helper:
         status = self._copy_now(context, dst, src, length, stream, polls)
         if status == 0:
             return True
-        if status == _RUNNING:
+        if status == self.RUNNING:
             return False
         queued = bool(status & _QUEUED)
         raise DeviceError(f"{self._failed} {status & ~_QUEUED} (a copy, {'queued' if queued else 'not queued'})")
