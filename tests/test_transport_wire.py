@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import threading
@@ -433,3 +434,136 @@ def test_a_peer_that_left_is_seen_before_its_last_frames_are_read(tcp_streams: t
     while not right.peer_left():
         assert time.monotonic() < seen, "the peer's leaving was not seen"
     assert right.recv(time.monotonic() + 5).request_id == 7  # the frame it sent before is still there to read
+
+
+# -- a hostile or failing peer: deadlines, descriptors past 1023, claims of memory --------------------------------
+
+
+def _trickle(sock: socket.socket, data: bytes, stop: threading.Event, gap_s: float) -> None:
+    """Send `data` a byte at a time, `gap_s` apart, until done, `stop` or a broken connection (the peer's pace)."""
+    for byte in data:
+        if stop.is_set():
+            return
+        try:
+            sock.sendall(bytes([byte]))
+        except OSError:
+            return
+        stop.wait(gap_s)
+
+
+def test_a_payload_trickled_past_the_deadline_is_cut_off_there(tcp_streams: tuple[FrameStream, FrameStream], rng: np.random.Generator) -> None:
+    """Each byte comes well within the old 1 ms "last chance" that every wait past the deadline got: the receive went
+    on landing bytes long after its deadline and then succeeded. Now what lands is what came by the deadline."""
+    left, right = tcp_streams
+    data = rng.integers(0, 256, 3000, dtype=np.uint8).tobytes()
+    out = np.full(len(data), 0xA5, np.uint8)
+    stop = threading.Event()
+    sender = threading.Thread(target=_trickle, args=(left._tx, data, stop, 0.0001))
+    sender.start()
+    try:
+        with pytest.raises(TimeoutError):
+            right.recv_into([memoryview(out)], time.monotonic() + 0.05)
+    finally:
+        stop.set()
+        sender.join(5)
+    assert right.broken
+    landed = int(np.count_nonzero(out != 0xA5))  # random bytes: a few may equal the poison; a prefix landed, in order
+    first_poison = int(np.argmax(out == 0xA5)) if (out == 0xA5).any() else len(out)
+    assert bytes(out[:first_poison]) == data[:first_poison] and landed < len(data)
+
+
+def test_a_frame_trickled_past_its_deadline_is_cut_off(tcp_streams: tuple[FrameStream, FrameStream]) -> None:
+    left, right = tcp_streams
+    frame = peer_pb2.PeerFrame(request_id=9, write=peer_pb2.DataWrite(buffer_id="b" * 3000)).SerializeToString()
+    stop = threading.Event()
+    sender = threading.Thread(target=_trickle, args=(left._tx, struct.pack("<I", len(frame)) + frame, stop, 0.0001))
+    sender.start()
+    try:
+        with pytest.raises(TimeoutError):
+            right._fill(4 + len(frame), time.monotonic() + 0.05)
+    finally:
+        stop.set()
+        sender.join(5)
+    assert right.broken
+
+
+def test_a_deadline_weeks_away_is_waited_for(tcp_streams: tuple[FrameStream, FrameStream]) -> None:
+    """A frame's expiry is a uint32 of milliseconds (49 days): poll() takes at most 2**31 - 1 ms, and raised
+    OverflowError (not an hmc error), ending the owner's connection thread without a reply."""
+    left, right = tcp_streams
+    sender = threading.Timer(0.05, left.send, args=(peer_pb2.PeerFrame(request_id=3),))
+    sender.start()
+    try:
+        assert right.recv(time.monotonic() + 0xFFFFFFFF / 1000).request_id == 3
+    finally:
+        sender.join(5)
+
+
+def test_readable_past_descriptor_1023(rng: np.random.Generator) -> None:
+    """select() refuses descriptors past 1023 and readable() took that for "readable", so an owner's mailbox poll gave
+    up at once and slept on its socket: requests waited for their deadline in any process holding ~1000 files."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"RLIMIT_NOFILE's hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200) if hard == resource.RLIM_INFINITY else min(max(soft, 1200), hard), hard))
+    filler = []
+    try:
+        while not filler or filler[-1] < 1030:
+            filler.append(os.open(os.devnull, os.O_RDONLY))
+        a, b = socket.socketpair()
+        left, right = FrameStream(a, "left"), FrameStream(b, "right")
+        try:
+            assert right._rx.fileno() > 1023
+            assert not right.readable() and not right.readable(0.01)
+            left.send(peer_pb2.PeerFrame(request_id=8), deadline=time.monotonic() + 5)
+            assert right.readable(5.0)
+            assert right.recv(time.monotonic() + 5).request_id == 8
+        finally:
+            left.close()
+            right.close()
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_write_refused_with_a_huge_inline_claim_allocates_nothing(tcp_streams: tuple[FrameStream, FrameStream], rng: np.random.Generator) -> None:
+    """A late write's payload is discarded by the size its ranges claim: with 16 bytes inline and ranges claiming
+    32 TiB, the claim was allocated first (MemoryError; 3 GiB claims grew the owner by 3 GiB)."""
+    left, right = tcp_streams
+    left.send(peer_pb2.PeerFrame(request_id=2), [memoryview(rng.integers(0, 256, 16, dtype=np.uint8))], time.monotonic() + 5)
+    assert right.recv(time.monotonic() + 5).request_id == 2 and right.inline_bytes == 16
+    with pytest.raises(ProtocolError, match="16 bytes inline"):
+        right.discard(1 << 45, time.monotonic() + 5)
+
+
+def test_a_length_word_alone_reserves_little_memory(tcp_streams: tuple[FrameStream, FrameStream]) -> None:
+    """A length word of 64 MiB with no body behind it reserved 64 MiB at once (4 bytes from each of 1024 connections:
+    64 GiB). The body now grows as it arrives."""
+    import tracemalloc
+
+    left, right = tcp_streams
+    left._tx.sendall(struct.pack("<I", MAX_FRAME))
+    tracemalloc.start()
+    try:
+        with pytest.raises(TimeoutError):
+            right.recv(time.monotonic() + 0.05)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
+    assert right.broken
+
+
+def test_a_frame_of_several_mib_arrives_whole(tcp_streams: tuple[FrameStream, FrameStream], rng: np.random.Generator) -> None:
+    """Its buffer doubles from 1 MiB as the bytes come (and the read-ahead's share of it comes first)."""
+    left, right = tcp_streams
+    whole = peer_pb2.PeerFrame(request_id=6, write=peer_pb2.DataWrite(ranges=common_pb2.RangeList(lengths=rng.bytes((5 << 20) + 3))))
+    sender = threading.Thread(target=left.send, args=(whole,), kwargs={"deadline": time.monotonic() + 10})
+    sender.start()
+    try:
+        assert right.recv(time.monotonic() + 10) == whole
+    finally:
+        sender.join(10)

@@ -172,7 +172,9 @@ class PeerServer:
         if self._spare is not None:
             os.close(self._spare)
             self._spare = None
-            if select.select([self._listener], [], [], 0)[0]:  # the connection it could not take (never block here)
+            waiting = select.poll()  # poll, not select: out of descriptors, the listener's is likely past 1023
+            waiting.register(self._listener, select.POLLIN)
+            if waiting.poll(0):  # the connection it could not take (never block here)
                 with contextlib.suppress(OSError):
                     self._listener.accept()[0].close()
             self._spare = _open_spare()

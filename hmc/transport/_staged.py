@@ -54,7 +54,7 @@ Deadlines hold for small transfers too: a round trip that misses its deadline
 (or fails in any way but a typed refusal from the owner) aborts its connection.
 
 Frames stay within what the owner accepts (`MAX_FRAME`): a chunk carries at
-most `_FRAME_RANGES` ranges, so batches of any size go through.
+most `FRAME_RANGES` ranges, so batches of any size go through.
 
 Concurrency: `post()` runs on the caller's thread (it may open connections
 within the request's deadline) and only enqueues, except for small transfers,
@@ -77,7 +77,7 @@ from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, 
 from hmc.transport._staged_shm import ShmStaging, same_host
 from hmc.transport._staged_streams import Chunk, DataStream, Transfer, request_frame, request_views, stream_error
 from hmc.transport._staged_tcp_ring import TcpRingStaging
-from hmc.transport._wire import FrameStream, expires_ms, raise_for_reply
+from hmc.transport._wire import FRAME_RANGES, FrameStream, expires_ms, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
 __all__ = ["StagedTransport"]
@@ -89,9 +89,6 @@ _ROUND_TRIP_CONNECTIONS = 4
 _STREAM_CHUNK_MAX = 64 << 20
 """Cap on the one-chunk-per-stream cut of large transfers: progress (and a failure's loss) moves in
 steps of at most this much, at no cost in speed (64 MiB chunks moved 256 MiB as fast as 256 MiB ones)."""
-_FRAME_RANGES = 1 << 18
-"""Most ranges in one chunk's frame (4 MiB of offsets and lengths, well inside MAX_FRAME): a frame of tiny ranges
-costs both ends a little per range, and each frame must be answered within the stall bound."""
 _REPLY_SPIN_S = 200e-6
 """A round trip polls this long for the owner's reply before sleeping: it is microseconds away, and a sleeping
 thread takes tens of microseconds to wake (4 KiB WRITE p50 on the 2-core VM: see docs/decisions.md)."""
@@ -223,7 +220,7 @@ class StagedTransport(Transport):
         except HMCError as exc:
             request.completion.finish(exc)
             return
-        chunks = request.ranges.chunks(max(self._chunk_bytes, min(-(-total // len(streams)), _STREAM_CHUNK_MAX)), _FRAME_RANGES)
+        chunks = request.ranges.chunks(max(self._chunk_bytes, min(-(-total // len(streams)), _STREAM_CHUNK_MAX)), FRAME_RANGES)
         request.completion.set_running()
         transfer = Transfer(request, len(chunks))
         request.completion.on_cancel = transfer.abort

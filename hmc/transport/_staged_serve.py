@@ -43,7 +43,7 @@ from hmc.transport._pinned import PinnedMapping
 from hmc.transport._staged_mailbox import RECHECK_S, SmallRequest, decode_request, token_of
 from hmc.transport._staged_owner import OwnerSegments, ReplyTo
 from hmc.transport._staged_tcp_ring import BOUNCE_WAIT_S, BounceSlots
-from hmc.transport._wire import FrameStream, error_reply
+from hmc.transport._wire import FRAME_RANGES, FrameStream, error_reply
 from hmc.v1 import common_pb2, peer_pb2
 
 if TYPE_CHECKING:
@@ -417,5 +417,9 @@ class _Side:
         return self.offsets, self.lengths
 
     def views(self, view: memoryview) -> list[memoryview]:
+        """One view of `view` per range (a payload received or sent on the connection); at most FRAME_RANGES of them,
+        as initiators cut their frames (ProtocolError past it)."""
+        if len(self.lengths) > FRAME_RANGES:
+            raise ProtocolError(f"a data request of {len(self.lengths)} ranges with its payload on the connection; at most {FRAME_RANGES}")
         offsets, lengths = self.lists()
         return [view[o : o + n] for o, n in zip(offsets, lengths)]

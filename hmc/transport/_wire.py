@@ -77,6 +77,7 @@ __all__ = [
     "IOV_MAX",
     "MAX_FRAME",
     "PROTOCOL_VERSION",
+    "FRAME_RANGES",
     "FrameStream",
     "error_reply",
     "expires_ms",
@@ -88,6 +89,9 @@ __all__ = [
 PROTOCOL_VERSION = 4
 MAX_FRAME = 64 << 20
 """Largest frame an authenticated connection accepts (a range list of ~2.8 million ranges)."""
+FRAME_RANGES = 1 << 18
+"""Most ranges a frame whose payload travels on the connection may carry (4 MiB of offsets and lengths): the owner
+makes one view per range, and a frame of millions of empty ranges would cost it seconds and gigabytes."""
 HELLO_FRAME = 64 << 10
 """Largest frame before a connection is authenticated: a hello or an Auth, never a range list."""
 _PROOF_BYTES = 16
@@ -106,10 +110,14 @@ _INLINE_BODY_MAX = HELLO_FRAME
 """Largest frame that carries an inline payload: a frame and its payload fit the read-ahead buffer together."""
 _AHEAD_BYTES = 16 << 10
 """Bytes read ahead with a frame at first; the buffer grows to hold the largest inline frame received."""
+_LARGE_START = 1 << 20
+"""A frame body past the read-ahead buffer is received into this much at first, doubled as its bytes arrive."""
 
 
 _LAST_CHANCE_S = 0.001
-"""A passed deadline still gets one short attempt: data that already arrived is never refused."""
+"""A send (of lent pages) whose deadline passed still gets one short attempt."""
+_POLL_MAX_MS = (1 << 31) - 1
+"""poll()'s longest timeout: a peer's frame may name an expiry weeks away (a uint32 of milliseconds)."""
 _LOWAT_BYTES = 1 << 20
 """Large payloads are received in steps of at least this much (SO_RCVLOWAT) instead of whatever arrived since the
 last wake-up (about 0.3 MiB): staged 256 MiB over loopback on the 2-core VM 3.75 -> 4.25 GB/s."""
@@ -204,8 +212,11 @@ def _rest_of_frame(deadline: float | None) -> float:
 
 
 def _await(poller: select.poll, deadline: float | None) -> None:
-    """Sleep until the socket `poller` watches is ready; socket.timeout once `deadline` passed (after one short try)."""
-    if not poller.poll(max(1, math.ceil(_remaining(deadline) * 1000))):
+    """Sleep until the socket `poller` watches is ready; socket.timeout once `deadline` passed. A passed deadline waits
+    no more (one look: bytes that already arrived are taken), so a peer that trickles bytes a little at a time cannot
+    hold a receive open past it, as a fresh short wait for each trickle did."""
+    left = _NO_DEADLINE_S if deadline is None else deadline - time.monotonic()
+    if not poller.poll(min(math.ceil(left * 1000), _POLL_MAX_MS) if left > 0 else 0):
         raise socket.timeout("timed out")
 
 
@@ -358,13 +369,21 @@ class FrameStream:
         return frame
 
     def _recv_large(self, header: int, length: int, deadline: float) -> memoryview:
-        """A frame body larger than the read-ahead buffer: what was read ahead of it, the rest received straight in."""
-        body = memoryview(bytearray(length))
+        """A frame body larger than the read-ahead buffer: what was read ahead of it, the rest received straight in,
+        into a buffer that doubles as the bytes arrive (from `_LARGE_START`): a length word alone reserves no more."""
         self._head += header
-        pending = [body]
-        if self._take_ahead(pending) == 0:
-            self._recv_exact(pending[0], deadline)
-        return body
+        body = bytearray(min(length, max(_LARGE_START, self._tail - self._head)))
+        got = min(len(body), self._tail - self._head)
+        body[:got] = self._ahead_view[self._head : self._head + got]
+        self._head += got
+        if self._head == self._tail:
+            self._head = self._tail = 0
+        while got < length:
+            if got == len(body):
+                body.extend(bytes(min(len(body), length - len(body))))
+            with memoryview(body) as view:
+                got += self._receive([view[got:]], deadline)
+        return memoryview(body)
 
     def _fill(self, nbytes: int, deadline: float | None, *, spin_until: float = 0.0, keep: bool = False) -> None:
         """Read ahead until at least `nbytes` wait in the buffer (growing it to hold them)."""
@@ -426,8 +445,8 @@ class FrameStream:
         """True when a receive would not block (bytes wait, or the stream is broken), waiting up to `timeout` for it."""
         if self._broken is not None or self._tail > self._head:
             return True
-        try:
-            return bool(select.select([self._rx], [], [], timeout)[0])
+        try:  # poll, not select: select refuses descriptors past 1023, and a serving engine holds thousands
+            return bool(self._rx_ready.poll(min(math.ceil(timeout * 1000), _POLL_MAX_MS) if timeout > 0 else 0))
         except (OSError, ValueError):  # closed meanwhile: a receive fails at once
             return True
 
@@ -458,8 +477,12 @@ class FrameStream:
         sock = self._rx
         lowat = 1
         wait = False
+        wait_from: float | None = None  # the first receive is the one look a passed deadline still gets
         try:
             while index < len(pending):
+                if wait_from is not None and time.monotonic() > wait_from:  # nothing lands after the deadline
+                    raise self._translate(socket.timeout("timed out"))
+                wait_from = deadline
                 want = self._lowat if left >= 2 * self._lowat else 1
                 if want != lowat:
                     try:
@@ -478,18 +501,15 @@ class FrameStream:
 
     def discard(self, nbytes: int, deadline: float | None = None) -> None:
         """Read and drop `nbytes` of payload (a refused DataWrite's)."""
-        if self._inline_left:
+        if self._inline_left:  # at most INLINE_MAX bytes: a claim of more is refused before it is allocated
+            if nbytes != self._inline_left:
+                raise self._protocol_error(f"{self.peer} sent {self._inline_left} bytes inline where {nbytes} were expected")
             self.recv_into([memoryview(bytearray(nbytes))], deadline)
             return
         scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
         while nbytes > 0:
             self.recv_into([scratch[: min(nbytes, scratch.nbytes)]], deadline)
             nbytes -= min(nbytes, scratch.nbytes)
-
-    def _recv_exact(self, view: memoryview, deadline: float | None) -> None:
-        done = 0
-        while done < view.nbytes:
-            done += self._receive([view[done:]], deadline)
 
     def _translate(self, exc: OSError, *, keep: bool = False) -> HMCError:
         """The boundary: a socket timeout becomes TimeoutError (the stream survives only if `keep`), anything else breaks it."""
