@@ -5,6 +5,7 @@ memory while the owner polls, against a real owner process, with host memory sta
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -319,3 +320,92 @@ def test_an_unanswered_request_times_out_at_its_deadline() -> None:
     seq = initiator.post(b"a", quiet, time.monotonic() + 10.0)  # type: ignore[arg-type]
     with pytest.raises(TimeoutError):
         initiator.answer(seq, quiet, time.monotonic() + 0.01)  # type: ignore[arg-type]
+
+
+def test_a_mailbox_named_anew_waits_for_the_copies_that_answer_in_the_old_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A queued copy taken from mailbox A answers in A. A frame naming mailbox B closed A at once, and the copy's reply
+    then hit a released view: ValueError killed the completion thread, so later copies were never answered and the
+    buffer stayed in use for good. The owner now drains its queue first. (In-process owner over a real socket pair;
+    the queued copy, a GPU copy in flight, is a stand-in that finishes once the owner has moved on to B.)"""
+    import contextlib
+    import secrets
+    import socket
+    import struct
+
+    from hmc import memory
+    from hmc.agent._buffers import BufferTable, ConnBuffer
+    from hmc.transport import _pinned, _staged_owner
+    from hmc.transport._pinned import PinnedMapping
+    from hmc.transport._staged_serve import DataConnections
+    from hmc.transport._wire import FrameStream
+    from hmc.v1 import common_pb2
+
+    if not SUPPORTED:
+        pytest.skip("no mailbox on this architecture")
+    died: list[str] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(f"{args.thread.name}: {args.exc_value!r}"))
+    queued, moved_on = threading.Event(), threading.Event()
+    start = _pinned.SlotCopier.start
+
+    def held_start(self: Any, *args: Any, **kwargs: Any) -> Any:  # the mailbox request's copy runs until the owner moved on
+        wait = start(self, *args, **kwargs)
+        if queued.is_set() or int(sum(args[2])) != 512 << 10:
+            return wait
+        queued.set()
+        return lambda deadline: moved_on.wait(max(deadline - time.monotonic(), 0.0)) and wait(deadline)
+
+    for name in ("drain", "_forget_mailbox"):  # whichever the owner does first once B is named
+        original = getattr(_staged_owner.OwnerSegments, name)
+
+        def marked(self: Any, *args: Any, _original: Any = original) -> Any:
+            if queued.is_set():
+                moved_on.set()
+            return _original(self, *args)
+
+        monkeypatch.setattr(_staged_owner.OwnerSegments, name, marked)
+    monkeypatch.setattr(_pinned.SlotCopier, "start", held_start)
+
+    data = np.full(1 << 20, POISON, np.uint8)
+    region = memory.register(data)
+    descriptor = common_pb2.BufferDescriptor(id="buf", access_key=secrets.token_bytes(32), size=region.size)
+    table = BufferTable()
+    table.add(ConnBuffer(region, descriptor))
+    a, b = socket.socketpair()
+    owner, initiator = FrameStream(a, "initiator"), FrameStream(b, "owner")
+    owner.nonce = initiator.nonce = secrets.token_bytes(16)
+    def serve() -> None:  # as the agent's server does: a connection's end is an hmc error
+        with contextlib.suppress(BrokenResourceError):
+            DataConnections(table, 10.0).serve(owner)
+
+    server = threading.Thread(target=serve, name="hmc-peer-conn", daemon=True)
+    server.start()
+    slots = 1 << 20
+    size = slots + 2 * MAILBOX_BYTES
+    path = f"/dev/shm/hmc-staged-{secrets.token_hex(16)}"
+    ring = PinnedMapping(path, size, create=True)
+    box_a, box_b = Mailbox(ring.view(slots, MAILBOX_BYTES)), Mailbox(ring.view(slots + MAILBOX_BYTES, MAILBOX_BYTES))
+    token, proof = token_of(initiator), initiator.proof(descriptor.access_key)
+    box_a.offer(token)
+    box_b.offer(token)
+
+    def write_naming(mailbox: int) -> peer_pb2.PeerFrame:
+        ranges = common_pb2.RangeList(dst_offsets=struct.pack("<q", 0), lengths=struct.pack("<q", 16))
+        shm = peer_pb2.ShmSlot(segment=path, segment_bytes=size, offset=0, mailbox=mailbox)
+        return peer_pb2.PeerFrame(request_id=1, write=peer_pb2.DataWrite(buffer_id="buf", key_proof=proof, ranges=ranges, shm=shm))
+
+    try:
+        initiator.send(write_naming(slots), deadline=time.monotonic() + 5)  # names A: the owner attaches it
+        assert not initiator.recv(time.monotonic() + 5).reply.HasField("error") and box_a.ready(token)
+        seq = box_a.post(encode_request(True, "buf", proof, 0, 512 << 10), initiator, time.monotonic() + 5)  # queued
+        assert queued.wait(5)
+        initiator.send(write_naming(slots + MAILBOX_BYTES), deadline=time.monotonic() + 5)  # names B
+        box_a.answer(seq, initiator, time.monotonic() + 10)  # answered in A, done
+        assert not initiator.recv(time.monotonic() + 10).reply.HasField("error")  # and the frame naming B too
+    finally:
+        initiator.close()
+        server.join(30)
+        owner.close()
+        ring.close()
+        os.unlink(path)
+    assert died == [] and not server.is_alive()
+    assert table.wait_unused("buf", time.monotonic() + 5)

@@ -104,6 +104,7 @@ class OwnerSegments:
                 raise ProtocolError("a staging ring's mailbox lies outside it")
             mailbox = Mailbox(mapping.view(shm.mailbox, MAILBOX_BYTES))
             if mailbox.attach(token_of(self._stream)):  # offered to this connection: not another's ring
+                self.drain()  # copies queued from the old mailbox answer there: it stays open until they did
                 self._forget_mailbox()
                 self.mailbox, self._mailbox_at = mailbox, (shm.segment, shm.mailbox)
             else:
@@ -126,12 +127,13 @@ class OwnerSegments:
         return mapping
 
     def _unmap(self, segment: str) -> None:
-        """Unmap a ring (once no copy queued may touch it), its mailbox first."""
+        """Unmap a ring and its mailbox, once no copy queued may touch them (a queued copy may answer in the mailbox)."""
         old = self._mappings.pop(segment, None)
+        if old is not None or self._mailbox_at[0] == segment:
+            self.drain()
         if self._mailbox_at[0] == segment:
             self._forget_mailbox()
         if old is not None:
-            self.drain()
             old.close()
 
     def mailbox_ring(self) -> tuple[PinnedMapping, int]:
