@@ -67,3 +67,43 @@ def test_a_cancel_before_the_instruction_started_keeps_it_from_starting() -> Non
     assert reported.wait(10)
     assert not submitted and reports[0].state == common_pb2.TRANSFER_STATE_CANCELLED and reports[0].error.code == ErrorCode.CANCELLED
     instructions.close()
+
+
+def test_an_instruction_read_past_hmcds_deadline_is_refused_and_one_before_it_gets_what_is_left() -> None:
+    """hmcd's deadline is on the host's monotonic clock: an agent that was stopped while the instruction waited must
+    not start it with a timeout of its own (it would move bytes after hmcd reported the transfer timed out)."""
+    import time
+
+    reports: list[daemon_pb2.TransferReport] = []
+    reported = threading.Event()
+    timeouts: list[float | None] = []
+
+    class _Done:
+        path, bytes_done = "ipc", 8
+
+        def wait(self) -> None:
+            pass
+
+    def submit(op: object, local: object, remote: object, ranges: object, notify: object, timeout: float | None, transfer_id: str) -> _Done:
+        timeouts.append(timeout)
+        return _Done()
+
+    def report(r: daemon_pb2.TransferReport) -> None:
+        reports.append(r)
+        if len(reports) == 2:
+            reported.set()
+
+    instructions = Instructions(submit, _Buffers(), report)  # type: ignore[arg-type]
+    late, timely = _instruction("t-late"), _instruction("t-timely")
+    late.timeout_s = timely.timeout_s = 30.0
+    late.deadline_monotonic_s = time.monotonic() - 0.001
+    timely.deadline_monotonic_s = time.monotonic() + 5.0
+    instructions.on_instruction(late)
+    instructions.on_instruction(timely)
+    assert reported.wait(10)
+    by_id = {r.transfer_id: r for r in reports}
+    assert by_id["t-late"].state == common_pb2.TRANSFER_STATE_FAILED and by_id["t-late"].error.code == ErrorCode.TIMEOUT
+    assert by_id["t-timely"].state == common_pb2.TRANSFER_STATE_DONE
+    (timeout,) = timeouts  # the late one never reached submit
+    assert timeout is not None and 0 < timeout <= 5.0
+    instructions.close()

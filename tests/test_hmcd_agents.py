@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -13,7 +14,8 @@ import pytest
 from control_fixtures import REPO, DaemonSet, Hmcd, clean_env, daemon_set, start_peered
 
 from hmc.config import PathPolicy
-from hmc.errors import BufferWithdrawnError, CancelledError
+from hmc.agent._peer_process import wait_stopped
+from hmc.errors import BufferWithdrawnError, CancelledError, TimeoutError
 from hmc.v1 import common_pb2, daemon_pb2
 
 try:
@@ -134,6 +136,34 @@ def test_a_cancelled_migration_lands_nothing_after_it_ended(node_a: Hmcd) -> Non
                     client.migrate("kv-prefill", "kv-spare", (0, 0, 4096), timeout=10.0)
                     assert np.array_equal(destination, ended), "bytes of a cancelled transfer landed after it ended"
             assert "cancelled" in outcomes
+    finally:
+        reap(child)
+
+
+def test_a_migration_whose_executor_was_stopped_moves_nothing_after_it_timed_out(node_a: Hmcd) -> None:
+    """The executing agent is stopped (SIGSTOP) before its instruction arrives; hmcd reports the timeout. Before, the
+    agent, once running again, read the instruction, gave it a fresh timeout of its own and moved every byte after
+    the client had been told it failed (64 MiB in the C ABI's review). hmcd now sends its deadline on the host's
+    monotonic clock, and the agent refuses an instruction that reads it passed. A later migration between the same
+    agents, done, shows the stale instruction was read by then."""
+    child, _ = spawn_agent(node_a, "kv-prefill", seed=13)
+    destination = np.full(SIZE, 0xA5, dtype=np.uint8)
+    spare = np.full(4096, 0xA5, dtype=np.uint8)
+    try:
+        with Agent(node_a.config(), daemon=True) as agent, node_a.client() as client:
+            agent.register(destination, name="kv-decode")
+            agent.register(spare, name="kv-spare")
+            os.kill(child.pid, signal.SIGSTOP)
+            try:
+                wait_stopped(child.pid, time.monotonic() + 10)
+                with pytest.raises(TimeoutError):
+                    client.migrate("kv-prefill", "kv-decode", (0, 0, SIZE), timeout=1.0)
+            finally:
+                os.kill(child.pid, signal.SIGCONT)
+            for _ in range(2):
+                client.migrate("kv-prefill", "kv-spare", (0, 0, 4096), timeout=10.0)
+            assert np.array_equal(spare, expected(13)[:4096])
+            assert (destination == 0xA5).all(), "bytes of a migration that timed out landed after it ended"
     finally:
         reap(child)
 

@@ -19,11 +19,12 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable
 
 from hmc.agent._buffers import BufferTable, ConnBuffer
 from hmc.agent._transfer import TransferHandle
-from hmc.errors import CancelledError, HMCError
+from hmc.errors import CancelledError, HMCError, TimeoutError
 from hmc.transport._base import TransferOp
 from hmc.transport._ranges import RangeList
 from hmc.v1 import common_pb2, daemon_pb2
@@ -85,7 +86,7 @@ class Instructions:
             ranges = RangeList.from_proto(instruction.ranges)
             op = TransferOp.READ if instruction.op == common_pb2.TRANSFER_OP_READ else TransferOp.WRITE
             notify = instruction.notification or None
-            handle = self._submit(op, local, instruction.remote, ranges, notify, instruction.timeout_s or None, transfer_id)
+            handle = self._submit(op, local, instruction.remote, ranges, notify, _timeout(instruction), transfer_id)
             report.path = handle.path
             with self._lock:
                 self._running[transfer_id] = handle
@@ -110,3 +111,15 @@ class Instructions:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _timeout(instruction: daemon_pb2.TransferInstruction) -> float | None:
+    """The transfer's timeout: what is left until hmcd's deadline where it gave one (an agent stopped while the
+    instruction waited finds it passed: TimeoutError, nothing moved), else its own timeout (None: the agent's)."""
+    timeout = instruction.timeout_s or None
+    if instruction.deadline_monotonic_s:
+        left = instruction.deadline_monotonic_s - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"transfer {instruction.transfer_id} reached its deadline before this agent could start it")
+        timeout = left if timeout is None else min(timeout, left)
+    return timeout
