@@ -96,3 +96,27 @@ def test_wait_stopped_returns_once_every_thread_stopped_and_never_waits_past_its
         child.kill()
         child.wait(10)
     wait_stopped(child.pid, time.monotonic() + 1.0)  # gone: nothing to wait for
+
+
+def test_unregistering_a_buffer_stops_this_agents_transfers_into_it(make_agent: Callable[..., Agent], make_peer: Callable[..., PeerProcess]) -> None:
+    """unregister() waited for peers writing into the memory, but not for the agent's own transfers: a read still
+    coming from a frozen owner landed after unregister returned (and after the caller freed the memory, in memory it
+    no longer owned). Now unregister cancels them first: their transports stop them, and nothing lands later."""
+    peer = make_peer()
+    a = make_agent(("staged",))  # its bytes come from the owner's process, frozen below
+    remote = peer.register(BIG, fill=0x3C)
+    sink = np.full(BIG, 0xA5, np.uint8)
+    local = a.register(sink)
+    for length in (4096, 4 << 20):  # connections and grants up first
+        a.read(local, remote, 0, 0, length).wait()
+    sink[:] = 0xA5
+    with peer.stalled():  # the read cannot finish before the unregister
+        handle = a.read(local, remote, 0, 0, BIG)
+        a.unregister(local)
+        assert handle.state is TransferState.CANCELLED
+        ended = sink.copy()
+    assert len(peer.contents(remote.id)) == BIG  # a round trip with the owner after it ran again: what was coming has come
+    assert np.array_equal(sink, ended), "bytes of a transfer landed in a buffer after it was unregistered"
+    assert (ended == 0xA5).any()  # cut short: the owner was frozen
+    with pytest.raises(HMCError):
+        handle.wait()

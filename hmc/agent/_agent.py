@@ -45,7 +45,7 @@ from hmc.agent._prepared import PreparedTransfer
 from hmc.agent._routes import Route
 from hmc.agent._server import PeerServer
 from hmc.agent._transports import default_transports
-from hmc.agent._transfer import Notification, NotificationInbox, NotifyStep, TransferHandle, TransferState
+from hmc.agent._transfer import FINAL_STATES, Notification, NotificationInbox, NotifyStep, TransferHandle, TransferState
 from hmc.config import Config, PathPolicy
 from hmc.control._agent_link import DaemonLink
 from hmc.control._inventory import apply_vendor_override, device_to_proto
@@ -103,7 +103,7 @@ class Agent:
         self.config = config or Config.load()
         self.id = secrets.token_hex(8)
         self.info = common_pb2.AgentInfo(id=self.id)  # completed below, once the listener has its port
-        self._lock = threading.Lock()  # guards _paths and _withdrawn_remote
+        self._lock = threading.Lock()  # guards _paths, _withdrawn_remote and local buffers' `outgoing`
         self._paths: dict[tuple[str, str, str, str | None], PathChoice] = {}
         self._withdrawn_remote: dict[str, tuple[int, int]] = {}
         """Remote buffer id -> (the newest registry epoch it was withdrawn at (_FOREVER: by its owner), the epoch
@@ -221,6 +221,10 @@ class Agent:
         removed = self._buffers.remove(buffer_id, timeout=0)
         if removed is None:
             raise UnknownBufferError(f"no buffer {buffer_id!r} on this agent")
+        with self._lock:  # no transfer of this buffer starts from now on (`_track`): stop those that run
+            running, removed.outgoing = [h for h in removed.outgoing if h.state not in FINAL_STATES], []
+        for handle in running:
+            handle.cancel()  # its transport stops it: nothing of it touches the memory afterwards
         grace = time.monotonic() + min(self.config.timeout_s, _UNREGISTER_GRACE_S)
         self._server.withdraw(buffer_id, grace)  # ipc grantees drop their grants; one that does not answer is cut
         if not self._buffers.wait_unused(buffer_id, grace):
@@ -357,6 +361,7 @@ class Agent:
         transport = self._transports[choice.path]
         deadline = time.monotonic() + (self.config.timeout_s if timeout is None else timeout)
         handle = TransferHandle(choice.path.value, ranges.total, deadline, transfer_id)
+        self._track(local, handle)
         completion: Any = handle
         if notify is not None:
             completion = NotifyStep(handle, lambda h: self._send_notify(descriptor, h, bytes(notify)))
@@ -373,6 +378,18 @@ class Agent:
                 keys.append(descriptor.id)
             self._learn_route(transport, local, descriptor, choice.path.value, keys)
         return handle
+
+    def _track(self, local: ConnBuffer, handle: TransferHandle) -> None:
+        """Count `handle` among `local`'s running transfers, which unregister cancels (BufferWithdrawnError once that
+        began: nothing of a buffer being withdrawn starts). Ended ones are pruned each time the list reaches a power of
+        two from 64: amortized constant."""
+        with self._lock:
+            if self._buffers.withdrawn(local.id):
+                raise BufferWithdrawnError(f"{local!r} was unregistered")
+            outgoing = local.outgoing
+            if len(outgoing) >= 64 and not len(outgoing) & (len(outgoing) - 1):
+                outgoing[:] = [h for h in outgoing if h.state not in FINAL_STATES]
+            outgoing.append(handle)
 
     def _checked(self, op: TransferOp, local: ConnBuffer, remote: Any, ranges: RangeList) -> common_pb2.BufferDescriptor:
         """The remote side's descriptor, once the agent is open, both buffers usable and `ranges` within them.

@@ -34,7 +34,7 @@ __all__ = ["BufferTable", "ConnBuffer"]
 class ConnBuffer:
     """A registered memory region that peers may read or write."""
 
-    __slots__ = ("descriptor", "id", "inline_routes", "name", "region", "size", "_view")
+    __slots__ = ("descriptor", "id", "inline_routes", "name", "outgoing", "region", "size", "_view")
 
     def __init__(self, region: MemoryRegion, descriptor: common_pb2.BufferDescriptor) -> None:
         self.region = region
@@ -45,6 +45,9 @@ class ConnBuffer:
         self.inline_routes: dict[str, Any] = {}
         """The agent's cached single-range fast paths (dropped on withdrawal): per remote buffer id for
         unforced calls, per (remote buffer id, path) for calls that force a path."""
+        self.outgoing: list[Any] = []
+        """The agent's own transfers of this buffer's bytes (TransferHandles; ended ones pruned now and then, under the
+        agent's lock): unregister cancels those still running before it returns."""
         self._view: memoryview | None = None
 
     def numpy(self) -> np.ndarray:

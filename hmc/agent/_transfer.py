@@ -40,7 +40,7 @@ from hmc.errors import CancelledError, HMCError, TimeoutError
 from hmc.transport._ranges import check_timeout
 from hmc.v1 import common_pb2
 
-__all__ = ["Notification", "NotificationInbox", "NotifyStep", "TransferHandle", "TransferState"]
+__all__ = ["FINAL_STATES", "Notification", "NotificationInbox", "NotifyStep", "TransferHandle", "TransferState"]
 
 
 class TransferState(enum.Enum):
@@ -61,7 +61,7 @@ _STATE_TO_PROTO = {
     TransferState.FAILED: common_pb2.TRANSFER_STATE_FAILED,
     TransferState.CANCELLED: common_pb2.TRANSFER_STATE_CANCELLED,
 }
-_FINAL = frozenset({TransferState.DONE, TransferState.FAILED, TransferState.CANCELLED})
+FINAL_STATES = frozenset({TransferState.DONE, TransferState.FAILED, TransferState.CANCELLED})
 _DONE = TransferState.DONE
 _TRANSITION = threading.Lock()  # guards every handle's state, error and bytes_done (tiny critical sections)
 _SEQUENCE = itertools.count(1)
@@ -155,12 +155,12 @@ class TransferHandle:
 
     def done(self) -> bool:
         """True once the transfer finished, failed or was cancelled (never blocks)."""
-        if self.state in _FINAL:
+        if self.state in FINAL_STATES:
             return True
         drive = self._drive
         if drive is not None:
             drive(0.0)  # one look at the device; finishes the transfer if it is done
-        return self.state in _FINAL
+        return self.state in FINAL_STATES
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until finished; raise the transfer's typed error, or TimeoutError (see module doc).
@@ -176,7 +176,7 @@ class TransferHandle:
             until_deadline = self.deadline - now
             limit = until_deadline if timeout is None else min(timeout, until_deadline)
             drive = self._drive
-            if drive is not None and self.state not in _FINAL:
+            if drive is not None and self.state not in FINAL_STATES:
                 drive(now + limit)  # the transport completes it on this thread (no hand-off to another one)
                 limit = limit - (time.monotonic() - now)
             if latch.acquire(timeout=max(limit, 0.0)):
@@ -203,7 +203,7 @@ class TransferHandle:
 
     def _stop(self, error: BaseException, state: TransferState) -> None:
         with _TRANSITION:  # take the hook once: two threads that cancel (or expire) it together run it once
-            if self.state in _FINAL:  # (a handle born finished has no hook to take)
+            if self.state in FINAL_STATES:  # (a handle born finished has no hook to take)
                 return
             hook, self.on_cancel = self.on_cancel, None
         if hook is not None:
@@ -215,7 +215,7 @@ class TransferHandle:
     @property
     def cancelled(self) -> bool:
         """True once the transfer reached a final state; transports stop working on it."""
-        return self.state in _FINAL
+        return self.state in FINAL_STATES
 
     def set_running(self) -> None:
         with _TRANSITION:
@@ -230,7 +230,7 @@ class TransferHandle:
         """Complete the transfer (first call wins; later calls are ignored)."""
         if error is None:
             with _TRANSITION:
-                if self.state not in _FINAL:
+                if self.state not in FINAL_STATES:
                     self.bytes_done = self.bytes_total
             settled = self._settle(None, _DONE)
         else:
@@ -241,7 +241,7 @@ class TransferHandle:
 
     def _settle(self, error: BaseException | None, state: TransferState) -> bool:
         with _TRANSITION:
-            if self.state in _FINAL:
+            if self.state in FINAL_STATES:
                 return False
             self.state = state
             self.error = error
