@@ -24,22 +24,28 @@ Ends: see the lanes for windows, cancels and the bytes a stopped owner may still
 the grant and waits, bounded by `STOP_WAIT_S`, until no transfer of it is in flight; a dead peer's grants are
 void at once (`forget_peer`).
 
-Concurrency: `_lock` guards the grant table, the probes, the push targets, the scratch buffers and each
-grant's `flights` (waited for under `_drained`); `_map_lock` the registrations; `_Inline.lock` the callers'
-worker.
+One grant per remote buffer at a time (`_grant`: of first transfers that open one at once, all use the first
+that came back); a withdrawal or a peer's loss also reaches grants still being opened (`_Opening`), and
+destroys a revoked grant's unpacked keys once nothing uses them (`_drop_keys`). `close` destroys no worker or
+context that a thread may still use inside UCX: past its bound it leaves them allocated, and says so.
+
+Concurrency: `_lock` guards the grant table, the openings, the probes, the push targets and each grant's
+`flights` (waited for under `_drained`); `_scratch_lock` the scratch buffers; `_map_lock` the registrations;
+`_Inline.lock` the callers' worker, waited for within the caller's deadline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from hmc.errors import AccessDeniedError, ArgumentError, BrokenResourceError, BufferWithdrawnError, HMCError, TimeoutError, UnsupportedError
+from hmc.errors import AccessDeniedError, ArgumentError, BrokenResourceError, BufferWithdrawnError, ClosedResourceError, HMCError, TimeoutError, UnsupportedError
 from hmc import memory
 from hmc.memory import DeviceKind, MemoryKind
 from hmc.memory._machine import rdma_nics
@@ -74,6 +80,10 @@ _PUSH_PREFERRED = 0.8
 """Reads go as pushes where a push takes less than this fraction of a get's time."""
 _TARGETS = 256
 """Askers' memories of pushed reads kept unpacked."""
+_KEY_LOCK_S = 0.5
+"""How long a withdrawal waits for the callers' worker to destroy a grant's key there (it is kept otherwise)."""
+_CLOSE_S = STOP_WAIT_S
+"""How long `close` waits for the lanes' threads and the callers' worker before it leaves them (and the context) allocated."""
 _KINDS = {"host": DeviceKind.HOST, "cuda": DeviceKind.CUDA, "rocm": DeviceKind.HIP}
 _UCX_MEMORY = {DeviceKind.HOST: "host", DeviceKind.CUDA: "cuda", DeviceKind.HIP: "rocm"}
 
@@ -88,6 +98,17 @@ class _Scratch:
     def close(self) -> None:
         self.mapping.unmap()
         memory.free(self.region)
+
+
+class _Opening:
+    """A grant being opened (`UcxTransport._grant`): a withdrawal of its buffer, or its owner's loss, meanwhile
+    sets `revoked`, and the grant that comes back is refused."""
+
+    __slots__ = ("buffer_id", "owner", "revoked")
+
+    def __init__(self, buffer_id: str, owner: str) -> None:
+        self.buffer_id, self.owner = buffer_id, owner
+        self.revoked: HMCError | None = None
 
 
 class _Done:
@@ -153,9 +174,12 @@ class UcxTransport(Transport):
         self._lock = threading.Lock()  # guards _grants, _probes, _targets and every grant's flights
         self._drained = threading.Condition(self._lock)  # a grant's last transfer ended
         self._grants: dict[str, Grant] = {}
+        self._openings: set[_Opening] = set()
+        """Grants being opened (outside the lock): what a withdrawal or a peer's loss must reach too."""
         self._probes: dict[tuple[str, DeviceKind, int], common_pb2.PathMeasurement] = {}
         """(owner agent, local memory kind, the remote descriptor's device kind) -> what the first read measured."""
         self._targets: dict[tuple[bytes, int, int, tuple[bytes, ...]], Grant] = {}
+        self._scratch_lock = threading.Lock()  # guards _scratches
         self._scratches: dict[str, _Scratch] = {}
         """Device name -> the probes' scratch buffer there."""
         self._map_lock = threading.Lock()  # guards _mappings
@@ -219,13 +243,35 @@ class UcxTransport(Transport):
     # -- initiator side -------------------------------------------------------------
 
     def _grant(self, remote: common_pb2.BufferDescriptor, deadline: float) -> Grant:
+        """The grant of `remote`: the one in the table, else one opened now. One grant per buffer at a time: the
+        opening is asked outside the lock (a round trip), and of several first transfers that opened one at once,
+        the first to come back stores its grant and the others use it (theirs, never used, are revoked), so that a
+        withdrawal reaches every grant a transfer may use; one withdrawn, or whose owner went away, while it was
+        being opened is refused."""
         with self._lock:
             grant = self._grants.get(remote.id)
-        if grant is None or grant.key != remote.access_key or grant.revoked is not None:
-            grant = Grant.granted(self._open_grant(remote, deadline), remote, self._workers)
+            if grant is not None and grant.key == remote.access_key and grant.revoked is None:
+                return grant
+            opening = _Opening(remote.id, remote.owner.id)
+            self._openings.add(opening)
+        try:
+            fresh = Grant.granted(self._open_grant(remote, deadline), remote, self._workers)
+        finally:
             with self._lock:
-                self._grants[remote.id] = grant
-        return grant
+                self._openings.discard(opening)
+        with self._lock:
+            if opening.revoked is not None:
+                fresh.revoked = opening.revoked
+                raise opening.revoked
+            grant = self._grants.get(remote.id)
+            if grant is not None and grant.key == remote.access_key and grant.revoked is None:
+                fresh.revoked = ClosedResourceError("a grant opened at the same time is used instead")
+                return grant
+            if grant is not None and grant.revoked is None:  # another key: the buffer was registered anew, the old one is void
+                grant.revoked = BufferWithdrawnError("the buffer's owner registered it anew")
+                self._drained.notify_all()
+            self._grants[remote.id] = fresh
+        return fresh
 
     def post(self, request: TransferRequest) -> None:
         try:
@@ -247,7 +293,7 @@ class UcxTransport(Transport):
                 return
             total = request.ranges.total
             device = memory_kind(request.local) is not DeviceKind.HOST
-            if (device and (len(request.ranges) <= _INLINE_RANGES or self._maps(grant, request.local.region.device))) or (len(request.ranges) == 1 and total <= _INLINE_BYTES):
+            if (device and (len(request.ranges) <= _INLINE_RANGES or self._maps(grant, request.local.region.device, request.deadline))) or (len(request.ranges) == 1 and total <= _INLINE_BYTES):
                 self._run_inline(request, grant, mapping)
                 request.completion.add_bytes(total)
                 request.completion.finish()
@@ -282,7 +328,7 @@ class UcxTransport(Transport):
         """Time a get and a push by the owner of (up to) `_PROBE_BYTES` of the remote buffer into a scratch buffer of
         this agent in the read's kind of memory, each the second of two (the first sets up what a pair sets up once)."""
         length = min(_PROBE_BYTES, grant.size)
-        scratch = self._scratch(request.local.region.device, length)
+        scratch = self._scratch(request.local.region.device)
         piece = RangeList.build(0, 0, length)
 
         def get() -> None:
@@ -301,20 +347,23 @@ class UcxTransport(Transport):
             nbytes=length, get_bps=length / get_s, push_bps=length / push_s, push_reads=push_s < _PUSH_PREFERRED * get_s,
         )  # fmt: skip
 
-    def _scratch(self, device: Any, size: int) -> _Scratch:
-        """A registered buffer of this agent on `device` for probes (made once per device, freed on close)."""
-        with self._lock:
+    def _scratch(self, device: Any) -> _Scratch:
+        """The registered buffer of this agent on `device` that probes read into (`_PROBE_BYTES`): made once per
+        device, under `_scratch_lock` (concurrent first reads share it: a probe's gets and the owner's pushes may
+        still land in it after a timeout, so it is never replaced), and freed on close, after the workers."""
+        with self._scratch_lock:
             scratch = self._scratches.get(device.name)
-        if scratch is None or scratch.size < size:
-            region = memory.allocate(_PROBE_BYTES, device)
-            kind = device.kind if region.kind is MemoryKind.DEVICE else DeviceKind.HOST
-            if self._context is None:
-                raise UnsupportedError(f"the {self._path.value} path is not running")
-            scratch = _Scratch(region, self._context.map(region.address, region.size, _UCX_MEMORY[kind]))
-            with self._lock:
-                old, self._scratches[device.name] = self._scratches.get(device.name), scratch
-            if old is not None:
-                old.close()
+            if scratch is None:
+                if self._context is None:
+                    raise UnsupportedError(f"the {self._path.value} path is not running")
+                region = memory.allocate(_PROBE_BYTES, device)
+                kind = device.kind if region.kind is MemoryKind.DEVICE else DeviceKind.HOST
+                try:
+                    scratch = _Scratch(region, self._context.map(region.address, region.size, _UCX_MEMORY[kind]))
+                except BaseException:
+                    memory.free(region)
+                    raise
+                self._scratches[device.name] = scratch
         return scratch
 
     def _push_and_wait(self, remote: common_pb2.BufferDescriptor, ranges: RangeList, local: Any, mapping: engine.Mapping, deadline: float) -> None:
@@ -414,14 +463,23 @@ class UcxTransport(Transport):
         self._enter(grant)
         landed = True
         try:
-            with inline.lock:
+            with self._inline_locked(inline, deadline):
+                if grant.revoked is not None:  # its owner went away while this waited (`forget_peer` holds the lock)
+                    raise grant.revoked
                 endpoint, rkey = self._inline_key(inline, grant)
                 mapped = self._mapped(grant, device, rkey)
                 if not mapped:
-                    if isinstance(lengths, int):
-                        endpoint.rma(op.value, mapping, local_base + local, grant.address + remote, lengths, rkey, timeout_s)
-                    else:
-                        endpoint.rma(op.value, mapping, local.astype(np.uint64) + np.uint64(local_base), remote.astype(np.uint64) + np.uint64(grant.address), lengths, rkey, timeout_s)
+                    left = deadline - time.monotonic()  # the wait for the lock came out of the caller's time
+                    if left <= 0:
+                        raise TimeoutError(f"{self._path.value} transfer missed its deadline")
+                    try:
+                        if isinstance(lengths, int):
+                            endpoint.rma(op.value, mapping, local_base + local, grant.address + remote, lengths, rkey, left)
+                        else:
+                            endpoint.rma(op.value, mapping, local.astype(np.uint64) + np.uint64(local_base), remote.astype(np.uint64) + np.uint64(grant.address), lengths, rkey, left)
+                    except HMCError:
+                        grant.inline_kept = True  # what it posted may still run, with this key
+                        raise
                     return
             peers = self._peer_memory
             assert peers is not None  # only it maps
@@ -431,6 +489,17 @@ class UcxTransport(Transport):
         finally:
             if landed:
                 self._release(grant)
+
+    @contextlib.contextmanager
+    def _inline_locked(self, inline: _Inline, deadline: float) -> Iterator[None]:
+        """Hold the callers' worker's lock, waited for until `deadline` (TimeoutError: another caller holds it, a
+        transfer to a peer that does not answer, say; it holds it at most until its own deadline)."""
+        if not inline.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"the {self._path.value} path's callers' worker stayed busy past the deadline (another transfer held it)")
+        try:
+            yield
+        finally:
+            inline.lock.release()
 
     def _enter(self, grant: Grant) -> None:
         """Count a transfer of `grant` in flight (its revocation's error if it was revoked); `_release` ends it."""
@@ -453,12 +522,15 @@ class UcxTransport(Transport):
         """Where UCX maps the grant's buffer for local `device` (0: nowhere, or mapping is off); under `_Inline.lock`."""
         return 0 if self._peer_memory is None else self._peer_memory.base(grant, device, rkey)
 
-    def _maps(self, grant: Grant, device: Any) -> bool:
+    def _maps(self, grant: Grant, device: Any, deadline: float) -> bool:
         """Whether a transfer of the grant's buffer with local memory on `device` goes through a mapping (asked once)."""
         inline = self._inline
-        if inline is None or self._peer_memory is None:
+        if inline is None or self._peer_memory is None or device is None or device.kind is DeviceKind.HOST:
             return False
-        with inline.lock:
+        mapped = grant.mapped.get(device.name)
+        if mapped is not None:  # never changed once set
+            return bool(mapped)
+        with self._inline_locked(inline, deadline):
             return bool(self._mapped(grant, device, self._inline_key(inline, grant)[1]))
 
     def _run_inline(self, request: TransferRequest, grant: Grant, mapping: engine.Mapping) -> None:
@@ -520,16 +592,50 @@ class UcxTransport(Transport):
             mapping = self._mappings.pop(buffer_id, None)
         if mapping is not None:
             mapping.unmap()
+        withdrawn = BufferWithdrawnError("the buffer's owner withdrew it")
+        drained = False
         with self._lock:
+            for opening in self._openings:
+                if opening.buffer_id == buffer_id:
+                    opening.revoked = withdrawn
             grant = self._grants.pop(buffer_id, None)
             if grant is not None:
-                grant.revoked = BufferWithdrawnError("the buffer's owner withdrew it")
-                self._drained.wait_for(lambda: grant.flights == 0, STOP_WAIT_S)
+                grant.revoked = withdrawn
+                drained = self._drained.wait_for(lambda: grant.flights == 0, STOP_WAIT_S)
+        if grant is not None and drained:
+            self._drop_keys(grant)
+
+    def _drop_keys(self, grant: Grant) -> None:
+        """Destroy a revoked grant's unpacked keys, where nothing may still use them: each lane its own (on its thread),
+        the callers' worker's under its lock (skipped, the key kept until the path closes, where a caller holds it
+        past `_KEY_LOCK_S`, or an operation with it did not complete)."""
+        lanes = self._lanes
+        if lanes is not None:
+            lanes.drop_keys(grant)
+        inline = self._inline
+        if inline is None or grant.inline_rkey is None or not inline.lock.acquire(timeout=_KEY_LOCK_S):
+            return
+        try:
+            self._drop_inline_key(grant)
+        finally:
+            inline.lock.release()
+
+    def _drop_inline_key(self, grant: Grant) -> None:
+        """Under `_Inline.lock`: destroy the revoked grant's key of the callers' worker, unless it must stay."""
+        key = grant.inline_rkey
+        with self._lock:
+            idle = grant.flights == 0  # nothing of it runs (a GPU copy through its mapping that did not settle stays counted)
+        if key is not None and idle and not grant.inline_kept:
+            grant.inline_rkey = None
+            key.destroy()
 
     def forget_peer(self, agent: common_pb2.AgentInfo) -> None:
         """A peer agent went away: its grants are void and the transfers to it fail now."""
         gone = BrokenResourceError(f"agent {agent.id} (pid {agent.pid}) is gone")
         with self._lock:
+            for opening in self._openings:
+                if opening.owner == agent.id:
+                    opening.revoked = gone
             grants = [g for g in self._grants.values() if g.owner == agent.id]
             for grant in grants:
                 del self._grants[grant.buffer_id]
@@ -538,6 +644,7 @@ class UcxTransport(Transport):
         if grants and inline is not None:
             with inline.lock:
                 for grant in grants:
+                    self._drop_inline_key(grant)
                     for address in grant.workers:
                         endpoint = inline.endpoints.pop(address, None)
                         if endpoint is not None:
@@ -546,22 +653,39 @@ class UcxTransport(Transport):
             self._lanes.fail_peer(grants, gone)
 
     def close(self) -> None:
-        with self._lock:
-            scratches, self._scratches = list(self._scratches.values()), {}
-        for scratch in scratches:
-            scratch.close()
+        """Stop the lanes and the callers' worker, then free the probes' scratch buffers and the context, within
+        `_CLOSE_S` (and the GPU lanes' own bound). Nothing a thread may still use inside UCX is destroyed under it:
+        where a lane's thread did not end, or a caller still held the callers' worker, by then, the context and the
+        scratch buffers (which operations that timed out may still reach) are left allocated, with an error logged."""
+        deadline = time.monotonic() + _CLOSE_S
         lanes, self._lanes = self._lanes, None
-        if lanes is not None:
-            lanes.close()
+        ended = lanes is None or lanes.close(deadline)
         inline, self._inline = self._inline, None
         if inline is not None:
-            with inline.lock:
-                inline.worker.close()
+            if inline.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                try:
+                    inline.worker.close(deadline)
+                finally:
+                    inline.lock.release()
+            else:
+                ended = False
         if self._peer_memory is not None:
             self._peer_memory.close(time.monotonic() + STOP_WAIT_S)
-        if self._context is not None:
-            self._context.close()
-            self._context = None
+        with self._scratch_lock:
+            scratches, self._scratches = list(self._scratches.values()), {}
+        context, self._context = self._context, None
+        if not ended:
+            _abandoned.append((context, scratches, lanes, inline))
+            _log.error("the %s path closed with a UCX worker still in use %.0f s on (a peer that stopped answering?): its context and memory are left allocated", self._path.value, _CLOSE_S)
+            return
+        for scratch in scratches:
+            scratch.close()
+        if context is not None:
+            context.close()
+
+
+_abandoned: list[tuple[Any, ...]] = []
+"""What closes left allocated because a thread may still use it inside UCX (kept referenced, never freed)."""
 
 
 def _second_of_two(run: Callable[[], None]) -> float:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from typing import Any, TypeVar
 
 import numpy as np
@@ -137,6 +138,14 @@ class _Parent:
             self._owned.append(thing)
         return thing
 
+    def _disown(self, thing: _Owned) -> None:
+        """`thing` was released on its own: not kept until this closes."""
+        with self._lock:
+            try:
+                self._owned.remove(thing)
+            except ValueError:  # released by `_release_owned`, which took the list
+                pass
+
     def _release_owned(self) -> None:
         with self._lock:
             owned, self._owned = self._owned, []
@@ -234,6 +243,8 @@ class Worker(_Parent):
                 self.context.close()
             raise
         self._worker = worker[0]
+        self._close_by = float("inf")
+        """When `close` gives up flushing endpoints (they then close without waiting)."""
         address, length = ffi.new("ucp_address_t **"), ffi.new("size_t *")
         check(lib.ucp_worker_get_address(self._worker, address, length), "ucp_worker_get_address")
         self.address = bytes(ffi.buffer(address[0], length[0]))
@@ -295,11 +306,13 @@ class Worker(_Parent):
         self._check_open()
         check(self._lib.hmc_flush_worker(self._worker, check_timeout(timeout_s, "timeout_s")), "flushing the UCX worker")
 
-    def close(self) -> None:
-        """Release what was made from the worker (keys, endpoints), then destroy it (ending what UCX still runs),
-        and its own context; idempotent."""
+    def close(self, deadline: float = float("inf")) -> None:
+        """Release what was made from the worker (keys, endpoints: each endpoint's flush given up at `deadline`, a
+        `time.monotonic()` time, at the latest), then destroy it (ending what UCX still runs), and its own context;
+        idempotent."""
         if self._closed:
             return
+        self._close_by = deadline
         self._release_owned()
         self._closed = True
         self._lib.ucp_worker_destroy(self._worker)
@@ -322,6 +335,7 @@ class _Owned:
         if not self._released and not self._parent._closed:
             self._released = True
             self._release()
+            self._parent._disown(self)
 
     def _release(self) -> None:
         raise NotImplementedError
@@ -439,7 +453,9 @@ class Endpoint(_Owned):
         self.release()
 
     def _release(self) -> None:
-        self._worker._lib.hmc_ep_close(self._worker._worker, self._handle, self._close_timeout_s)
+        worker = self._worker
+        timeout_s = min(self._close_timeout_s, max(1e-6, worker._close_by - time.monotonic()))  # its worker's close is bounded
+        worker._lib.hmc_ep_close(worker._worker, self._handle, timeout_s)
 
 
 class Request:

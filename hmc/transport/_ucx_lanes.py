@@ -14,6 +14,10 @@ reported once nothing of the transfer is in flight, with the first error; a dead
 an expiry at the deadline. A cancel (the handle's `on_cancel`) stops posting and waits, bounded by
 `STOP_WAIT_S`, for what is in flight.
 
+Keys: a revoked grant's key is destroyed by its lane once no part of the grant is on it (`drop_keys`, and the
+last part's end), unless something it posted did not complete (a timeout, a failure: `Grant.kept`), which UCX
+may still run with the key; those stay until the worker closes.
+
 Concurrency: a lane's endpoints and parts belong to its thread; a transfer's counters to `Transfer.lock`;
 a grant's unpacked keys to the lane of their index.
 """
@@ -28,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from hmc.errors import BrokenResourceError, HMCError, UnavailableError, UnsupportedError
+from hmc.errors import BrokenResourceError, ClosedResourceError, HMCError, UnavailableError, UnsupportedError
 from hmc.memory import DeviceKind, MemoryKind
 from hmc.transport import _ucx_engine as engine
 from hmc.transport._base import TransferOp, TransferRequest
@@ -52,7 +56,10 @@ STOP_WAIT_S = 5.0
 class Grant:
     """The right to put into / get from one remote buffer, with the keys each lane unpacked for it."""
 
-    __slots__ = ("address", "buffer_id", "flights", "inline_rkey", "key", "mapped", "owner", "read_only", "remote_kind", "revoked", "rkey", "rkeys", "size", "workers")
+    __slots__ = (
+        "address", "buffer_id", "flights", "inline_kept", "inline_rkey", "kept", "key", "mapped", "owner", "read_only", "remote_kind", "revoked", "rkey", "rkeys", "size",
+        "workers",
+    )  # fmt: skip
 
     def __init__(
         self, handle: common_pb2.UcxHandle, *, buffer_id: str, size: int, read_only: bool, key: bytes, owner: str, lanes: int, remote_kind: int = 0,
@@ -68,6 +75,11 @@ class Grant:
         """Per lane, unpacked on that lane's thread."""
         self.inline_rkey: engine.RemoteKey | None = None
         """For the callers' own worker (`_Inline`), unpacked under its lock."""
+        self.kept: set[int] = set()
+        """Lanes whose key an operation that did not complete (a timeout, a failure) may still use: never destroyed
+        before the worker is (UCX keeps using a key for what it still has queued)."""
+        self.inline_kept = False
+        """The same for the callers' worker's key (under its lock)."""
         self.remote_kind = remote_kind
         """The buffer's device kind (common.proto; 0: not known, as for a pushed read's target)."""
         self.mapped: dict[str, int] = {}
@@ -132,6 +144,10 @@ class Part:
     stopping: bool = False
     reported: bool = False
     error: BaseException | None = None
+    index: int = 0
+    """Its lane's index (the grant's key for it is `grant.rkeys[index]`)."""
+    dirty: bool = False
+    """Something it posted did not complete (a post or flush failed or timed out): its lane's key of the grant stays."""
 
 
 class Lane:
@@ -160,6 +176,10 @@ class Lanes:
         copies end within microseconds: nothing to bound), and hand each part to its lane; `on_end` runs once nothing of the transfer is in flight any more."""
         total = request.ranges.total
         lanes = self.lanes
+        if not lanes:  # closed meanwhile
+            on_end()
+            request.completion.finish(ClosedResourceError("the UCX path was closed"))
+            return
         count = max(1, min(len(lanes), total // _PART_MIN))
         shares = request.ranges.chunks(-(-total // count)) if count > 1 else [request.ranges]
         transfer = Transfer(request, grant, len(shares), on_end)
@@ -168,7 +188,7 @@ class Lanes:
         for i, share in enumerate(shares):
             index = (first + i) % len(lanes)
             device = memory_kind(request.local) is not DeviceKind.HOST
-            parts.append((index, Part(transfer, lanes[index], [share] if device else share.chunks(_WINDOW_BYTES), device)))
+            parts.append((index, Part(transfer, lanes[index], [share] if device else share.chunks(_WINDOW_BYTES), device, index=index)))
         request.completion.set_running()
         request.completion.on_cancel = lambda: self._stop(transfer, [part for _, part in parts])
         for index, part in parts:
@@ -215,6 +235,7 @@ class Lanes:
                 endpoint.post(op, mapping, local.astype(np.uint64) + base, remote.astype(np.uint64) + remote_base, window.lengths, grant.rkeys[index])  # type: ignore[arg-type]
                 flush = endpoint.flush_start()
             except HMCError as exc:
+                part.dirty = True  # what it posted before the failure may still run
                 self._end(part, exc)
                 return
             part.in_flight += 1
@@ -236,6 +257,7 @@ class Lanes:
     def _landed(self, index: int, part: Part, endpoint: engine.Endpoint, mapping: engine.Mapping, nbytes: int, error: BaseException | None) -> None:
         part.in_flight -= 1
         if error is not None:
+            part.dirty = True  # a flush that failed or timed out: what it covered may still run
             self._end(part, error)
             return
         part.transfer.request.completion.add_bytes(nbytes)
@@ -256,8 +278,13 @@ class Lanes:
     def _report(self, part: Part, error: BaseException | None) -> None:
         if not part.reported:
             part.reported = True
-            part.lane.parts.discard(part)
+            lane, grant = part.lane, part.transfer.grant
+            lane.parts.discard(part)
+            if part.dirty or part.in_flight:
+                grant.kept.add(part.index)
             part.transfer.part_ended(error)
+            if grant.revoked is not None and lane.progress.on_thread():  # the grant's last part here may have ended
+                self._drop_key(part.index, lane, grant)
 
     def _stop(self, transfer: Transfer, parts: list[Part]) -> None:
         """The handle's cancel hook: post no more, wait (bounded) until what is in flight has landed."""
@@ -269,6 +296,24 @@ class Lanes:
                 self._report(part, None)
         if not any(lane.progress.on_thread() for lane in self.lanes):
             transfer.ended.wait(STOP_WAIT_S)
+
+    def drop_keys(self, grant: Grant) -> None:
+        """A revoked grant's keys are not needed any more: each lane destroys its own, once no part of the grant is on
+        it and nothing it posted may still run (else the key stays until the worker closes)."""
+        for index, lane in enumerate(self.lanes):
+            if grant.rkeys[index] is not None:
+                try:
+                    lane.progress.submit(lambda index=index, lane=lane: self._drop_key(index, lane, grant))
+                except HMCError:  # closed: the worker takes its keys with it
+                    pass
+
+    def _drop_key(self, index: int, lane: Lane, grant: Grant) -> None:
+        """Lane thread: destroy the revoked grant's key of this lane, when nothing uses it any more."""
+        key = grant.rkeys[index]
+        if key is None or index in grant.kept or any(part.transfer.grant is grant for part in lane.parts):
+            return
+        grant.rkeys[index] = None
+        key.destroy()
 
     def fail_peer(self, grants: list[Grant], error: HMCError) -> None:
         """The owner of `grants` is gone: their transfers end now, with `error` (nothing of them can land)."""
@@ -282,17 +327,24 @@ class Lanes:
         for part in list(lane.parts):
             if part.transfer.grant in grants:
                 self._end(part, error, now=True)
+        index = self.lanes.index(lane) if lane in self.lanes else -1
+        for grant in grants:
+            if index >= 0:
+                self._drop_key(index, lane, grant)
         for grant in grants:
             for address in grant.workers:
                 endpoint = lane.endpoints.pop(address, None)
                 if endpoint is not None:
                     endpoint.close(1e-6)  # without waiting: nobody answers a flush any more
 
-    def close(self) -> None:
-        """Fail what is in flight, destroy the workers, join their threads; idempotent."""
+    def close(self, deadline: float) -> bool:
+        """Fail what is in flight, destroy the workers, join their threads, all by `deadline`: whether every thread
+        ended (False: one may still be inside UCX; its context must stay); idempotent."""
         lanes, self.lanes = self.lanes, []
         for lane in lanes:
-            lane.progress.close()
+            lane.progress.stop(deadline)
+        ended = [lane.progress.join(deadline) for lane in lanes]  # every one joined, not only up to the first that did not end
+        return all(ended)
 
 
 def connect(worker: engine.Worker, address: bytes, grant: Grant) -> engine.Endpoint:

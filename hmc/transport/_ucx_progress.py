@@ -4,16 +4,20 @@ A UCP worker is single-threaded (`hmc.transport._ucx_engine.Worker`), and the ow
 progress it for puts and gets over tcp or shared memory to land. So each path's worker has one named thread
 ("hmc-ucx-<path>") that runs the commands other threads queue (`call` waits for the result, `submit` does
 not), progresses the worker, polls the background requests it was asked to `watch` (flushes), and sleeps on
-the worker's event file descriptor when there is nothing to do (`ucp_worker_arm`), woken by an eventfd when
-a command is queued. It keeps polling a little after the last event (`_SPIN_IDLE_S`, longer while requests
+the worker's event file descriptor when there is nothing to do (`ucp_worker_arm`; with poll(), which takes
+descriptors past 1023, as a process with many files open has), woken by an eventfd when a command is
+queued. It keeps polling a little after the last event (`_SPIN_IDLE_S`, longer while requests
 are outstanding: `_SPIN_WATCHING_S`; without a pause while a device copy is, which signals no event), in C
 with the GIL released so that several progress threads do not take turns at it, and while
 requests are outstanding it sleeps at most `_POLL_S` at a time, so a transport that signals no events still
 completes.
 
-Concurrency: `_lock` guards the command queue, `_closed` and the wake-up eventfd's life (it is written and closed
-under the lock, so no write reaches a closed descriptor or another file that took its number); everything else
-belongs to the thread.
+Closing: `stop` tells the thread to destroy its worker (its endpoints' flushes given up by a deadline), `join`
+says whether it ended by then; one that did not may still be inside UCX, so its context must stay.
+
+Concurrency: `_lock` guards the command queue, `_closed`, `_close_by` and the wake-up eventfd's life (it is
+written and closed under the lock, so no write reaches a closed descriptor or another file that took its
+number); everything else belongs to the thread.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ send resumes when the peer drained its socket, about this soon, and UCX does not
 _SPIN_IDLE_S = 50e-6
 """The same after the last event when nothing is outstanding (the owner of a ping-pong answers sooner)."""
 _JOIN_S = 5.0
+"""How long `close` waits for the thread by default (its worker's endpoints are closed within this, less `_CLOSE_MARGIN_S`)."""
+_CLOSE_MARGIN_S = 1.0
+"""What the thread keeps, of the time `close` gives it, for destroying its worker after closing the endpoints."""
 
 Done = Callable[[BaseException | None], None]
 """Called on the progress thread once a watched request ended: None, or the `hmc.errors` error."""
@@ -64,9 +71,11 @@ class Progress:
     def __init__(self, worker: Worker, name: str) -> None:
         self.worker = worker
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._lock = threading.Lock()  # guards _commands, _closed and writes to (and the close of) _wake
+        self._lock = threading.Lock()  # guards _commands, _closed, _close_by and writes to (and the close of) _wake
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
         self._closed = False
+        self._close_by = float("inf")
+        """When the thread's closing of its worker's endpoints gives up waiting (set with `_closed`, under the lock)."""
         self._watched: list[_Watch] = []
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -112,7 +121,10 @@ class Progress:
         heapq.heappush(self._watched, _Watch(request, deadline, done, busy))
 
     def _run(self) -> None:
-        worker, fd = self.worker, self.worker.fd()
+        worker = self.worker
+        poller = select.poll()  # not select(): it refuses descriptors past 1023, which a process with many files has
+        for fd in (worker.fd(), self._wake):
+            poller.register(fd, select.POLLIN)
         idle_since = time.monotonic()
         while True:
             ran = self._run_commands()
@@ -131,10 +143,12 @@ class Progress:
                 continue
             timeout = min(_POLL_S, max(0.0, self._watched[0].deadline - now)) if self._watched else None
             if worker.arm():
-                select.select([fd, self._wake], [], [], timeout)
+                poller.poll(None if timeout is None else timeout * 1000.0)
             idle_since = time.monotonic()
         self._fail_all(ClosedResourceError("the UCX path was closed"))
-        worker.close()
+        with self._lock:
+            close_by = self._close_by
+        worker.close(close_by)
         with self._lock:  # no submit() or close() writes to it from now on (its number may be reused at once)
             os.close(self._wake)
 
@@ -181,12 +195,26 @@ class Progress:
             watch.request.release()
             watch.done(error)
 
-    def close(self) -> None:
-        """Fail what is still watched, destroy the worker (ending what UCX still runs), join; idempotent."""
+    def stop(self, deadline: float) -> None:
+        """Tell the thread to fail what is still watched and destroy the worker (its endpoints' closes given up by
+        `deadline`, less `_CLOSE_MARGIN_S`); returns at once; idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            self._close_by = deadline - _CLOSE_MARGIN_S
             os.eventfd_write(self._wake, 1)  # under the lock: the thread may otherwise have closed the eventfd already
-        if threading.current_thread() is not self._thread:
-            self._thread.join(_JOIN_S)
+
+    def join(self, deadline: float) -> bool:
+        """Wait until `deadline` for the thread to end (after `stop`): whether it did. False: it may still run inside
+        UCX, and the worker's context must then stay (the caller leaks it rather than free what is in use)."""
+        if self.on_thread():
+            return False
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        return not self._thread.is_alive()
+
+    def close(self, deadline: float | None = None) -> bool:
+        """`stop`, then `join` (by default within `_JOIN_S`): whether the thread ended; idempotent."""
+        deadline = time.monotonic() + _JOIN_S if deadline is None else deadline
+        self.stop(deadline)
+        return self.join(deadline)
