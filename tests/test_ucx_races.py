@@ -388,3 +388,29 @@ def test_a_withdrawn_grants_keys_are_destroyed_on_every_worker(
     theirs = peer.register(size, fill=POISON)  # and a new grant still works
     agent.write(mine, theirs, 0, 0, size, timeout=10.0).wait()
     assert peer.contents(theirs.id) == data.tobytes()
+
+
+def test_a_write_that_timed_out_lands_nothing_after_its_end_nor_after_unregister(make_agent: Callable[..., Agent], rng: np.random.Generator) -> None:
+    """Its flushes expired with the deadline: the handle reported the timeout and the grant stopped counting it while
+    its windows still landed, so the owner's unregister returned before they did (over tcp, 70 MiB landed after it).
+    Now no window starts after the deadline, and the transfer ends when those in flight have landed. A later write
+    on the same connections, done, shows that nothing more was on its way."""
+    owner, initiator = make_agent(("ucx",), ucx_transports="tcp"), make_agent(("ucx",), ucx_transports="tcp")
+    size = 512 << 20
+    landing, later = np.full(size, POISON, np.uint8), np.full(4096, POISON, np.uint8)
+    theirs, sync = owner.register(landing), owner.register(later)
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    mine = initiator.register(data)
+    initiator.write(mine, theirs.descriptor, 0, 0, 4096).wait()  # granted and connected
+    initiator.write(mine, sync.descriptor, 0, 0, 4096).wait()
+    handle = initiator.write(mine, theirs.descriptor, 0, 0, size, timeout=0.02)
+    with pytest.raises(TimeoutError):
+        handle.wait()
+    at_end = landing.copy()
+    owner.unregister(theirs)
+    at_unregister = landing.copy()
+    initiator.write(mine, sync.descriptor, 4096, 0, 4096).wait()  # behind whatever was still on the way
+    assert np.array_equal(later, data[4096:8192])
+    assert np.array_equal(at_end, at_unregister), "bytes landed after the transfer reported its end"
+    assert np.array_equal(landing, at_unregister), "bytes landed after the owner's unregister returned"
+    assert bool(np.all((landing == POISON) | (landing == data))) and (landing == POISON).any()

@@ -10,9 +10,12 @@ completion says it landed, and a last, confirming flush (UCX completes a cma put
 without an error of its own, and fails the endpoint afterwards).
 
 A transfer ends when all its parts have: a failed part stops the others from posting, and the end is
-reported once nothing of the transfer is in flight, with the first error; a dead peer ends it at once;
-an expiry at the deadline. A cancel (the handle's `on_cancel`) stops posting and waits, bounded by
-`STOP_WAIT_S`, for what is in flight.
+reported once nothing of the transfer is in flight, with the first error; a dead peer ends it at once.
+At the deadline no window starts any more, and the transfer ends (TimeoutError) once the windows in flight
+landed: their flushes are watched `_LANDING_S` longer. Before, the flushes expired with the deadline, so a
+transfer that timed out stopped counting against its grant while its windows still landed, and the owner's
+`unregister()` returned before they did (over tcp, tens of MiB landed afterwards). A cancel (the handle's
+`on_cancel`) stops posting and waits, bounded by `STOP_WAIT_S`, for what is in flight.
 
 Keys: a revoked grant's key is destroyed by its lane once no part of the grant is on it (`drop_keys`, and the
 last part's end), unless something it posted did not complete (a timeout, a failure: `Grant.kept`), which UCX
@@ -27,12 +30,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from hmc.errors import BrokenResourceError, ClosedResourceError, HMCError, UnavailableError, UnsupportedError
+from hmc.errors import BrokenResourceError, ClosedResourceError, HMCError, TimeoutError, UnavailableError, UnsupportedError
 from hmc.memory import DeviceKind, MemoryKind
 from hmc.transport import _ucx_engine as engine
 from hmc.transport._base import TransferOp, TransferRequest
@@ -51,6 +55,10 @@ _PART_MIN = 4 << 20
 _MAX_WORKER_ADDRESS = 1 << 16
 STOP_WAIT_S = 5.0
 """How long a cancel or a withdrawal waits for windows in flight to land."""
+_LANDING_S = 0.5
+"""How long past its deadline a transfer waits for its windows in flight to land before it ends (a healthy owner
+lands two 64 MiB windows a lane within tens of milliseconds; one that stopped progressing, never: README, "Failure
+semantics"), within the bound on a wait's overrun."""
 
 
 class Grant:
@@ -227,6 +235,9 @@ class Lanes:
             if transfer.cancelled or transfer.failed or grant.revoked is not None:
                 self._end(part, grant.revoked)
                 return
+            if time.monotonic() > request.deadline:  # no window starts after it; those in flight end the part
+                self._end(part, TimeoutError("the transfer missed its deadline"))
+                return
             window = part.windows[part.next]
             part.next += 1
             local, remote = (window.src, window.dst) if request.op is TransferOp.WRITE else (window.dst, window.src)
@@ -240,7 +251,7 @@ class Lanes:
                 return
             part.in_flight += 1
             nbytes = window.total
-            part.lane.progress.watch(flush, request.deadline, lambda error, n=nbytes: self._landed(index, part, endpoint, mapping, n, error), busy=part.device)
+            part.lane.progress.watch(flush, request.deadline + _LANDING_S, lambda error, n=nbytes: self._landed(index, part, endpoint, mapping, n, error), busy=part.device)
         if part.in_flight == 0 and not part.stopping:
             if part.confirming:
                 self._end(part, None)
@@ -252,7 +263,7 @@ class Lanes:
                 self._end(part, exc)
                 return
             part.in_flight += 1
-            part.lane.progress.watch(flush, request.deadline, lambda error: self._landed(index, part, endpoint, mapping, 0, error), busy=part.device)
+            part.lane.progress.watch(flush, request.deadline + _LANDING_S, lambda error: self._landed(index, part, endpoint, mapping, 0, error), busy=part.device)
 
     def _landed(self, index: int, part: Part, endpoint: engine.Endpoint, mapping: engine.Mapping, nbytes: int, error: BaseException | None) -> None:
         part.in_flight -= 1
