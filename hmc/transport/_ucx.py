@@ -2,8 +2,9 @@
 
 Engine. One UCP context per path and agent, with `workers` workers on progress threads of their own (the
 lanes, `hmc.transport._ucx_lanes`: large host transfers are split across them), and one worker the callers
-drive themselves, one at a time (`_Inline`: single host ranges up to `_INLINE_BYTES`, and device memory in
-up to `_INLINE_RANGES` ranges, posted, flushed and waited for in C on the caller's thread).
+drive themselves, one at a time (the callers' worker, `hmc.transport._ucx_inline`: single host ranges up to
+`_INLINE_BYTES`, and device memory in up to `_INLINE_RANGES` ranges, posted, flushed and waited for in C on the
+caller's thread).
 
 Owner side. Every ConnBuffer is registered with the context once, when it is registered with the agent
 (`export`: `ucp_mem_map`, device memory included where UCX found its transports), and unregistered when it is
@@ -16,7 +17,7 @@ want pushed (`push`: a Push frame, checked by the peer server).
 Initiator side. `post` asks the owner for a grant once per (buffer, key) on the caller's thread, then moves
 the ranges on the caller's thread or hands them to the lanes. GPU memory whose peer buffer UCX maps here
 (cuda_ipc: `ucp_rkey_ptr`) moves through that mapping, a batch in one kernel launch, on the caller's thread
-(`_ucx_mapped`; `map_peers`). Reads from an owner are measured once per pair
+(`_ucx_mapped`, through the callers' worker; `map_peers`). Reads from an owner are measured once per pair
 of memory kinds (`_probe`: a get and a push by the owner into a scratch buffer) and pushed by the owner where
 pushes win (`_pull_by_push`). The notification that may follow is sent by the agent after the transfer ended.
 
@@ -31,19 +32,16 @@ context that a thread may still use inside UCX: past its bound it leaves them al
 
 Concurrency: `_lock` guards the grant table, the openings, the probes, the push targets and each grant's
 `flights` (waited for under `_drained`); `_scratch_lock` the scratch buffers; `_map_lock` the registrations;
-`_Inline.lock` the callers' worker, waited for within the caller's deadline.
+`CallersWorker.lock` the callers' worker, waited for within the caller's deadline.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
-
-import numpy as np
 
 from hmc.errors import AccessDeniedError, ArgumentError, BrokenResourceError, BufferWithdrawnError, ClosedResourceError, HMCError, TimeoutError, UnsupportedError
 from hmc import memory
@@ -52,7 +50,8 @@ from hmc.memory._machine import rdma_nics
 from hmc.transport import _ucx_engine as engine
 from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport, kind_to_proto
 from hmc.transport._ranges import RangeList
-from hmc.transport._ucx_lanes import STOP_WAIT_S, Grant, Lanes, connect, memory_kind
+from hmc.transport._ucx_inline import CallersWorker
+from hmc.transport._ucx_lanes import STOP_WAIT_S, Grant, Lanes, memory_kind
 from hmc.transport._ucx_mapped import PeerMemory
 from hmc.transport._wire import raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
@@ -80,8 +79,6 @@ _PUSH_PREFERRED = 0.8
 """Reads go as pushes where a push takes less than this fraction of a get's time."""
 _TARGETS = 256
 """Askers' memories of pushed reads kept unpacked."""
-_KEY_LOCK_S = 0.5
-"""How long a withdrawal waits for the callers' worker to destroy a grant's key there (it is kept otherwise)."""
 _CLOSE_S = STOP_WAIT_S
 """How long `close` waits for the lanes' threads and the callers' worker before it leaves them (and the context) allocated."""
 _KINDS = {"host": DeviceKind.HOST, "cuda": DeviceKind.CUDA, "rocm": DeviceKind.HIP}
@@ -132,15 +129,6 @@ class _Done:
             done(error)
 
 
-class _Inline:
-    """A worker that callers drive themselves, one at a time, for single small ranges (no thread hop)."""
-
-    def __init__(self, context: engine.Context) -> None:
-        self.worker = engine.Worker(context, serialized=True)
-        self.lock = threading.Lock()  # one caller at a time: guards the worker, its endpoints and grants' inline keys
-        self.endpoints: dict[bytes, engine.Endpoint] = {}
-
-
 class UcxTransport(Transport):
     """One path (`ucx`, or `rdma`: the same engine on verbs transports) of one agent."""
 
@@ -170,7 +158,8 @@ class UcxTransport(Transport):
         self._capabilities = Capabilities(path=path, memory_kinds=frozenset(), one_sided=True)
         self._context: engine.Context | None = None
         self._lanes: Lanes | None = None
-        self._inline: _Inline | None = None
+        self._inline: CallersWorker | None = None
+        """Set once the path runs, and kept (closed) once it closed."""
         self._lock = threading.Lock()  # guards _grants, _probes, _targets and every grant's flights
         self._drained = threading.Condition(self._lock)  # a grant's last transfer ended
         self._grants: dict[str, Grant] = {}
@@ -210,7 +199,10 @@ class UcxTransport(Transport):
         self._capabilities = Capabilities(path=self._path, memory_kinds=kinds, one_sided=True, detail=detail)
         self._context = context
         self._lanes = Lanes(context, self._workers, f"hmc-{self._path.value}")
-        self._inline = _Inline(context)
+        self._inline = CallersWorker(
+            context, path=self._path.value, peer_memory=self._peer_memory, enter=self._enter, release=self._release, flights_lock=self._lock,
+            timeout_s=self._timeout_s, inline_bytes=_INLINE_BYTES,
+        )  # fmt: skip
         return None
 
     def _running(self) -> Lanes:
@@ -294,7 +286,7 @@ class UcxTransport(Transport):
             total = request.ranges.total
             device = memory_kind(request.local) is not DeviceKind.HOST
             if (device and (len(request.ranges) <= _INLINE_RANGES or self._maps(grant, request.local.region.device, request.deadline))) or (len(request.ranges) == 1 and total <= _INLINE_BYTES):
-                self._run_inline(request, grant, mapping)
+                self._callers().run(request, grant, mapping)
                 request.completion.add_bytes(total)
                 request.completion.finish()
                 return
@@ -308,6 +300,13 @@ class UcxTransport(Transport):
         with self._lock:
             grant.flights += 1
         self._running().launch(request, grant, mapping, lambda: self._release(grant))
+
+    def _callers(self) -> CallersWorker:
+        """The callers' worker (once the path closed, closed: it refuses copies)."""
+        inline = self._inline
+        if inline is None:
+            raise UnsupportedError(f"the {self._path.value} path is not running")
+        return inline
 
     # -- reads the owner pushes ------------------------------------------------------
 
@@ -332,7 +331,7 @@ class UcxTransport(Transport):
         piece = RangeList.build(0, 0, length)
 
         def get() -> None:
-            self._copy_inline(TransferOp.READ, grant, scratch.mapping, scratch.region.device, scratch.address, 0, 0, length, max(request.deadline - time.monotonic(), 1e-3))
+            self._callers().copy(TransferOp.READ, grant, scratch.mapping, scratch.region.device, scratch.address, 0, 0, length, max(request.deadline - time.monotonic(), 1e-3))
 
         def push() -> None:
             self._push_and_wait(request.remote, piece, scratch, scratch.mapping, request.deadline)
@@ -421,7 +420,7 @@ class UcxTransport(Transport):
             self._launch(pushed, target, mapping)
             return
         try:  # device memory: on this (the control channel's) thread, within microseconds per range
-            self._run_inline(pushed, target, mapping)
+            self._callers().run(pushed, target, mapping)
         except HMCError as exc:
             done(exc)
             return
@@ -448,59 +447,6 @@ class UcxTransport(Transport):
         with self._lock:
             return [_copy(probe) for probe in self._probes.values()]
 
-    def _copy_inline(
-        self, op: TransferOp, grant: Grant, mapping: engine.Mapping, device: Any, local_base: int, local: Any, remote: Any, lengths: Any, timeout_s: float,
-    ) -> None:  # fmt: skip
-        """Ranges (ints: one; int64 offset arrays: a batch) between local memory at `local_base` on `device` and the
-        grant's buffer, checked by the caller, on the caller's thread: through the peer's memory where UCX maps it
-        here (a GPU copy), else posted, flushed and waited for in C through the callers' worker."""
-        inline = self._inline
-        if inline is None:
-            raise UnsupportedError(f"the {self._path.value} path is not running")
-        if op is TransferOp.WRITE and grant.read_only:
-            raise AccessDeniedError(f"buffer {grant.buffer_id} is read-only: its owner grants reads only")
-        deadline = time.monotonic() + timeout_s
-        self._enter(grant)
-        landed = True
-        try:
-            with self._inline_locked(inline, deadline):
-                if grant.revoked is not None:  # its owner went away while this waited (`forget_peer` holds the lock)
-                    raise grant.revoked
-                endpoint, rkey = self._inline_key(inline, grant)
-                mapped = self._mapped(grant, device, rkey)
-                if not mapped:
-                    left = deadline - time.monotonic()  # the wait for the lock came out of the caller's time
-                    if left <= 0:
-                        raise TimeoutError(f"{self._path.value} transfer missed its deadline")
-                    try:
-                        if isinstance(lengths, int):
-                            endpoint.rma(op.value, mapping, local_base + local, grant.address + remote, lengths, rkey, left)
-                        else:
-                            endpoint.rma(op.value, mapping, local.astype(np.uint64) + np.uint64(local_base), remote.astype(np.uint64) + np.uint64(grant.address), lengths, rkey, left)
-                    except HMCError:
-                        grant.inline_kept = True  # what it posted may still run, with this key
-                        raise
-                    return
-            peers = self._peer_memory
-            assert peers is not None  # only it maps
-            if not peers.copy(device, op, local_base, local, mapped, remote, lengths, deadline):
-                landed = peers.settled(device, self._path.value)
-                raise TimeoutError(f"{self._path.value} copy missed its deadline")
-        finally:
-            if landed:
-                self._release(grant)
-
-    @contextlib.contextmanager
-    def _inline_locked(self, inline: _Inline, deadline: float) -> Iterator[None]:
-        """Hold the callers' worker's lock, waited for until `deadline` (TimeoutError: another caller holds it, a
-        transfer to a peer that does not answer, say; it holds it at most until its own deadline)."""
-        if not inline.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise TimeoutError(f"the {self._path.value} path's callers' worker stayed busy past the deadline (another transfer held it)")
-        try:
-            yield
-        finally:
-            inline.lock.release()
-
     def _enter(self, grant: Grant) -> None:
         """Count a transfer of `grant` in flight (its revocation's error if it was revoked); `_release` ends it."""
         with self._lock:
@@ -508,44 +454,10 @@ class UcxTransport(Transport):
                 raise grant.revoked
             grant.flights += 1
 
-    def _inline_key(self, inline: _Inline, grant: Grant) -> tuple[engine.Endpoint, engine.RemoteKey]:
-        """The callers' worker's endpoint to the grant's owner and its key for the grant (made once); under `inline.lock`."""
-        address = grant.worker(0)
-        endpoint = inline.endpoints.get(address)
-        if endpoint is None:
-            endpoint = inline.endpoints[address] = connect(inline.worker, address, grant)
-        if grant.inline_rkey is None:
-            grant.inline_rkey = endpoint.unpack(grant.rkey)
-        return endpoint, grant.inline_rkey
-
-    def _mapped(self, grant: Grant, device: Any, rkey: engine.RemoteKey) -> int:
-        """Where UCX maps the grant's buffer for local `device` (0: nowhere, or mapping is off); under `_Inline.lock`."""
-        return 0 if self._peer_memory is None else self._peer_memory.base(grant, device, rkey)
-
     def _maps(self, grant: Grant, device: Any, deadline: float) -> bool:
         """Whether a transfer of the grant's buffer with local memory on `device` goes through a mapping (asked once)."""
         inline = self._inline
-        if inline is None or self._peer_memory is None or device is None or device.kind is DeviceKind.HOST:
-            return False
-        mapped = grant.mapped.get(device.name)
-        if mapped is not None:  # never changed once set
-            return bool(mapped)
-        with self._inline_locked(inline, deadline):
-            return bool(self._mapped(grant, device, self._inline_key(inline, grant)[1]))
-
-    def _run_inline(self, request: TransferRequest, grant: Grant, mapping: engine.Mapping) -> None:
-        """The whole request on the caller's thread (device memory: copies end within microseconds, no thread hop)."""
-        remaining = request.deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"{self._path.value} transfer missed its deadline")
-        ranges = request.ranges
-        local, remote = (ranges.src, ranges.dst) if request.op is TransferOp.WRITE else (ranges.dst, ranges.src)
-        region = request.local.region
-        device = region.device if region.kind is MemoryKind.DEVICE else None
-        if len(ranges) == 1:
-            self._copy_inline(request.op, grant, mapping, device, region.address, int(local[0]), int(remote[0]), int(ranges.lengths[0]), remaining)
-        else:
-            self._copy_inline(request.op, grant, mapping, device, region.address, local, remote, ranges.lengths, remaining)
+        return inline is not None and inline.maps(grant, device, deadline)
 
     def inline(self, local: Any, remote: common_pb2.BufferDescriptor) -> InlineCopy | None:
         """One small range on the caller's thread, once the pair has a grant (after its first transfer)."""
@@ -553,30 +465,10 @@ class UcxTransport(Transport):
             grant = self._grants.get(remote.id)
         with self._map_lock:
             mapping = self._mappings.get(local.id)
-        if grant is None or grant.key != remote.access_key or grant.revoked is not None or mapping is None:
+        inline = self._inline
+        if grant is None or grant.key != remote.access_key or grant.revoked is not None or mapping is None or inline is None:
             return None
-        region = local.region
-        base, device = region.address, (region.device if region.kind is MemoryKind.DEVICE else None)
-
-        def write(local_offset: int, remote_offset: int, length: int) -> None:
-            self._copy_inline(TransferOp.WRITE, grant, mapping, device, base, local_offset, remote_offset, length, self._timeout_s)
-
-        def read(local_offset: int, remote_offset: int, length: int) -> None:
-            self._copy_inline(TransferOp.READ, grant, mapping, device, base, local_offset, remote_offset, length, self._timeout_s)
-
-        if device is None:
-            return InlineCopy(write=write, read=read, local_size=local.size, remote_size=grant.size, max_bytes=_INLINE_BYTES, waits=True)
-        # Device memory: a range of any size (post() moves it on the caller's thread too, after ~80 us of request
-        # building that this skips); reads past _INLINE_BYTES take the slow path, which may have the owner push them,
-        # unless the peer's memory is mapped here (a get is then a GPU copy).
-        mapped = grant.mapped.get(device.name)
-        if mapped and self._peer_memory is not None:
-            write, read = (
-                self._peer_memory.single(grant, device, base, op, enter=self._enter, leave=self._release, timeout_s=self._timeout_s, path=self._path.value)
-                for op in (TransferOp.WRITE, TransferOp.READ)
-            )
-        reads = local.size if mapped else _INLINE_BYTES
-        return InlineCopy(write=write, read=read, local_size=local.size, remote_size=grant.size, max_bytes=local.size, read_max_bytes=reads, waits=True)
+        return inline.inline_copy(grant, mapping, local)
 
     def _release(self, grant: Grant) -> None:
         """A transfer of `grant` has nothing in flight any more (a withdrawal, which revokes the grant first under the
@@ -608,26 +500,13 @@ class UcxTransport(Transport):
     def _drop_keys(self, grant: Grant) -> None:
         """Destroy a revoked grant's unpacked keys, where nothing may still use them: each lane its own (on its thread),
         the callers' worker's under its lock (skipped, the key kept until the path closes, where a caller holds it
-        past `_KEY_LOCK_S`, or an operation with it did not complete)."""
+        past `_KEY_LOCK_S`, or an operation with it did not complete: `CallersWorker.drop_key`)."""
         lanes = self._lanes
         if lanes is not None:
             lanes.drop_keys(grant)
         inline = self._inline
-        if inline is None or grant.inline_rkey is None or not inline.lock.acquire(timeout=_KEY_LOCK_S):
-            return
-        try:
-            self._drop_inline_key(grant)
-        finally:
-            inline.lock.release()
-
-    def _drop_inline_key(self, grant: Grant) -> None:
-        """Under `_Inline.lock`: destroy the revoked grant's key of the callers' worker, unless it must stay."""
-        key = grant.inline_rkey
-        with self._lock:
-            idle = grant.flights == 0  # nothing of it runs (a GPU copy through its mapping that did not settle stays counted)
-        if key is not None and idle and not grant.inline_kept:
-            grant.inline_rkey = None
-            key.destroy()
+        if inline is not None:
+            inline.drop_key(grant)
 
     def forget_peer(self, agent: common_pb2.AgentInfo) -> None:
         """A peer agent went away: its grants are void and the transfers to it fail now."""
@@ -642,13 +521,7 @@ class UcxTransport(Transport):
                 grant.revoked = gone
         inline = self._inline
         if grants and inline is not None:
-            with inline.lock:
-                for grant in grants:
-                    self._drop_inline_key(grant)
-                    for address in grant.workers:
-                        endpoint = inline.endpoints.pop(address, None)
-                        if endpoint is not None:
-                            endpoint.close(1e-6)  # without waiting: nobody answers a flush any more
+            inline.forget(grants)  # their keys and the endpoints to its workers there, at once
         if grants and self._lanes is not None:
             self._lanes.fail_peer(grants, gone)
 
@@ -660,15 +533,9 @@ class UcxTransport(Transport):
         deadline = time.monotonic() + _CLOSE_S
         lanes, self._lanes = self._lanes, None
         ended = lanes is None or lanes.close(deadline)
-        inline, self._inline = self._inline, None
-        if inline is not None:
-            if inline.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                try:
-                    inline.worker.close(deadline)
-                finally:
-                    inline.lock.release()
-            else:
-                ended = False
+        inline = self._inline  # kept, closed: what still holds an InlineCopy of it is refused
+        if inline is not None and not inline.close(deadline):
+            ended = False
         if self._peer_memory is not None:
             self._peer_memory.close(time.monotonic() + STOP_WAIT_S)
         with self._scratch_lock:

@@ -82,7 +82,7 @@ class Grant:
         self.rkeys: list[engine.RemoteKey | None] = [None] * lanes
         """Per lane, unpacked on that lane's thread."""
         self.inline_rkey: engine.RemoteKey | None = None
-        """For the callers' own worker (`_Inline`), unpacked under its lock."""
+        """For the callers' own worker (`_ucx_inline.CallersWorker`), unpacked under its lock."""
         self.kept: set[int] = set()
         """Lanes whose key an operation that did not complete (a timeout, a failure) may still use: never destroyed
         before the worker is (UCX keeps using a key for what it still has queued)."""
@@ -91,7 +91,7 @@ class Grant:
         self.remote_kind = remote_kind
         """The buffer's device kind (common.proto; 0: not known, as for a pushed read's target)."""
         self.mapped: dict[str, int] = {}
-        """Local GPU name -> where UCX maps the buffer for it (0: nowhere); set under `_Inline`'s lock (`_ucx_mapped`)."""
+        """Local GPU name -> where UCX maps the buffer for it (0: nowhere); set under the callers' worker's lock (`_ucx_mapped`)."""
         self.flights = 0
         self.revoked: HMCError | None = None
 

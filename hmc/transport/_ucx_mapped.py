@@ -9,10 +9,10 @@ one such lane per local GPU and, in each grant, the peer buffer's mapped address
 none there, and the ranges go as UCX puts and gets).
 
 The mapping is UCX's: it lives in cuda_ipc's cache of opened handles for as long as the peer's memory does;
-a grant is used only while it is not revoked and counted in flight (`UcxTransport._copy_inline`), as for
+a grant is used only while it is not revoked and counted in flight (`CallersWorker.copy`), as for
 puts and gets.
 
-Concurrency: `_lock` guards the lanes; a grant's `mapped` entries are made under the transport's `_Inline.lock`
+Concurrency: `_lock` guards the lanes; a grant's `mapped` entries are made under the callers' worker's lock (`CallersWorker`)
 (where its remote key is unpacked) and never changed after, so `single` reads its entry without it; copies run
 outside both locks, and a lane takes any thread.
 """
