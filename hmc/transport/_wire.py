@@ -446,7 +446,14 @@ class FrameStream:
         if self._broken is not None or self._tail > self._head:
             return True
         try:  # poll, not select: select refuses descriptors past 1023, and a serving engine holds thousands
-            return bool(self._rx_ready.poll(min(math.ceil(timeout * 1000), _POLL_MAX_MS) if timeout > 0 else 0))
+            poller = select.poll()  # its own: a poll object refuses two threads at once
+            poller.register(self._rx, select.POLLIN)
+            if 0 < timeout < 1e-3:  # poll() counts whole milliseconds: a shorter nap is a look, a sleep, a look
+                if poller.poll(0):
+                    return True
+                time.sleep(timeout)
+                timeout = 0.0
+            return bool(poller.poll(min(math.ceil(timeout * 1000), _POLL_MAX_MS) if timeout > 0 else 0))
         except (OSError, ValueError):  # closed meanwhile: a receive fails at once
             return True
 
