@@ -17,6 +17,9 @@ using hmc_internal::valid_timeout;
 
 namespace {
 
+constexpr int kMaxMessage = 64 << 20;  // hmcd's own bound (hmc/control/_hmcd.py's SERVER_OPTIONS): gRPC's 4 MiB would refuse a big listing
+constexpr int kMaxMetadata = 1 << 20;  // hmcd's error messages repeat the names given: a long one still arrives as its error, not BUSY
+
 // As hmc/control/_auth.py's check_socket_dir: a missing entry passes (connecting then fails UNAVAILABLE).
 hmc_status trusted(const std::string &path, const char *what, mode_t forbidden, bool directory, bool *exists) {
     struct stat info;
@@ -117,6 +120,10 @@ extern "C" hmc_status hmc_connect(const char *address, const char *token, const 
         if (given.empty()) return fail(HMC_ERR_INVALID_ARGUMENT, "a unix: address names no socket");
         if (token != nullptr && *token != '\0') return fail(HMC_ERR_INVALID_ARGUMENT, "a token goes with TCP addresses only (the unix socket checks who connects)");
         if (tls_ca != nullptr && *tls_ca != '\0') return fail(HMC_ERR_INVALID_ARGUMENT, "TLS goes with TCP addresses only");
+        // gRPC reads the target as a URI (percent-decoded, "?" and "#" end the path): the path it connects to would not be the one checked.
+        if (given.find_first_of("%?#") != std::string::npos) {
+            return fail(HMC_ERR_INVALID_ARGUMENT, "refusing the socket path " + given + ": it holds '%', '?' or '#', which gRPC would not take literally");
+        }
         client->socket_path = normalized(given);
         if (client->socket_path.empty()) return fail(HMC_ERR_AUTHENTICATION, "refusing the socket path " + given + ": it holds \"..\"");
         client->address = "unix:" + client->socket_path;
@@ -135,6 +142,14 @@ extern "C" hmc_status hmc_connect(const char *address, const char *token, const 
     }
     grpc::ChannelArguments arguments;
     arguments.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
+    arguments.SetInt(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, kMaxMessage);
+    arguments.SetInt(GRPC_ARG_MAX_METADATA_SIZE, kMaxMetadata);
+    // A silent hmcd (stopped, cut off) ends a subscription UNAVAILABLE within ~15 s, as the agents' links do;
+    // hmcd permits pings every 5 s (hmc/control/_hmcd.py's SERVER_OPTIONS).
+    arguments.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+    arguments.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+    arguments.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    arguments.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
     client->channel = grpc::CreateCustomChannel(client->address, credentials, arguments);
     client->nodes = hmc::v1::NodeService::NewStub(client->channel);
     client->registry = hmc::v1::RegistryService::NewStub(client->channel);

@@ -62,6 +62,22 @@ hmc_status check(hmc_client *client, hmc_transfer *transfer) {
     return client->check_socket();
 }
 
+// hmc_wait's loop: asks hmcd until the transfer ended or `timeout_s` passed; the caller reports transfer->last.
+hmc_status wait_for(hmc_client *client, hmc_transfer *transfer, double timeout_s) {
+    if (!valid_timeout(timeout_s)) return fail(HMC_ERR_INVALID_ARGUMENT, "the timeout must be finite seconds in (0, 1e6]");
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+    while (!final_state(transfer->last.state())) {
+        double left = std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count();
+        hmc_status status = ask(client, transfer, left > 0 ? left : 0.0, (left > 0 ? left : 0.0) + kWaitSlackS);
+        if (status != HMC_OK) return status;
+        if (!final_state(transfer->last.state()) && std::chrono::steady_clock::now() >= deadline) {
+            return fail(HMC_ERR_TIMEOUT, "transfer " + transfer->id + " still " + hmc::v1::TransferState_Name(transfer->last.state()) + " after " +
+                                             std::to_string(timeout_s) + " s");
+        }
+    }
+    return outcome(*transfer);
+}
+
 thread_local hmc_transfer migrated;  // hmc_migrate's last transfer: its status's path lives here
 
 }  // namespace
@@ -106,6 +122,7 @@ extern "C" hmc_status hmc_submit(hmc_client *client, const char *src, const char
 extern "C" const char *hmc_transfer_id(const hmc_transfer *transfer) { return transfer ? transfer->id.c_str() : ""; }
 
 extern "C" hmc_status hmc_poll(hmc_client *client, hmc_transfer *transfer, hmc_transfer_status *out) {
+    clear(out);
     hmc_status status = check(client, transfer);
     if (status != HMC_OK) return status;
     if (out == nullptr) return fail(HMC_ERR_INVALID_ARGUMENT, "the out pointer is NULL");
@@ -118,21 +135,9 @@ extern "C" hmc_status hmc_wait(hmc_client *client, hmc_transfer *transfer, doubl
     clear(out);
     hmc_status status = check(client, transfer);
     if (status != HMC_OK) return status;
-    report(*transfer, out);
-    if (!valid_timeout(timeout_s)) return fail(HMC_ERR_INVALID_ARGUMENT, "the timeout must be finite seconds in (0, 1e6]");
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-    while (!final_state(transfer->last.state())) {
-        double left = std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count();
-        status = ask(client, transfer, left > 0 ? left : 0.0, (left > 0 ? left : 0.0) + kWaitSlackS);
-        if (status != HMC_OK) return status;
-        if (!final_state(transfer->last.state()) && std::chrono::steady_clock::now() >= deadline) {
-            report(*transfer, out);
-            return fail(HMC_ERR_TIMEOUT, "transfer " + transfer->id + " still " + hmc::v1::TransferState_Name(transfer->last.state()) + " after " +
-                                             std::to_string(timeout_s) + " s");
-        }
-    }
-    report(*transfer, out);
-    return outcome(*transfer);
+    status = wait_for(client, transfer, timeout_s);
+    report(*transfer, out);  // on every return: an early answer may have replaced the status `out` was filled from
+    return status;
 }
 
 extern "C" hmc_status hmc_cancel(hmc_client *client, hmc_transfer *transfer) {

@@ -9,6 +9,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -33,6 +34,28 @@ static void fresh_pair(uint64_t seed, mapped *src, mapped *dst) {
     *src = map_buffer("capi-src"), *dst = map_buffer("capi-dst");
     random_bytes(src->bytes, src->size, seed);
     memset(dst->bytes, POISON, dst->size);
+}
+
+/* `argv` (a program and its arguments) started in the background: an agent or a fake hmcd of cluster.py. */
+static pid_t start_process(char *const argv[]) {
+    pid_t parent = getpid();
+    pid_t child = fork();
+    CHECK(child >= 0);
+    if (child == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);  /* a test that fails (exits) takes it along */
+        if (getppid() != parent) _exit(127);
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    return child;
+}
+
+static void await_file(const char *path, double seconds) {
+    double deadline = now_s() + seconds;
+    while (access(path, F_OK) != 0) {
+        CHECK(now_s() < deadline);
+        usleep(50000);
+    }
 }
 
 static void test_status_table(void) {
@@ -106,6 +129,23 @@ static void test_connect_refuses_an_untrusted_socket(void) {
     }
     snprintf(through, sizeof through, "unix:%s/../%s/node.sock", link, strrchr(state("dir"), '/') + 1);
     EXPECT(HMC_ERR_AUTHENTICATION, hmc_connect(through, NULL, NULL, 2.0, &client));
+    /* the real socket linked into the open directory: gRPC percent-decodes the path and ends it at '?' or '#', so
+     * these reach it while the path checked is another (or none): refused as written */
+    char linked[650];
+    snprintf(linked, sizeof linked, "%s/node.sock", dir);
+    unlink(linked);
+    CHECK(linkat(AT_FDCWD, state("socket") + strlen("unix:"), AT_FDCWD, linked, 0) == 0);  /* link(): shadowed here */
+    const char *encoded[] = {"unix:%s/open%%2ddir/node.sock", "unix:%s/open-dir/node.sock?/x", "unix:%s/open-dir/node.sock#/x",
+                             "unix:%s/linked-dir/%%2e%%2e/open-dir/node.sock", "unix://%s/open%%2Ddir/node.sock"};
+    for (size_t i = 0; i < sizeof encoded / sizeof encoded[0]; ++i) {
+        snprintf(through, sizeof through, encoded[i], state("dir"));
+        double started = now_s();
+        EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_connect(through, NULL, NULL, 2.0, &client));
+        CHECK(strstr(hmc_last_error(), "'%'") != NULL && now_s() - started < 1.0 && client == NULL);
+    }
+    snprintf(through, sizeof through, "unix:%s", linked);
+    EXPECT(HMC_ERR_AUTHENTICATION, hmc_connect(through, NULL, NULL, 2.0, &client));
+    unlink(linked);
     unlink(link);
     /* the real socket, spelled with "//" and "/./" but no link: accepted */
     snprintf(through, sizeof through, "unix:%s//./node.sock", state("dir"));
@@ -188,7 +228,9 @@ static void test_null_handles(void) {
     memset(&status, 0x5a, sizeof status);
     EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_wait(NULL, NULL, 1.0, &status));
     CHECK(status.state == HMC_TRANSFER_UNKNOWN && status.error == HMC_OK && status.bytes_done == 0 && strcmp(status.path, "") == 0);
+    memset(&status, 0x5a, sizeof status);
     EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_poll(NULL, NULL, &status));
+    CHECK(status.state == HMC_TRANSFER_UNKNOWN && status.error == HMC_OK && status.bytes_done == 0 && strcmp(status.path, "") == 0);
     EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_wait(NULL, NULL, 1.0, &status));
     EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_cancel(NULL, NULL));
     EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_migrate(NULL, "capi-src", "capi-dst", &zero, &zero, &one, 1, 10.0, &status));
@@ -204,6 +246,63 @@ static void test_null_handles(void) {
     CHECK(strcmp(hmc_transfer_id(NULL), "") == 0 && hmc_events_fd(NULL) == -1 && strcmp(hmc_node_info_node(NULL), "") == 0);
     hmc_client_close(NULL), hmc_node_info_free(NULL), hmc_buffer_free(NULL), hmc_buffer_list_free(NULL), hmc_path_free(NULL);
     hmc_transfer_free(NULL), hmc_events_close(NULL), hmc_string_free(NULL);
+}
+
+/* Names as long as hmcd takes: its error repeating an unknown name of 9000 bytes arrives as that error (not BUSY from
+ * gRPC's default 8 KiB metadata limit), and a listing past gRPC's default 4 MiB arrives whole (hmcd sends up to 64 MiB). */
+static void long_names(void) {
+    hmc_client *client = connect_unix();
+    enum { UNKNOWN = 9000, LONG = 1536 * 1024, COUNT = 3 };
+    char *name = malloc(LONG + 1);
+    CHECK(name != NULL);
+    memset(name, 'n', LONG);
+    name[UNKNOWN] = '\0';
+    hmc_buffer *buffer = NULL;
+    EXPECT(HMC_ERR_UNKNOWN_BUFFER, hmc_lookup(client, name, &buffer));
+    CHECK(strstr(hmc_last_error(), "nnnnnnnn") != NULL);
+    name[UNKNOWN] = 'n', name[LONG] = '\0';
+    /* an agent with three buffers named 1.5 MiB each (cluster.py's "@FILE" spec: the name is that file's text) */
+    char dir[512], files[COUNT][600], specs[COUNT][640], ready[600];
+    snprintf(dir, sizeof dir, "%s", state("dir"));
+    snprintf(ready, sizeof ready, "%s/agent-long.ready", dir);
+    unlink(ready);
+    for (int i = 0; i < COUNT; ++i) {
+        snprintf(files[i], sizeof files[i], "%s/long-name-%d", dir, i);
+        snprintf(specs[i], sizeof specs[i], "@%s:4096", files[i]);
+        name[0] = (char)('0' + i);  /* distinct names */
+        FILE *file = fopen(files[i], "w");
+        CHECK(file != NULL && fwrite(name, 1, LONG, file) == LONG && fclose(file) == 0);
+    }
+    char *argv[] = {(char *)state("python"), (char *)state("cluster"), "agent", "long", dir, "node", specs[0], specs[1], specs[2], NULL};
+    pid_t agent = start_process(argv);
+    await_file(ready, 60.0);
+    hmc_buffer_list *list = NULL;
+    EXPECT(HMC_OK, hmc_list_buffers(client, 1, &list));
+    CHECK(hmc_buffer_list_count(list) == 4 + COUNT);
+    int found = 0;
+    for (size_t i = 0; i < hmc_buffer_list_count(list); ++i) found += strcmp(hmc_buffer_name(hmc_buffer_list_at(list, i)), name) == 0;
+    CHECK(found == 1);
+    hmc_buffer_list_free(list);
+    EXPECT(HMC_OK, hmc_lookup(client, name, &buffer));
+    CHECK(hmc_buffer_size(buffer) == 4096 && strcmp(hmc_buffer_name(buffer), name) == 0);
+    hmc_buffer_free(buffer);
+    kill(agent, SIGKILL);
+    waitpid(agent, NULL, 0);
+    for (double deadline = now_s() + 60.0;; usleep(50000)) {  /* withdrawn: the next tests see the node as it was */
+        CHECK(now_s() < deadline);
+        EXPECT(HMC_OK, hmc_list_buffers(client, 1, &list));
+        size_t count = hmc_buffer_list_count(list);
+        hmc_buffer_list_free(list);
+        if (count == 4) break;
+    }
+    for (int i = 0; i < COUNT; ++i) {
+        char memory[620];
+        snprintf(memory, sizeof memory, "%s.mem", files[i]);
+        unlink(files[i]), unlink(memory);
+    }
+    unlink(ready);
+    free(name);
+    hmc_client_close(client);
 }
 
 static void test_buffers_and_paths(void) {
@@ -243,6 +342,7 @@ static void test_buffers_and_paths(void) {
     hmc_path_free(path);
     EXPECT(HMC_ERR_UNKNOWN_BUFFER, hmc_negotiate(client, "capi-src", "no-such-buffer", &path));
     hmc_client_close(client);
+    long_names();
 }
 
 /* A buffer of another node (another hmcd, another host to negotiation): found by name and by listing through
@@ -377,6 +477,9 @@ static void test_deadline_and_cancel(void) {
     EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_wait(client, transfer, 0.0, &status));
     /* refused before asking hmcd: the last known status (not what was in memory) */
     CHECK((status.state == HMC_TRANSFER_PENDING || status.state == HMC_TRANSFER_RUNNING) && status.error == HMC_OK && strlen(status.path) < 64);
+    memset(&status, 0x5a, sizeof status);
+    EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_poll(NULL, transfer, &status));  /* cleared, as hmc_wait's */
+    CHECK(status.state == HMC_TRANSFER_UNKNOWN && status.error == HMC_OK && status.bytes_total == 0 && strcmp(status.path, "") == 0);
     EXPECT(HMC_OK, hmc_wait(client, transfer, 30.0, &status));
     for (int i = 0; i < N; ++i) CHECK(memcmp(dst.bytes + dof[i], src.bytes + so[i], len[i]) == 0);
     hmc_transfer_free(transfer);
@@ -502,8 +605,52 @@ static void test_events(void) {
     hmc_events_close(events);
 }
 
+/* A scripted hmcd (cluster.py fake) that goes away between two answers of one wait: the wait ends UNAVAILABLE with the
+ * last known status, readable (the first, early answer replaced the one it began with); then one that goes silent
+ * (stopped): its subscription ends UNAVAILABLE, by keepalive pings, though nothing arrives to say so. */
+static void fake_hmcd_goes_away(void) {
+    char dir[512], port_file[600], address[64];
+    snprintf(dir, sizeof dir, "%s", state("dir"));
+    snprintf(port_file, sizeof port_file, "%s/fake.port", dir);
+    unlink(port_file);
+    char *argv[] = {(char *)state("python"), (char *)state("cluster"), "fake", dir, NULL};
+    pid_t fake = start_process(argv);
+    await_file(port_file, 60.0);
+    FILE *file = fopen(port_file, "r");
+    int port = 0;
+    CHECK(file != NULL && fscanf(file, "%d", &port) == 1);
+    fclose(file);
+    snprintf(address, sizeof address, "127.0.0.1:%d", port);
+    hmc_client *client = NULL;
+    EXPECT(HMC_OK, hmc_connect(address, NULL, NULL, 10.0, &client));
+    uint64_t zero = 0, one = 1;
+    hmc_transfer *transfer = NULL;
+    EXPECT(HMC_OK, hmc_submit(client, "capi-src", "capi-dst", &zero, &zero, &one, 1, 10.0, &transfer));
+    hmc_transfer_status status;
+    EXPECT(HMC_ERR_UNAVAILABLE, hmc_wait(client, transfer, 10.0, &status));
+    CHECK(status.state == HMC_TRANSFER_RUNNING && strncmp(status.path, "running-", 8) == 0);
+    memset(&status, 0x5a, sizeof status);
+    EXPECT(HMC_ERR_UNAVAILABLE, hmc_poll(client, transfer, &status));
+    CHECK(status.state == HMC_TRANSFER_RUNNING && strncmp(status.path, "running-", 8) == 0);
+    hmc_transfer_free(transfer);
+    hmc_events *events = NULL;
+    EXPECT(HMC_OK, hmc_events_subscribe(client, 0, &events));
+    CHECK(kill(fake, SIGSTOP) == 0);
+    double started = now_s();
+    hmc_event event;
+    EXPECT(HMC_ERR_UNAVAILABLE, hmc_events_next(events, 60.0, &event));
+    printf("the stopped hmcd's subscription ended after %.1f s\n", now_s() - started);
+    CHECK(now_s() - started < 30.0);
+    hmc_events_close(events);
+    hmc_client_close(client);
+    kill(fake, SIGKILL);
+    waitpid(fake, NULL, 0);
+    unlink(port_file);
+}
+
 /* hmcd killed while a wait and a subscription are outstanding: both end typed, within their deadlines. Last. */
 static void test_hmcd_gone_mid_call(void) {
+    fake_hmcd_goes_away();
     hmc_client *client = connect_unix();
     hmc_events *events = NULL;
     EXPECT(HMC_OK, hmc_events_subscribe(client, 0, &events));

@@ -5,7 +5,8 @@ peer, declaring another host, with one agent of its own.
 
     python cluster.py start DIR    # returns once everything serves; DIR/state.env says where and what
     python cluster.py stop DIR
-    python cluster.py agent NAME DIR NODE SPEC...   # (internal) one agent of NODE: SPEC is name:bytes[:ro]
+    python cluster.py agent NAME DIR NODE SPEC...   # (internal) one agent of NODE: SPEC is name:bytes[:ro] (a name "@FILE": FILE's text)
+    python cluster.py fake DIR    # a scripted hmcd on TCP (DIR/fake.port says where) for what a real one does not do on cue
 
 state.env (key=value lines): socket, tcp, token, ca, hmcd_pid, python, dir, and per buffer its file and size.
 Buffers: agent "a" holds capi-src (64 MiB) and capi-ro (1 MiB, read-only); agent "b" holds capi-dst (64 MiB)
@@ -41,12 +42,64 @@ def agent(name: str, directory: str, node: str, specs: list[str]) -> None:
         for spec in specs:
             buffer, size, *mode = spec.split(":")
             path = Path(directory, buffer)
+            if buffer.startswith("@"):  # a name too long for a command line: FILE's text, the memory in FILE.mem
+                path, buffer = Path(buffer[1:] + ".mem"), Path(buffer[1:]).read_text()
             path.write_bytes(bytes([0xA5]) * int(size))
             data = np.memmap(path, dtype=np.uint8, mode="r" if mode == ["ro"] else "r+", shape=(int(size),))
             held.register(memoryview(data) if mode == ["ro"] else data, name=buffer)
         Path(directory, f"agent-{name}.ready").write_text(str(os.getpid()))
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
         signal.sigwait({signal.SIGTERM, signal.SIGINT})
+
+
+def fake(directory: Path) -> None:
+    """A scripted hmcd on TCP, serving with hmcd's own server options (its keepalive policy), until SIGTERM. Its one
+    transfer is PENDING once submitted; the first Wait answers RUNNING at once (early, as a forwarded wait may), every
+    later Wait fails UNAVAILABLE (hmcd gone between two answers). Watch subscribes and then sends nothing."""
+    import itertools
+    import threading
+    from concurrent import futures
+
+    import grpc
+
+    from hmc.control._hmcd import SERVER_OPTIONS
+    from hmc.control._services import SUBSCRIBED_KEY
+    from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
+
+    class Node(daemon_pb2_grpc.NodeServiceServicer):
+        def GetNodeInfo(self, request, context):
+            return daemon_pb2.NodeInfo(node="fake")
+
+    class Transfers(daemon_pb2_grpc.TransferServiceServicer):
+        waits = itertools.count(1)
+
+        def Submit(self, request, context):
+            return daemon_pb2.TransferStatus(transfer_id="fake-1", state=common_pb2.TRANSFER_STATE_PENDING, path="submitted-" + "s" * 64)
+
+        def Wait(self, request, context):
+            if next(self.waits) == 1:
+                return daemon_pb2.TransferStatus(transfer_id=request.transfer_id, state=common_pb2.TRANSFER_STATE_RUNNING, path="running-" + "r" * 64)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the fake hmcd went away")
+
+    class Events(daemon_pb2_grpc.EventServiceServicer):
+        def Watch(self, request, context):
+            context.send_initial_metadata(((SUBSCRIBED_KEY, "1"),))
+            ended = threading.Event()
+            context.add_callback(ended.set)
+            ended.wait()
+            yield from ()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
+    daemon_pb2_grpc.add_NodeServiceServicer_to_server(Node(), server)
+    daemon_pb2_grpc.add_TransferServiceServicer_to_server(Transfers(), server)
+    daemon_pb2_grpc.add_EventServiceServicer_to_server(Events(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    server.start()
+    Path(directory, "fake.port.tmp").write_text(str(port))
+    os.replace(Path(directory, "fake.port.tmp"), Path(directory, "fake.port"))
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    server.stop(0)
 
 
 def _supervise(directory: Path) -> None:
@@ -130,6 +183,8 @@ if __name__ == "__main__":
     verb, where = sys.argv[1], Path(sys.argv[2]) if len(sys.argv) > 2 else Path()
     if verb == "agent":
         agent(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
+    elif verb == "fake":
+        fake(where)
     elif verb == "supervise":
         _supervise(where)
     elif verb == "start":

@@ -85,7 +85,8 @@ typedef struct hmc_client hmc_client;
 
 /* Connect to hmcd at `address`: "unix:/path/hmcd.sock" (the socket and its directory must belong
  * to this user or root and be closed to others, and the path hold no symlinked directory and no
- * "..": HMC_ERR_AUTHENTICATION otherwise; a token or a CA with it is HMC_ERR_INVALID_ARGUMENT) or
+ * "..": HMC_ERR_AUTHENTICATION otherwise; a token or a CA with it, or a '%', '?' or '#' in the path,
+ * which gRPC would not take literally, is HMC_ERR_INVALID_ARGUMENT) or
  * "host:port" (TCP; `token`, when not NULL, printable ASCII, goes with every call; `tls_ca`, when not
  * NULL, is a PEM file of CA certificates: TLS, trusting that CA only). `timeout_s` bounds every later call that takes no timeout of its own.
  * Returns once hmcd answered (HMC_ERR_UNAVAILABLE naming the address when nothing serves there
@@ -190,7 +191,7 @@ typedef struct hmc_transfer hmc_transfer;
 HMC_API hmc_status hmc_submit(hmc_client *client, const char *src, const char *dst, const uint64_t *src_offsets, const uint64_t *dst_offsets,
                               const uint64_t *lengths, size_t count, double timeout_s, hmc_transfer **out);
 HMC_API const char *hmc_transfer_id(const hmc_transfer *transfer);
-/* The transfer's status now, without waiting. */
+/* The transfer's status now, without waiting (the last known one when hmcd does not answer). */
 HMC_API hmc_status hmc_poll(hmc_client *client, hmc_transfer *transfer, hmc_transfer_status *out);
 /* Wait up to `timeout_s` for the transfer to end: HMC_OK once DONE; its error once FAILED;
  * HMC_ERR_CANCELLED once cancelled; HMC_ERR_TIMEOUT if it is still running then. `out` (may be
@@ -242,7 +243,8 @@ HMC_API hmc_status hmc_events_subscribe(hmc_client *client, int include_peers, h
  * for poll/epoll in a scheduler's event loop. Owned by the subscription. */
 HMC_API int hmc_events_fd(const hmc_events *events);
 /* The next event, waiting up to `timeout_s` (0: do not wait): HMC_ERR_TIMEOUT when none came;
- * the subscription's end as its error (HMC_ERR_UNAVAILABLE when hmcd went away). */
+ * the subscription's end as its error (HMC_ERR_UNAVAILABLE when hmcd went away, or stopped answering
+ * keepalive pings: within about 15 s). */
 HMC_API hmc_status hmc_events_next(hmc_events *events, double timeout_s, hmc_event *out);
 HMC_API void hmc_events_close(hmc_events *events);
 
