@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -71,6 +73,21 @@ def kv_blocks(seed: int, block: int = 64 << 10, count: int = 24) -> tuple[np.nda
     return rng.choice(slots, count, replace=False) * block, rng.choice(slots, count, replace=False) * block
 
 
+@contextlib.contextmanager
+def _prefill_and_decode(hmcd: Hmcd, seed: int) -> Iterator[tuple[subprocess.Popen[str], np.ndarray, np.ndarray, Any]]:
+    """An agent child holding "kv-prefill" (SIZE random bytes from `seed`), and here "kv-decode" (SIZE) and "kv-spare"
+    (4 KiB), both poisoned: (the child, kv-decode's memory, kv-spare's, a client of `hmcd`)."""
+    child, _ = spawn_agent(hmcd, "kv-prefill", seed=seed)
+    destination, spare = np.full(SIZE, 0xA5, dtype=np.uint8), np.full(4096, 0xA5, dtype=np.uint8)
+    try:
+        with Agent(hmcd.config(), daemon=True) as agent, hmcd.client() as client:
+            agent.register(destination, name="kv-decode")
+            agent.register(spare, name="kv-spare")
+            yield child, destination, spare, client
+    finally:
+        reap(child)
+
+
 @pytest.fixture(scope="module")
 def daemons() -> Iterator[DaemonSet]:
     yield from daemon_set()
@@ -115,29 +132,21 @@ def test_a_cancelled_migration_lands_nothing_after_it_ended(node_a: Hmcd) -> Non
     """hmcd's cancel reaches the executing agent, whose transport stops before the transfer is reported ended: once
     the client sees CANCELLED, the destination no longer changes (a later transfer between the same agents, done
     by then, would have let a late write through)."""
-    child, _ = spawn_agent(node_a, "kv-prefill", seed=12)
-    destination = np.full(SIZE, 0xA5, dtype=np.uint8)
-    spare = np.full(4096, 0xA5, dtype=np.uint8)
-    try:
-        with Agent(node_a.config(), daemon=True) as agent, node_a.client() as client:
-            agent.register(destination, name="kv-decode")
-            agent.register(spare, name="kv-spare")
-            offsets = np.arange(0, SIZE, 4096)  # many small ranges: the transfer outlives the cancel's round trip
-            outcomes = set()
-            for _ in range(3):
-                status = client.submit("kv-prefill", "kv-decode", offsets, offsets[::-1], 4096, timeout=20.0)
-                client.cancel(status.transfer_id)
-                try:
-                    client.wait(status.transfer_id, timeout=20.0)
-                    outcomes.add("done")
-                except CancelledError:
-                    outcomes.add("cancelled")
-                    ended = destination.copy()
-                    client.migrate("kv-prefill", "kv-spare", (0, 0, 4096), timeout=10.0)
-                    assert np.array_equal(destination, ended), "bytes of a cancelled transfer landed after it ended"
-            assert "cancelled" in outcomes
-    finally:
-        reap(child)
+    with _prefill_and_decode(node_a, seed=12) as (_, destination, _, client):
+        offsets = np.arange(0, SIZE, 4096)  # many small ranges: the transfer outlives the cancel's round trip
+        outcomes = set()
+        for _ in range(3):
+            status = client.submit("kv-prefill", "kv-decode", offsets, offsets[::-1], 4096, timeout=20.0)
+            client.cancel(status.transfer_id)
+            try:
+                client.wait(status.transfer_id, timeout=20.0)
+                outcomes.add("done")
+            except CancelledError:
+                outcomes.add("cancelled")
+                ended = destination.copy()
+                client.migrate("kv-prefill", "kv-spare", (0, 0, 4096), timeout=10.0)
+                assert np.array_equal(destination, ended), "bytes of a cancelled transfer landed after it ended"
+        assert "cancelled" in outcomes
 
 
 def test_a_migration_whose_executor_was_stopped_moves_nothing_after_it_timed_out(node_a: Hmcd) -> None:
@@ -146,26 +155,18 @@ def test_a_migration_whose_executor_was_stopped_moves_nothing_after_it_timed_out
     the client had been told it failed (64 MiB in the C ABI's review). hmcd now sends its deadline on the host's
     monotonic clock, and the agent refuses an instruction that reads it passed. A later migration between the same
     agents, done, shows the stale instruction was read by then."""
-    child, _ = spawn_agent(node_a, "kv-prefill", seed=13)
-    destination = np.full(SIZE, 0xA5, dtype=np.uint8)
-    spare = np.full(4096, 0xA5, dtype=np.uint8)
-    try:
-        with Agent(node_a.config(), daemon=True) as agent, node_a.client() as client:
-            agent.register(destination, name="kv-decode")
-            agent.register(spare, name="kv-spare")
-            os.kill(child.pid, signal.SIGSTOP)
-            try:
-                wait_stopped(child.pid, time.monotonic() + 10)
-                with pytest.raises(TimeoutError):
-                    client.migrate("kv-prefill", "kv-decode", (0, 0, SIZE), timeout=1.0)
-            finally:
-                os.kill(child.pid, signal.SIGCONT)
-            for _ in range(2):
-                client.migrate("kv-prefill", "kv-spare", (0, 0, 4096), timeout=10.0)
-            assert np.array_equal(spare, expected(13)[:4096])
-            assert (destination == 0xA5).all(), "bytes of a migration that timed out landed after it ended"
-    finally:
-        reap(child)
+    with _prefill_and_decode(node_a, seed=13) as (child, destination, spare, client):
+        os.kill(child.pid, signal.SIGSTOP)
+        try:
+            wait_stopped(child.pid, time.monotonic() + 10)
+            with pytest.raises(TimeoutError):
+                client.migrate("kv-prefill", "kv-decode", (0, 0, SIZE), timeout=1.0)
+        finally:
+            os.kill(child.pid, signal.SIGCONT)
+        for _ in range(2):
+            client.migrate("kv-prefill", "kv-spare", (0, 0, 4096), timeout=10.0)
+        assert np.array_equal(spare, expected(13)[:4096])
+        assert (destination == 0xA5).all(), "bytes of a migration that timed out landed after it ended"
 
 
 def test_two_hmcd_find_by_name_and_forward_over_staged(node_a: Hmcd, node_b: Hmcd) -> None:

@@ -19,24 +19,17 @@ import grpc
 import numpy as np
 import pytest
 from control_fixtures import REPO, DaemonSet, Hmcd, agent_info, clean_env, daemon_set, descriptor, wait_until
+from ucx_support import requires_ucx
 
 from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
 from hmc.control._agent_link import DaemonLink
 from hmc.control._measurements import Measurements
-from hmc.errors import ProtocolError, UnavailableError, UnsupportedError
+from hmc.errors import ProtocolError, UnavailableError
 from hmc.memory import DeviceKind
 from hmc.transport import _ucx as ucx_transport
 from hmc.transport._base import Capabilities, PathName
 from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
-
-try:
-    from hmc.transport import _ucx_engine
-
-    _ucx_engine.load()
-    WHY = ""
-except UnsupportedError as exc:
-    WHY = str(exc)
 
 POISON = 0x5A
 SIZE = 1 << 20
@@ -74,7 +67,7 @@ def _measured_path(hmcd: Hmcd, src: str, dst: str) -> common_pb2.PathMeasurement
 # -- through real hmcd and agents ---------------------------------------------------------
 
 
-@pytest.mark.skipif(bool(WHY), reason=f"UCX binding: {WHY}")
+@requires_ucx
 def test_a_read_measured_by_an_agent_shows_in_hmc_path_and_comes_back_after_an_hmcd_restart(daemons: DaemonSet, hmcd: Hmcd) -> None:
     rng = np.random.default_rng(14)
     data = rng.integers(0, 256, SIZE, dtype=np.uint8)
@@ -109,7 +102,7 @@ def test_a_read_measured_by_an_agent_shows_in_hmc_path_and_comes_back_after_an_h
         assert _measured_path(again, "m-src", "m-dst").measured_by == reader.id  # type: ignore[union-attr]
 
 
-@pytest.mark.skipif(bool(WHY), reason=f"UCX binding: {WHY}")
+@requires_ucx
 @pytest.mark.parametrize("gets_win", [True, False])
 def test_hmcds_transfer_has_the_reader_execute_where_gets_win(hmcd: Hmcd, gets_win: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the pair measured gets faster than the owner's pushes, hmcd has dst's agent READ; else src's agent WRITEs."""
@@ -157,7 +150,7 @@ def _valid(owner: str, **changes: object) -> common_pb2.PathMeasurement:
     return common_pb2.PathMeasurement(**fields)  # type: ignore[arg-type]
 
 
-@pytest.mark.skipif(bool(WHY), reason=f"UCX binding: {WHY}")
+@requires_ucx
 def test_a_measurement_speaks_only_for_its_sender_and_a_malformed_one_ends_only_its_stream(hmcd: Hmcd) -> None:
     with Agent(_config(hmcd), daemon=True) as owner, Agent(_config(hmcd), daemon=True) as reader:
         src = owner.register(np.full(SIZE, 1, np.uint8), name="s-src")

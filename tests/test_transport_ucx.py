@@ -11,10 +11,11 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+from ucx_support import requires_ucx
 
 from hmc.agent import Agent, TransferState
 from hmc.config import Config, PathPolicy
-from hmc.errors import AccessDeniedError, BrokenResourceError, BufferWithdrawnError, CancelledError, TimeoutError, UnsupportedError
+from hmc.errors import AccessDeniedError, BrokenResourceError, BufferWithdrawnError, CancelledError, TimeoutError
 from hmc.memory import DeviceKind
 from hmc.testing import PeerProcess, TransportPair, check_transport
 from hmc.transport._base import PathName
@@ -22,15 +23,7 @@ from hmc.transport import _ucx as ucx_transport
 from hmc.transport import _ucx_lanes as ucx_lanes
 from hmc.transport._ucx import UcxTransport
 
-try:
-    from hmc.transport import _ucx_engine
-
-    _ucx_engine.load()
-    WHY = ""
-except UnsupportedError as exc:
-    WHY = str(exc)
-
-pytestmark = pytest.mark.skipif(bool(WHY), reason=f"UCX binding: {WHY}")
+pytestmark = requires_ucx
 
 POISON = 0xA5
 TRANSPORTS = ["tcp", "sm,cma"]

@@ -13,18 +13,12 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 import pytest
+from ucx_support import requires_ucx
 
-from hmc.errors import ArgumentError, BrokenResourceError, ClosedResourceError, HMCError, TimeoutError, UnsupportedError
+from hmc.errors import ArgumentError, BrokenResourceError, ClosedResourceError, HMCError, TimeoutError
+from hmc.transport import _ucx_engine as ucx
 
-try:
-    from hmc.transport import _ucx_engine as ucx
-
-    ucx.load()
-    WHY = ""
-except UnsupportedError as exc:
-    WHY = str(exc)
-
-pytestmark = pytest.mark.skipif(bool(WHY), reason=f"UCX binding: {WHY}")
+pytestmark = requires_ucx
 
 SIZE = 4 << 20
 POISON = 0xA5

@@ -20,26 +20,20 @@ from typing import Any
 
 import numpy as np
 import pytest
+from ucx_support import requires_ucx
 
 from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
-from hmc.errors import BufferWithdrawnError, HMCError, TimeoutError, UnsupportedError
+from hmc.errors import BufferWithdrawnError, HMCError, TimeoutError
 from hmc.testing import PeerProcess
 from hmc.transport import _ucx as ucx_transport
+from hmc.transport import _ucx_engine
 from hmc.transport import _ucx_lanes as ucx_lanes
 from hmc.transport import _ucx_progress as ucx_progress
 from hmc.transport._base import PathName
 from hmc.transport._ucx import UcxTransport
 
-try:
-    from hmc.transport import _ucx_engine
-
-    _ucx_engine.load()
-    WHY = ""
-except UnsupportedError as exc:
-    WHY = str(exc)
-
-pytestmark = pytest.mark.skipif(bool(WHY), reason=f"UCX binding: {WHY}")
+pytestmark = requires_ucx
 
 POISON = 0xA5
 TRANSPORTS = ["tcp", "sm,cma"]
