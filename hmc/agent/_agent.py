@@ -380,9 +380,8 @@ class Agent:
         return handle
 
     def _track(self, local: ConnBuffer, handle: TransferHandle) -> None:
-        """Count `handle` among `local`'s running transfers, which unregister cancels (BufferWithdrawnError once that
-        began: nothing of a buffer being withdrawn starts). Ended ones are pruned each time the list reaches a power of
-        two from 64: amortized constant."""
+        """Count `handle` among `local`'s transfers, which unregister cancels (BufferWithdrawnError once it began); ended
+        ones are pruned each time the list reaches a power of two from 64 (amortized constant)."""
         with self._lock:
             if self._buffers.withdrawn(local.id):
                 raise BufferWithdrawnError(f"{local!r} was unregistered")

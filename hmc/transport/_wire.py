@@ -90,8 +90,7 @@ PROTOCOL_VERSION = 4
 MAX_FRAME = 64 << 20
 """Largest frame an authenticated connection accepts (a range list of ~2.8 million ranges)."""
 FRAME_RANGES = 1 << 18
-"""Most ranges a frame whose payload travels on the connection may carry (4 MiB of offsets and lengths): the owner
-makes one view per range, and a frame of millions of empty ranges would cost it seconds and gigabytes."""
+"""Most ranges of a frame whose payload follows it (4 MiB of offsets and lengths): the owner makes a view per range."""
 HELLO_FRAME = 64 << 10
 """Largest frame before a connection is authenticated: a hello or an Auth, never a range list."""
 _PROOF_BYTES = 16
@@ -213,8 +212,7 @@ def _rest_of_frame(deadline: float | None) -> float:
 
 def _await(poller: select.poll, deadline: float | None) -> None:
     """Sleep until the socket `poller` watches is ready; socket.timeout once `deadline` passed. A passed deadline waits
-    no more (one look: bytes that already arrived are taken), so a peer that trickles bytes a little at a time cannot
-    hold a receive open past it, as a fresh short wait for each trickle did."""
+    no more (one look), so a peer trickling bytes cannot hold a receive open past it, as a short wait each did."""
     left = _NO_DEADLINE_S if deadline is None else deadline - time.monotonic()
     if not poller.poll(min(math.ceil(left * 1000), _POLL_MAX_MS) if left > 0 else 0):
         raise socket.timeout("timed out")
