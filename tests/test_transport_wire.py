@@ -567,3 +567,18 @@ def test_a_frame_of_several_mib_arrives_whole(tcp_streams: tuple[FrameStream, Fr
         assert right.recv(time.monotonic() + 10) == whole
     finally:
         sender.join(10)
+
+
+def test_readable_naps_shorter_than_a_millisecond(tcp_streams: tuple[FrameStream, FrameStream], monkeypatch: pytest.MonkeyPatch) -> None:
+    """poll() counts whole milliseconds: a 50 us nap (the ring's wait for a copy) must be a look, a nap of 50 us and a
+    look, not a 1 ms poll; a frame already there is seen at once, without a nap."""
+    import hmc.transport._wire as wire
+
+    naps: list[float] = []
+    monkeypatch.setattr(wire.time, "sleep", naps.append)
+    left, right = tcp_streams
+    assert not right.readable(50e-6)
+    assert naps == [50e-6]
+    left.send(peer_pb2.PeerFrame(request_id=1), deadline=time.monotonic() + 5)
+    assert right.readable(5.0) and right.readable(50e-6)
+    assert naps == [50e-6]
