@@ -58,7 +58,7 @@ from typing import Any
 import grpc
 
 from hmc.config import Config
-from hmc.control._auth import check_socket_dir
+from hmc.control._auth import CHANNEL_OPTIONS, check_socket_dir
 from hmc.control._errors import error_from_proto, error_to_proto, rpc_errors, translate_rpc_error
 from hmc.errors import ArgumentError, BrokenResourceError, ClosedResourceError, HMCError, TimeoutError, UnavailableError, UnknownBufferError
 from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
@@ -72,14 +72,6 @@ RETRY_MIN_S = 0.05
 RETRY_MAX_S = 0.5
 MEASURED_KEPT = 256
 """Measurements a link keeps to send again (the oldest goes first); hmcd keeps as many per agent."""
-_CHANNEL_OPTIONS = (
-    # A stalled hmcd (stopped, wedged) ends the stream within ~15 s instead of never;
-    # hmcd permits pings every 5 s (hmc.control._hmcd.SERVER_OPTIONS).
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-)
 
 Message = daemon_pb2.AgentMessage
 
@@ -89,7 +81,7 @@ class _Stream:
 
     def __init__(self, address: str, hello: Message) -> None:
         check_socket_dir(address.removeprefix("unix:"))  # never hand keys to an hmcd in someone else's directory
-        self.channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.registry = daemon_pb2_grpc.RegistryServiceStub(self.channel)
         # Messages to hmcd; drained by gRPC's request thread through _outgoing(); None ends the stream.
         self.requests: queue.SimpleQueue[Message | None] = queue.SimpleQueue()

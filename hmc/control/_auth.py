@@ -56,6 +56,8 @@ from hmc.control._errors import ERROR_CODE_KEY
 from hmc.errors import ArgumentError, ErrorCode, UnavailableError, UntrustedSocketError
 
 __all__ = [
+    "CHANNEL_OPTIONS",
+    "MAX_MESSAGE_BYTES",
     "TokenInterceptor",
     "UnixDoor",
     "admitted_uids",
@@ -72,6 +74,24 @@ __all__ = [
 ]
 
 log = logging.getLogger("hmc.hmcd")
+
+MAX_MESSAGE_BYTES = 64 << 20
+"""Largest gRPC message hmcd, its clients, agents and peer daemons accept (a listing of thousands of descriptors;
+gRPC's default, 4 MiB, refuses it as RESOURCE_EXHAUSTED, which reads as BUSY)."""
+CHANNEL_OPTIONS = (
+    # A stalled hmcd (stopped, wedged, cut off) ends calls and streams within ~15 s instead of never; hmcd
+    # permits pings every 5 s (hmc.control._hmcd.SERVER_OPTIONS).
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # hmcd's errors repeat the names given: a long one still arrives as its error, not as BUSY (both limits alike:
+    # between them gRPC refuses at random). libhmc's channel is the same.
+    ("grpc.max_metadata_size", 1 << 20),
+    ("grpc.absolute_max_metadata_size", 1 << 20),
+)
+"""Every channel to an hmcd: the Python client's, an agent's, a peer daemon's."""
 
 _HEADER = "authorization"
 _OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check"})

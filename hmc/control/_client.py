@@ -28,7 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hmc.config import Config
-from hmc.control._auth import bearer_metadata, check_socket_dir, open_channel, socket_path
+from hmc.control._auth import CHANNEL_OPTIONS, bearer_metadata, check_socket_dir, open_channel, socket_path
 from hmc.control._errors import error_from_proto, rpc_errors, translate_rpc_error
 from hmc.errors import ArgumentError, ClosedResourceError, TimeoutError
 from hmc.transport._negotiate import PathChoice
@@ -38,14 +38,6 @@ from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 __all__ = ["Client", "EventStream", "NodeHealth"]
 
 _FINAL = frozenset({common_pb2.TRANSFER_STATE_DONE, common_pb2.TRANSFER_STATE_FAILED, common_pb2.TRANSFER_STATE_CANCELLED})
-_CHANNEL_OPTIONS = (
-    # hmcd's own bound (hmc.control._hmcd.SERVER_OPTIONS): gRPC's default 4 MiB would refuse a big listing (as BUSY).
-    ("grpc.max_receive_message_length", 64 << 20),
-    # hmcd's errors repeat the names given: a long one still arrives as its error, not BUSY. Both limits alike (between
-    # them gRPC refuses at random); libhmc's is the same.
-    ("grpc.max_metadata_size", 1 << 20),
-    ("grpc.absolute_max_metadata_size", 1 << 20),
-)
 
 
 def _ref(ref: str | daemon_pb2.BufferRef | common_pb2.BufferDescriptor) -> daemon_pb2.BufferRef:
@@ -108,7 +100,7 @@ class Client:
         self.timeout = self._config.timeout_s if timeout is None else check_timeout(timeout)
         self._socket = socket_path(self.address)
         self._metadata = bearer_metadata(self._config.token if token is None else token) if self._socket is None else ()
-        self._channel = open_channel(self.address, self._config, _CHANNEL_OPTIONS)
+        self._channel = open_channel(self.address, self._config, CHANNEL_OPTIONS)
         self._nodes = daemon_pb2_grpc.NodeServiceStub(self._channel)
         self._registry = daemon_pb2_grpc.RegistryServiceStub(self._channel)
         self._paths = daemon_pb2_grpc.PathServiceStub(self._channel)

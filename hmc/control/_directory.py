@@ -23,20 +23,14 @@ import grpc.aio
 from grpc_health.v1 import health_pb2_grpc
 
 from hmc.config import Config
-from hmc.control._auth import bearer_metadata, open_aio_channel
+from hmc.control._auth import CHANNEL_OPTIONS, bearer_metadata, open_aio_channel
 from hmc.control._errors import translate_rpc_error
 from hmc.control._events import EventBus
 from hmc.control._metrics import DaemonMetrics
 from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
-__all__ = ["CHANNEL_OPTIONS", "Directory", "Lookup", "Peer", "open_directory"]
+__all__ = ["Directory", "Lookup", "Peer", "open_directory"]
 
-CHANNEL_OPTIONS = (
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.max_receive_message_length", 64 << 20),
-)
 
 PEER_CALL_S = 5.0
 """Longest a lookup or listing waits for one peer hmcd."""

@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from hmc.control._auth import MAX_MESSAGE_BYTES
 from hmc.errors import ArgumentError, HMCError, ProtocolError, UnavailableError
 from hmc.v1 import etcd_pb2 as pb
 
@@ -40,7 +41,7 @@ _CHANNEL_OPTIONS = (
     ("grpc.keepalive_time_ms", 2_000),
     ("grpc.keepalive_timeout_ms", 2_000),
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1_000),
 )

@@ -35,7 +35,7 @@ import grpc.aio
 from grpc_health.v1 import health, health_pb2
 
 from hmc.config import Config
-from hmc.control._auth import TokenInterceptor, UnixDoor, prepare_socket_path, served_path, server_credentials
+from hmc.control._auth import MAX_MESSAGE_BYTES, TokenInterceptor, UnixDoor, prepare_socket_path, served_path, server_credentials
 from hmc.control._directory import Peer, open_directory
 from hmc.control._errors import ErrorBoundary
 from hmc.control._events import EventBus
@@ -58,7 +58,7 @@ SERVER_OPTIONS = (
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 )
 
