@@ -351,13 +351,17 @@ class EtcdDirectory(Directory):
         buffer_key = self._key("buffers", self._node, descriptor.id)
 
         async def delete(lease: int) -> None:
+            # One transaction: the buffer and, where it is still ours (it may have moved on since), its name go together.
+            # Two let a peer see the buffer gone while its name was still held, and refuse the name (BUSY) in between.
             ops = [pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=buffer_key))]
-            await self._client.txn(pb.TxnRequest(success=ops), self._config.timeout_s)
-            if descriptor.name:  # only our own claim: the name may have moved on since
-                name_key = self._key("names", descriptor.name)
-                claim = daemon_pb2.NameClaim(node=self._node, buffer_id=descriptor.id, epoch=descriptor.registry_epoch).SerializeToString()
-                same = pb.Compare(key=name_key, target=pb.Compare.VALUE, result=pb.Compare.EQUAL, value=claim)
-                await self._client.txn(pb.TxnRequest(compare=[same], success=[pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=name_key))]), self._config.timeout_s)
+            if not descriptor.name:
+                await self._client.txn(pb.TxnRequest(success=ops), self._config.timeout_s)
+                return
+            name_key = self._key("names", descriptor.name)
+            claim = daemon_pb2.NameClaim(node=self._node, buffer_id=descriptor.id, epoch=descriptor.registry_epoch).SerializeToString()
+            same = pb.Compare(key=name_key, target=pb.Compare.VALUE, result=pb.Compare.EQUAL, value=claim)
+            both = [*ops, pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=name_key))]
+            await self._client.txn(pb.TxnRequest(compare=[same], success=both, failure=ops), self._config.timeout_s)
 
         self._writes.put_nowait(_Write(delete))
 
