@@ -184,6 +184,13 @@ def test_bad_arguments_are_refused_before_anything_is_posted() -> None:
     assert ucx.version().startswith("1.")
 
 
+def test_hmc_settings_on_a_context_yield_to_the_environment() -> None:
+    """HMC sets two rails, no adaptive progress and IPC gets, unless the user's `UCX_<name>` says otherwise."""
+    assert ucx.tuning({}) == {"CUDA_IPC_ENABLE_GET_ZCOPY": "y", "ADAPTIVE_PROGRESS": "n", "MAX_RMA_RAILS": "2"}
+    assert ucx.tuning({"UCX_MAX_RMA_RAILS": "1", "UCX_TLS": "tcp"}) == {"CUDA_IPC_ENABLE_GET_ZCOPY": "y", "ADAPTIVE_PROGRESS": "n"}
+    assert ucx.tuning({"UCX_ADAPTIVE_PROGRESS": "y", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n", "UCX_MAX_RMA_RAILS": "4"}) == {}
+
+
 def test_ucx_logs_go_to_stderr_not_into_what_the_cli_prints_on_stdout() -> None:
     """UCX writes its log to stdout unless told otherwise; HMC tells it stderr (where the user has not said)."""
     import subprocess

@@ -25,6 +25,7 @@ import ctypes
 import os
 import threading
 import time
+from collections import abc
 from typing import Any, TypeVar
 
 import numpy as np
@@ -32,16 +33,24 @@ import numpy as np
 from hmc.errors import ArgumentError, BrokenResourceError, ClosedResourceError, HMCError, TimeoutError, UnavailableError, UnsupportedError
 from hmc.transport._ranges import check_timeout
 
-__all__ = ["Context", "Endpoint", "Mapping", "RemoteKey", "Request", "Worker", "check", "load", "version"]
+__all__ = ["Context", "Endpoint", "Mapping", "RemoteKey", "Request", "Worker", "check", "load", "tuning", "version"]
 
 
 
-_TUNING = {"CUDA_IPC_ENABLE_GET_ZCOPY": "y", "ADAPTIVE_PROGRESS": "n"}
-"""UCX settings of HMC's contexts. Gets from another process's GPU memory through its IPC mapping, which UCX leaves
-off by default, serving gets through host memory at under 1 GB/s instead (one H100: 0.57 GB/s; NIXL 0.47). Every
-interface polled by progress: with UCX's adaptive progress an owner's interface, which no endpoint of its own uses,
-is left to UCX's async thread, woken by every incoming put to hand it back (2-core VM, UCX over tcp: 4 KiB put +
-flush p50 51-57 -> 28-30 us, 1 MiB 546-826 -> 434-455 us)."""
+_TUNING = {"CUDA_IPC_ENABLE_GET_ZCOPY": "y", "ADAPTIVE_PROGRESS": "n", "MAX_RMA_RAILS": "2"}
+"""UCX settings of HMC's contexts, each unless the environment sets it (`UCX_<name>`). Gets from another process's GPU
+memory through its IPC mapping, which UCX leaves off by default, serving gets through host memory at under 1 GB/s
+instead (one H100: 0.57 GB/s; NIXL 0.47). Every interface polled by progress: with UCX's adaptive progress an
+owner's interface, which no endpoint of its own uses, is left to UCX's async thread, woken by every incoming put to
+hand it back (2-core VM, UCX over tcp: 4 KiB put + flush p50 51-57 -> 28-30 us, 1 MiB 546-826 -> 434-455 us). A
+put or get split over two devices where two reach the peer (UCX's default is one; NIXL's UCX backend sets two): two
+NICs of a node, or on the 2-core VM lo and eth0 (UCX over tcp, 1 MiB put + flush 430 -> 180 us, alternated)."""
+
+
+def tuning(environ: abc.Mapping[str, str]) -> dict[str, str]:
+    """The settings of `_TUNING` HMC makes on a context: those the environment leaves alone (no `UCX_<name>`)."""
+    return {name: value for name, value in _TUNING.items() if f"UCX_{name}" not in environ}
+
 
 _LIBRARIES = ("libucm.so.0", "libucs.so.0", "libuct.so.0", "libucp.so.0")
 """A UCX installation's libraries, in the order they depend on each other."""
@@ -173,7 +182,7 @@ class Context(_Parent):
         try:
             if transports:
                 check(lib.ucp_config_modify(config[0], b"TLS", transports.encode()), f"UCX transports {transports!r}")
-            for name, value in _TUNING.items():
+            for name, value in tuning(os.environ).items():
                 lib.ucp_config_modify(config[0], name.encode(), value.encode())  # refused where the module is absent: fine
             check(lib.ucp_init(params, config[0], context), "ucp_init")
         finally:
