@@ -21,9 +21,11 @@ from hmc.transport._wire import (
     HELLO_FRAME,
     INLINE_MAX,
     MAX_FRAME,
+    OK_FRAME,
     FrameStream,
     _row_views,
     error_reply,
+    framed,
     key_proof,
 )
 from hmc.v1 import common_pb2, peer_pb2
@@ -567,6 +569,26 @@ def test_a_frame_of_several_mib_arrives_whole(tcp_streams: tuple[FrameStream, Fr
         assert right.recv(time.monotonic() + 10) == whole
     finally:
         sender.join(10)
+
+
+def test_a_framed_frame_arrives_whole_though_the_socket_takes_it_in_parts(tcp_streams: tuple[FrameStream, FrameStream], rng: np.random.Generator) -> None:
+    """`send_framed` sends what the socket takes at once and the rest as it drains (a 5 MiB frame over a 4 KiB
+    send buffer); the constant OK reply reads as an OK reply; a broken stream refuses to send."""
+    left, right = tcp_streams
+    left._tx.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    whole = peer_pb2.PeerFrame(request_id=7, write=peer_pb2.DataWrite(ranges=common_pb2.RangeList(lengths=rng.bytes((5 << 20) + 5))))
+    sender = threading.Thread(target=left.send_framed, args=(framed(whole.SerializeToString()),), kwargs={"deadline": time.monotonic() + 10})
+    sender.start()
+    try:
+        assert right.recv(time.monotonic() + 10) == whole
+    finally:
+        sender.join(10)
+    left.send_framed(OK_FRAME, time.monotonic() + 5)
+    answer = right.recv(time.monotonic() + 5)
+    assert answer.WhichOneof("kind") == "reply" and answer.request_id == 0 and not answer.reply.HasField("error")
+    left.shutdown()
+    with pytest.raises(BrokenResourceError):
+        left.send_framed(OK_FRAME, time.monotonic() + 5)
 
 
 def test_readable_naps_shorter_than_a_millisecond(tcp_streams: tuple[FrameStream, FrameStream], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 from hmc.errors import AccessDeniedError, BrokenResourceError, ClosedResourceError, ProtocolError, UnavailableError
 from hmc.transport._channel import Channel, ReplyCallback
-from hmc.transport._handshake import connect, handshake
-from hmc.transport._wire import FrameStream, tune_socket
+from hmc.transport._handshake import connect, handshake, tune_socket
+from hmc.transport._wire import FrameStream
 from hmc.v1 import common_pb2, peer_pb2
 
 __all__ = ["Peers"]

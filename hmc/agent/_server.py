@@ -55,8 +55,8 @@ from hmc.errors import AccessDeniedError, HMCError, ProtocolError, UnknownBuffer
 from hmc.transport._channel import DEFERRED, Channel
 from hmc.transport._ranges import RangeList
 from hmc.transport._staged_serve import DataConnections
-from hmc.transport._handshake import accept_handshake
-from hmc.transport._wire import HELLO_FRAME, FrameStream, error_reply, tune_socket
+from hmc.transport._handshake import accept_handshake, tune_socket
+from hmc.transport._wire import HELLO_FRAME, FrameStream, error_reply
 from hmc.v1 import common_pb2, peer_pb2
 
 __all__ = ["PeerServer"]

