@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
+from concurrent import futures
 
 import grpc
 import pytest
@@ -23,7 +26,7 @@ from hmc.errors import (
     UnavailableError,
     error_from_code,
 )
-from hmc.v1 import common_pb2, daemon_pb2
+from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
 
 class _FakeRpcError(grpc.RpcError, grpc.Call):  # type: ignore[misc]
@@ -128,6 +131,54 @@ def test_migrate_checks_its_ranges(hmcd: Hmcd) -> None:
             client.migrate("a", "b", [1, 2])
         with pytest.raises(ArgumentError, match="differ in length"):
             client.submit("a", "b", [0, 1], [0], [1, 1])
+
+
+class _StoppedAfterSubmit(daemon_pb2_grpc.TransferServiceServicer):  # type: ignore[misc]
+    """An hmcd that takes a submit and then answers nothing (as one stopped then would): Wait and Cancel hold until the
+    caller gives up."""
+
+    def __init__(self) -> None:
+        self.cancels = 0
+
+    def Submit(self, request: daemon_pb2.SubmitTransferRequest, context: grpc.ServicerContext) -> daemon_pb2.TransferStatus:
+        return daemon_pb2.TransferStatus(transfer_id="held-1", state=common_pb2.TRANSFER_STATE_PENDING)
+
+    def Wait(self, request: daemon_pb2.TransferRef, context: grpc.ServicerContext) -> daemon_pb2.TransferStatus:
+        return self._hold(context)
+
+    def Cancel(self, request: daemon_pb2.TransferRef, context: grpc.ServicerContext) -> daemon_pb2.TransferStatus:
+        self.cancels += 1
+        return self._hold(context)
+
+    @staticmethod
+    def _hold(context: grpc.ServicerContext) -> daemon_pb2.TransferStatus:
+        ended = threading.Event()
+        context.add_callback(ended.set)  # the caller's deadline ends the call
+        ended.wait(60)
+        return daemon_pb2.TransferStatus()
+
+
+def test_a_migration_against_an_hmcd_that_stopped_answering_is_cancelled_and_ends_within_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hmcd's verdict is waited for `_VERDICT_S` past the timeout, a Wait call holds at most `_WAIT_SLACK_S` more, the
+    cancel that follows `_CANCEL_S`: not the client's call timeout (30 s here), nor 5 s of slack per Wait call."""
+    from hmc.control import _client
+
+    monkeypatch.setattr(_client, "_VERDICT_S", 1.0)  # the bound's shape, sooner
+    servicer = _StoppedAfterSubmit()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    daemon_pb2_grpc.add_TransferServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with Client(f"127.0.0.1:{port}", config=Config(), token="t" * 32, timeout=30.0) as client:
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                client.migrate("a", "b", ([0], [0], [1]), timeout=0.5)
+            took = time.monotonic() - started
+    finally:
+        server.stop(0)
+    assert servicer.cancels == 1
+    assert 0.5 + 1.0 <= took < 0.5 + 1.0 + _client._WAIT_SLACK_S + _client._CANCEL_S + 1.0, took
 
 
 def test_default_address_comes_from_config(tmp_path: object) -> None:

@@ -19,6 +19,7 @@ Concurrency: one sync gRPC channel; methods may be called from several threads.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator
@@ -30,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hmc.config import Config
 from hmc.control._auth import CHANNEL_OPTIONS, bearer_metadata, check_socket_dir, open_channel, socket_path
 from hmc.control._errors import error_from_proto, rpc_errors, translate_rpc_error
-from hmc.errors import ArgumentError, ClosedResourceError, TimeoutError
+from hmc.errors import ArgumentError, ClosedResourceError, HMCError, TimeoutError
 from hmc.transport._negotiate import PathChoice
 from hmc.transport._ranges import RangeList, check_timeout
 from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
@@ -38,6 +39,12 @@ from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 __all__ = ["Client", "EventStream", "NodeHealth"]
 
 _FINAL = frozenset({common_pb2.TRANSFER_STATE_DONE, common_pb2.TRANSFER_STATE_FAILED, common_pb2.TRANSFER_STATE_CANCELLED})
+_WAIT_SLACK_S = 1.0
+"""A Wait call's own deadline beyond the time hmcd holds it (as libhmc's): an hmcd that stopped answering costs no more."""
+_VERDICT_S = 5.0
+"""`migrate`: how long past its timeout hmcd's own verdict is waited for (hmcd fails a migration at its timeout)."""
+_CANCEL_S = 1.0
+"""`migrate`: the bound on cancelling a migration it stopped waiting for."""
 
 
 def _ref(ref: str | daemon_pb2.BufferRef | common_pb2.BufferDescriptor) -> daemon_pb2.BufferRef:
@@ -192,7 +199,7 @@ class Client:
         deadline = time.monotonic() + limit
         while True:
             remaining = max(deadline - time.monotonic(), 0.0)
-            status = self._call(self._transfers.Wait, daemon_pb2.TransferRef(transfer_id=transfer_id, timeout_s=remaining), timeout=remaining + 5.0)
+            status = self._call(self._transfers.Wait, daemon_pb2.TransferRef(transfer_id=transfer_id, timeout_s=remaining), timeout=remaining + _WAIT_SLACK_S)
             if status.state in _FINAL:
                 break
             if time.monotonic() >= deadline:
@@ -209,7 +216,12 @@ class Client:
     def migrate(
         self, src: str | daemon_pb2.BufferRef, dst: str | daemon_pb2.BufferRef, ranges: Any, notify: bytes | None = None, timeout: float | None = None
     ) -> daemon_pb2.TransferStatus:
-        """Move KV-cache blocks: `ranges` is (src_offsets, dst_offsets, lengths) or a RangeList; waits for DONE."""
+        """Move KV-cache blocks: `ranges` is (src_offsets, dst_offsets, lengths) or a RangeList; waits for DONE.
+
+        hmcd fails a migration at `timeout`; its verdict is waited for `_VERDICT_S` longer. A migration whose wait
+        fails is cancelled before the error is raised (best effort, within `_CANCEL_S`): blocks the caller reuses
+        are not written into later. Against an hmcd that stopped answering after the submit, this returns within
+        `timeout` + 7 s."""
         if isinstance(ranges, RangeList):
             src_offsets, dst_offsets, lengths = ranges.src, ranges.dst, ranges.lengths
         else:
@@ -218,7 +230,12 @@ class Client:
             except (TypeError, ValueError) as exc:
                 raise ArgumentError("ranges must be (src_offsets, dst_offsets, lengths) or a RangeList") from exc
         submitted = self.submit(src, dst, src_offsets, dst_offsets, lengths, notify=notify, timeout=timeout)
-        return self.wait(submitted.transfer_id, timeout=(self.timeout if timeout is None else timeout) + 5.0)
+        try:
+            return self.wait(submitted.transfer_id, timeout=(self.timeout if timeout is None else timeout) + _VERDICT_S)
+        except HMCError:  # ended or not, stop it before saying so (a cancel of an ended transfer changes nothing)
+            with contextlib.suppress(HMCError):
+                self._call(self._transfers.Cancel, daemon_pb2.TransferRef(transfer_id=submitted.transfer_id), timeout=min(self.timeout, _CANCEL_S))
+            raise
 
     # -- events --------------------------------------------------------------------------
 

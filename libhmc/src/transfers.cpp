@@ -13,7 +13,9 @@ using hmc_internal::valid_timeout;
 
 namespace {
 
-constexpr double kWaitSlackS = 5.0;  // a Wait call's own deadline beyond the time hmcd waits (as the Python client)
+constexpr double kWaitSlackS = 1.0;  // a Wait call's own deadline beyond the time hmcd holds it (as the Python client)
+constexpr double kVerdictS = 5.0;    // hmc_migrate: how long past its timeout hmcd's own verdict is waited for
+constexpr double kCancelS = 1.0;     // hmc_migrate: the bound on cancelling a migration it stopped waiting for
 
 bool final_state(int state) {
     return state == hmc::v1::TRANSFER_STATE_DONE || state == hmc::v1::TRANSFER_STATE_FAILED || state == hmc::v1::TRANSFER_STATE_CANCELLED;
@@ -62,7 +64,8 @@ hmc_status check(hmc_client *client, hmc_transfer *transfer) {
     return client->check_socket();
 }
 
-// hmc_wait's loop: asks hmcd until the transfer ended or `timeout_s` passed; the caller reports transfer->last.
+// hmc_wait's loop: asks hmcd until the transfer ended or `timeout_s` passed, each call bounded by what is left plus
+// kWaitSlackS (an hmcd that stopped answering costs no more); the caller reports transfer->last.
 hmc_status wait_for(hmc_client *client, hmc_transfer *transfer, double timeout_s) {
     if (!valid_timeout(timeout_s)) return fail(HMC_ERR_INVALID_ARGUMENT, "the timeout must be finite seconds in (0, 1e6]");
     auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
@@ -76,6 +79,18 @@ hmc_status wait_for(hmc_client *client, hmc_transfer *transfer, double timeout_s
         }
     }
     return outcome(*transfer);
+}
+
+// One Cancel call, bounded by `call_s`.
+hmc_status cancel(hmc_client *client, hmc_transfer *transfer, double call_s) {
+    hmc::v1::TransferRef ref;
+    ref.set_transfer_id(transfer->id);
+    grpc::ClientContext context;
+    client->prepare(context, call_s);
+    hmc::v1::TransferStatus reply;
+    hmc_status status = from_rpc(client->transfers->Cancel(&context, ref, &reply), context, client->address);
+    if (status == HMC_OK) transfer->last.Swap(&reply);
+    return status;
 }
 
 thread_local hmc_transfer migrated;  // hmc_migrate's last transfer: its status's path lives here
@@ -143,14 +158,7 @@ extern "C" hmc_status hmc_wait(hmc_client *client, hmc_transfer *transfer, doubl
 extern "C" hmc_status hmc_cancel(hmc_client *client, hmc_transfer *transfer) {
     hmc_status status = check(client, transfer);
     if (status != HMC_OK) return status;
-    hmc::v1::TransferRef ref;
-    ref.set_transfer_id(transfer->id);
-    grpc::ClientContext context;
-    client->prepare(context, client->timeout_s);
-    hmc::v1::TransferStatus reply;
-    status = from_rpc(client->transfers->Cancel(&context, ref, &reply), context, client->address);
-    if (status == HMC_OK) transfer->last.Swap(&reply);
-    return status;
+    return cancel(client, transfer, client->timeout_s);
 }
 
 extern "C" void hmc_transfer_free(hmc_transfer *transfer) { delete transfer; }
@@ -161,10 +169,12 @@ extern "C" hmc_status hmc_migrate(hmc_client *client, const char *src, const cha
     hmc_transfer *transfer = nullptr;
     hmc_status status = hmc_submit(client, src, dst, src_offsets, dst_offsets, lengths, count, timeout_s, &transfer);
     if (status != HMC_OK) return status;
-    status = hmc_wait(client, transfer, std::min(timeout_s + kWaitSlackS, 1e6), nullptr);
+    // hmcd fails the migration at its timeout: its verdict is waited for kVerdictS longer, no Wait call past that by
+    // more than kWaitSlackS, and a cancel by no more than kCancelS (an hmcd that stopped costs the caller that much)
+    status = wait_for(client, transfer, std::min(timeout_s + kVerdictS, 1e6));
     if (!final_state(transfer->last.state())) {  // not ended: stop it before saying so (its id is not the caller's)
         std::string why = hmc_last_error();
-        hmc_cancel(client, transfer);
+        cancel(client, transfer, std::min(client->timeout_s, kCancelS));
         fail(status, why);
     }
     migrated.id.swap(transfer->id);

@@ -633,10 +633,18 @@ static void fake_hmcd_goes_away(void) {
     EXPECT(HMC_ERR_UNAVAILABLE, hmc_poll(client, transfer, &status));
     CHECK(status.state == HMC_TRANSFER_RUNNING && strncmp(status.path, "running-", 8) == 0);
     hmc_transfer_free(transfer);
+    /* a migration hmcd takes and then says nothing more of: TIMEOUT once hmcd's verdict was waited for (5 s past
+     * the timeout) and a cancel tried (1 s), not after a Wait's 5 s of slack and the client's 10 s call timeout */
+    double started = now_s();
+    EXPECT(HMC_ERR_TIMEOUT, hmc_migrate(client, "capi-held", "capi-dst", &zero, &zero, &one, 1, 1.0, &status));
+    double took = now_s() - started;
+    printf("a migration against an hmcd that stopped answering returned after %.1f s\n", took);
+    CHECK(took >= 1.0 + 5.0 && took < 1.0 + 5.0 + 1.0 + 1.0 + 1.5);
+    CHECK(status.state == HMC_TRANSFER_PENDING && strcmp(status.path, "held") == 0);
     hmc_events *events = NULL;
     EXPECT(HMC_OK, hmc_events_subscribe(client, 0, &events));
     CHECK(kill(fake, SIGSTOP) == 0);
-    double started = now_s();
+    started = now_s();
     hmc_event event;
     EXPECT(HMC_ERR_UNAVAILABLE, hmc_events_next(events, 60.0, &event));
     printf("the stopped hmcd's subscription ended after %.1f s\n", now_s() - started);

@@ -55,7 +55,9 @@ def agent(name: str, directory: str, node: str, specs: list[str]) -> None:
 def fake(directory: Path) -> None:
     """A scripted hmcd on TCP, serving with hmcd's own server options (its keepalive policy), until SIGTERM. Its one
     transfer is PENDING once submitted; the first Wait answers RUNNING at once (early, as a forwarded wait may), every
-    later Wait fails UNAVAILABLE (hmcd gone between two answers). Watch subscribes and then sends nothing."""
+    later Wait fails UNAVAILABLE (hmcd gone between two answers). A transfer from a buffer named "capi-held" is taken
+    and then nothing more is answered about it: Wait and Cancel hold until the caller gives up (an hmcd that stopped
+    after the submit). Watch subscribes and then sends nothing."""
     import itertools
     import threading
     from concurrent import futures
@@ -74,9 +76,23 @@ def fake(directory: Path) -> None:
         waits = itertools.count(1)
 
         def Submit(self, request, context):
+            if request.src.name == "capi-held":
+                return daemon_pb2.TransferStatus(transfer_id="held-1", state=common_pb2.TRANSFER_STATE_PENDING, path="held")
             return daemon_pb2.TransferStatus(transfer_id="fake-1", state=common_pb2.TRANSFER_STATE_PENDING, path="submitted-" + "s" * 64)
 
+        @staticmethod
+        def _hold(context):
+            ended = threading.Event()
+            context.add_callback(ended.set)  # the caller's deadline ends the call
+            ended.wait()
+            return daemon_pb2.TransferStatus()
+
+        def Cancel(self, request, context):
+            return self._hold(context)
+
         def Wait(self, request, context):
+            if request.transfer_id == "held-1":
+                return self._hold(context)
             if next(self.waits) == 1:
                 return daemon_pb2.TransferStatus(transfer_id=request.transfer_id, state=common_pb2.TRANSFER_STATE_RUNNING, path="running-" + "r" * 64)
             context.abort(grpc.StatusCode.UNAVAILABLE, "the fake hmcd went away")

@@ -195,16 +195,19 @@ HMC_API const char *hmc_transfer_id(const hmc_transfer *transfer);
 HMC_API hmc_status hmc_poll(hmc_client *client, hmc_transfer *transfer, hmc_transfer_status *out);
 /* Wait up to `timeout_s` for the transfer to end: HMC_OK once DONE; its error once FAILED;
  * HMC_ERR_CANCELLED once cancelled; HMC_ERR_TIMEOUT if it is still running then. `out` (may be
- * NULL) gets its last known status either way. */
+ * NULL) gets its last known status either way. Against an hmcd that stopped answering it returns
+ * at most 1 s after `timeout_s`. */
 HMC_API hmc_status hmc_wait(hmc_client *client, hmc_transfer *transfer, double timeout_s, hmc_transfer_status *out);
 /* Cancel the transfer (best effort: ranges already moved stay moved; nothing lands after it ends). */
 HMC_API hmc_status hmc_cancel(hmc_client *client, hmc_transfer *transfer);
 HMC_API void hmc_transfer_free(hmc_transfer *transfer);
 
 /* hmc_submit then hmc_wait (KV-cache blocks from one agent's buffer to another's): HMC_OK once
- * every byte landed. A migration that does not end by its timeout (or whose wait fails) is
- * cancelled before the call returns its error (best effort, within the client's timeout): a
- * scheduler that reuses the blocks is not written into later. `out` (may be NULL) gets the last
+ * every byte landed. hmcd fails a migration at `timeout_s`; its verdict is waited for 5 s longer.
+ * A migration that has not ended then (or whose wait fails) is cancelled before the call returns
+ * its error (best effort, within 1 s): a scheduler that reuses the blocks is not written into
+ * later. Against an hmcd that stopped answering after the submit the call returns within
+ * `timeout_s` + 7 s. `out` (may be NULL) gets the last
  * known status; its `path` is valid until the next hmc_migrate on this thread. */
 HMC_API hmc_status hmc_migrate(hmc_client *client, const char *src, const char *dst, const uint64_t *src_offsets, const uint64_t *dst_offsets,
                                const uint64_t *lengths, size_t count, double timeout_s, hmc_transfer_status *out);
