@@ -22,6 +22,7 @@ from hmc.errors import (
     ClosedResourceError,
     ErrorCode,
     HMCError,
+    OutOfRangeError,
     TimeoutError,
     UnavailableError,
     error_from_code,
@@ -141,9 +142,12 @@ class _StoppedAfterSubmit(daemon_pb2_grpc.TransferServiceServicer):  # type: ign
         self.cancels = 0
 
     def Submit(self, request: daemon_pb2.SubmitTransferRequest, context: grpc.ServicerContext) -> daemon_pb2.TransferStatus:
-        return daemon_pb2.TransferStatus(transfer_id="held-1", state=common_pb2.TRANSFER_STATE_PENDING)
+        return daemon_pb2.TransferStatus(transfer_id=f"{request.src.name}-1", state=common_pb2.TRANSFER_STATE_PENDING)
 
     def Wait(self, request: daemon_pb2.TransferRef, context: grpc.ServicerContext) -> daemon_pb2.TransferStatus:
+        if request.transfer_id == "failing-1":  # except this one, which failed on its own
+            error = common_pb2.Error(code=common_pb2.ERROR_CODE_OUT_OF_RANGE, message="range #0 is outside the buffer")
+            return daemon_pb2.TransferStatus(transfer_id=request.transfer_id, state=common_pb2.TRANSFER_STATE_FAILED, error=error)
         return self._hold(context)
 
     def Cancel(self, request: daemon_pb2.TransferRef, context: grpc.ServicerContext) -> daemon_pb2.TransferStatus:
@@ -158,27 +162,43 @@ class _StoppedAfterSubmit(daemon_pb2_grpc.TransferServiceServicer):  # type: ign
         return daemon_pb2.TransferStatus()
 
 
-def test_a_migration_against_an_hmcd_that_stopped_answering_is_cancelled_and_ends_within_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    """hmcd's verdict is waited for `_VERDICT_S` past the timeout, a Wait call holds at most `_WAIT_SLACK_S` more, the
-    cancel that follows `_CANCEL_S`: not the client's call timeout (30 s here), nor 5 s of slack per Wait call."""
-    from hmc.control import _client
-
-    monkeypatch.setattr(_client, "_VERDICT_S", 1.0)  # the bound's shape, sooner
+@pytest.fixture
+def stopped_hmcd() -> Iterator[tuple[str, _StoppedAfterSubmit]]:
+    """(address, servicer) of a served `_StoppedAfterSubmit`."""
     servicer = _StoppedAfterSubmit()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     daemon_pb2_grpc.add_TransferServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    try:
-        with Client(f"127.0.0.1:{port}", config=Config(), token="t" * 32, timeout=30.0) as client:
-            started = time.monotonic()
-            with pytest.raises(TimeoutError):
-                client.migrate("a", "b", ([0], [0], [1]), timeout=0.5)
-            took = time.monotonic() - started
-    finally:
-        server.stop(0)
+    yield f"127.0.0.1:{port}", servicer
+    server.stop(0)
+
+
+def test_a_migration_against_an_hmcd_that_stopped_answering_is_cancelled_and_ends_within_its_bound(
+    stopped_hmcd: tuple[str, _StoppedAfterSubmit], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """hmcd's verdict is waited for `_VERDICT_S` past the timeout, a Wait call holds at most 1 s more, the cancel that
+    follows 1 s: not the client's call timeout (30 s here), nor 5 s of slack per Wait call."""
+    from hmc.control import _client
+
+    monkeypatch.setattr(_client, "_VERDICT_S", 1.0)  # the bound's shape, sooner
+    address, servicer = stopped_hmcd
+    with Client(address, config=Config(), token="t" * 32, timeout=30.0) as client:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            client.migrate("held", "b", ([0], [0], [1]), timeout=0.5)
+        took = time.monotonic() - started
     assert servicer.cancels == 1
-    assert 0.5 + 1.0 <= took < 0.5 + 1.0 + _client._WAIT_SLACK_S + _client._CANCEL_S + 1.0, took
+    assert 1.5 <= took < 4.5, took  # 0.5 + 1.0, then at most a Wait's 1 s slack and the cancel's 1 s
+
+
+def test_a_migration_that_failed_raises_its_error_and_is_not_cancelled(stopped_hmcd: tuple[str, _StoppedAfterSubmit]) -> None:
+    """A migration hmcd reports FAILED has ended: its typed error, no cancel; the longest timeout is accepted (the
+    verdict's 5 s stay within the 1e6 s bound)."""
+    address, servicer = stopped_hmcd
+    with Client(address, config=Config(), token="t" * 32, timeout=30.0) as client, pytest.raises(OutOfRangeError, match="outside the buffer"):
+        client.migrate("failing", "b", ([0], [0], [1]), timeout=1e6)
+    assert servicer.cancels == 0
 
 
 def test_default_address_comes_from_config(tmp_path: object) -> None:

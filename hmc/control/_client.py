@@ -33,7 +33,7 @@ from hmc.control._auth import CHANNEL_OPTIONS, bearer_metadata, check_socket_dir
 from hmc.control._errors import error_from_proto, rpc_errors, translate_rpc_error
 from hmc.errors import ArgumentError, ClosedResourceError, HMCError, TimeoutError
 from hmc.transport._negotiate import PathChoice
-from hmc.transport._ranges import RangeList, check_timeout
+from hmc.transport._ranges import MAX_TIMEOUT_S, RangeList, check_timeout
 from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
 __all__ = ["Client", "EventStream", "NodeHealth"]
@@ -45,6 +45,14 @@ _VERDICT_S = 5.0
 """`migrate`: how long past its timeout hmcd's own verdict is waited for (hmcd fails a migration at its timeout)."""
 _CANCEL_S = 1.0
 """`migrate`: the bound on cancelling a migration it stopped waiting for."""
+
+
+def _outcome(status: daemon_pb2.TransferStatus) -> daemon_pb2.TransferStatus:
+    """An ended transfer's status when DONE; otherwise its typed error, raised."""
+    error = error_from_proto(status.error)
+    if status.state != common_pb2.TRANSFER_STATE_DONE and error is not None:
+        raise error
+    return status
 
 
 def _ref(ref: str | daemon_pb2.BufferRef | common_pb2.BufferDescriptor) -> daemon_pb2.BufferRef:
@@ -195,19 +203,18 @@ class Client:
 
     def wait(self, transfer_id: str, timeout: float | None = None) -> daemon_pb2.TransferStatus:
         """Block until the transfer is DONE (its status) or failed (its typed error); TimeoutError after `timeout`."""
-        limit = self.timeout if timeout is None else check_timeout(timeout)
+        return _outcome(self._ended(transfer_id, self.timeout if timeout is None else check_timeout(timeout)))
+
+    def _ended(self, transfer_id: str, limit: float) -> daemon_pb2.TransferStatus:
+        """The transfer's final status; TimeoutError when it has not ended within `limit` seconds (or hmcd's errors)."""
         deadline = time.monotonic() + limit
         while True:
             remaining = max(deadline - time.monotonic(), 0.0)
             status = self._call(self._transfers.Wait, daemon_pb2.TransferRef(transfer_id=transfer_id, timeout_s=remaining), timeout=remaining + _WAIT_SLACK_S)
             if status.state in _FINAL:
-                break
+                return status
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"transfer {transfer_id} still {common_pb2.TransferState.Name(status.state)} after {limit:g}s")
-        error = error_from_proto(status.error)
-        if status.state != common_pb2.TRANSFER_STATE_DONE and error is not None:
-            raise error
-        return status
 
     def cancel(self, transfer_id: str) -> daemon_pb2.TransferStatus:
         """Cancel a transfer (best effort: some ranges may have landed)."""
@@ -218,10 +225,10 @@ class Client:
     ) -> daemon_pb2.TransferStatus:
         """Move KV-cache blocks: `ranges` is (src_offsets, dst_offsets, lengths) or a RangeList; waits for DONE.
 
-        hmcd fails a migration at `timeout`; its verdict is waited for `_VERDICT_S` longer. A migration whose wait
-        fails is cancelled before the error is raised (best effort, within `_CANCEL_S`): blocks the caller reuses
-        are not written into later. Against an hmcd that stopped answering after the submit, this returns within
-        `timeout` + 7 s."""
+        hmcd fails a migration at `timeout`; its verdict is waited for `_VERDICT_S` longer. A migration that has not
+        ended then (or whose wait fails) is cancelled before the error is raised (best effort, within `_CANCEL_S`;
+        the agent executing it stops at its own deadline in any case). Against an hmcd that stopped answering after
+        the submit, this returns within `timeout` + 7 s."""
         if isinstance(ranges, RangeList):
             src_offsets, dst_offsets, lengths = ranges.src, ranges.dst, ranges.lengths
         else:
@@ -231,11 +238,12 @@ class Client:
                 raise ArgumentError("ranges must be (src_offsets, dst_offsets, lengths) or a RangeList") from exc
         submitted = self.submit(src, dst, src_offsets, dst_offsets, lengths, notify=notify, timeout=timeout)
         try:
-            return self.wait(submitted.transfer_id, timeout=(self.timeout if timeout is None else timeout) + _VERDICT_S)
-        except HMCError:  # ended or not, stop it before saying so (a cancel of an ended transfer changes nothing)
+            ended = self._ended(submitted.transfer_id, min((self.timeout if timeout is None else timeout) + _VERDICT_S, MAX_TIMEOUT_S))
+        except HMCError:  # not ended: stop it before saying so
             with contextlib.suppress(HMCError):
                 self._call(self._transfers.Cancel, daemon_pb2.TransferRef(transfer_id=submitted.transfer_id), timeout=min(self.timeout, _CANCEL_S))
             raise
+        return _outcome(ended)
 
     # -- events --------------------------------------------------------------------------
 

@@ -205,8 +205,8 @@ HMC_API void hmc_transfer_free(hmc_transfer *transfer);
 /* hmc_submit then hmc_wait (KV-cache blocks from one agent's buffer to another's): HMC_OK once
  * every byte landed. hmcd fails a migration at `timeout_s`; its verdict is waited for 5 s longer.
  * A migration that has not ended then (or whose wait fails) is cancelled before the call returns
- * its error (best effort, within 1 s): a scheduler that reuses the blocks is not written into
- * later. Against an hmcd that stopped answering after the submit the call returns within
+ * its error (best effort, within 1 s; the agent executing it stops at its own deadline in any
+ * case). Against an hmcd that stopped answering after the submit the call returns within
  * `timeout_s` + 7 s. `out` (may be NULL) gets the last
  * known status; its `path` is valid until the next hmc_migrate on this thread. */
 HMC_API hmc_status hmc_migrate(hmc_client *client, const char *src, const char *dst, const uint64_t *src_offsets, const uint64_t *dst_offsets,
