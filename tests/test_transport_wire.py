@@ -559,11 +559,16 @@ def test_a_length_word_alone_reserves_little_memory(tcp_streams: tuple[FrameStre
     assert right.broken
 
 
-def test_a_frame_of_several_mib_arrives_whole(tcp_streams: tuple[FrameStream, FrameStream], rng: np.random.Generator) -> None:
-    """Its buffer doubles from 1 MiB as the bytes come (and the read-ahead's share of it comes first)."""
+@pytest.mark.parametrize("framed_once", [False, True])
+def test_a_frame_of_several_mib_arrives_whole(tcp_streams: tuple[FrameStream, FrameStream], rng: np.random.Generator, framed_once: bool) -> None:
+    """Its buffer doubles from 1 MiB as the bytes come (and the read-ahead's share of it comes first); framed once and
+    sent with `send_framed`, over a 4 KiB send buffer, the socket takes it in parts."""
     left, right = tcp_streams
     whole = peer_pb2.PeerFrame(request_id=6, write=peer_pb2.DataWrite(ranges=common_pb2.RangeList(lengths=rng.bytes((5 << 20) + 3))))
-    sender = threading.Thread(target=left.send, args=(whole,), kwargs={"deadline": time.monotonic() + 10})
+    if framed_once:
+        left._tx.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    send, what = (left.send_framed, framed(whole.SerializeToString())) if framed_once else (left.send, whole)
+    sender = threading.Thread(target=send, args=(what,), kwargs={"deadline": time.monotonic() + 10})
     sender.start()
     try:
         assert right.recv(time.monotonic() + 10) == whole
@@ -571,21 +576,10 @@ def test_a_frame_of_several_mib_arrives_whole(tcp_streams: tuple[FrameStream, Fr
         sender.join(10)
 
 
-def test_a_framed_frame_arrives_whole_though_the_socket_takes_it_in_parts(tcp_streams: tuple[FrameStream, FrameStream], rng: np.random.Generator) -> None:
-    """`send_framed` sends what the socket takes at once and the rest as it drains (a 5 MiB frame over a 4 KiB
-    send buffer); the constant OK reply reads as an OK reply; a broken stream refuses to send."""
+def test_the_ok_reply_framed_once_reads_as_ok_and_a_broken_stream_refuses_it(tcp_streams: tuple[FrameStream, FrameStream]) -> None:
     left, right = tcp_streams
-    left._tx.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    whole = peer_pb2.PeerFrame(request_id=7, write=peer_pb2.DataWrite(ranges=common_pb2.RangeList(lengths=rng.bytes((5 << 20) + 5))))
-    sender = threading.Thread(target=left.send_framed, args=(framed(whole.SerializeToString()),), kwargs={"deadline": time.monotonic() + 10})
-    sender.start()
-    try:
-        assert right.recv(time.monotonic() + 10) == whole
-    finally:
-        sender.join(10)
     left.send_framed(OK_FRAME, time.monotonic() + 5)
-    answer = right.recv(time.monotonic() + 5)
-    assert answer.WhichOneof("kind") == "reply" and answer.request_id == 0 and not answer.reply.HasField("error")
+    assert (answer := right.recv(time.monotonic() + 5)).WhichOneof("kind") == "reply" and not answer.reply.HasField("error")
     left.shutdown()
     with pytest.raises(BrokenResourceError):
         left.send_framed(OK_FRAME, time.monotonic() + 5)

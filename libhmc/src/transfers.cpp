@@ -46,17 +46,25 @@ hmc_status outcome(const hmc_transfer &transfer) {
     return fail(error, message);
 }
 
-// One Wait call: hmcd holds it up to `seconds` (0: answers at once), the call itself bounded by `call_s`.
-hmc_status ask(hmc_client *client, hmc_transfer *transfer, double seconds, double call_s) {
+// One call about `transfer` (`rpc`: Wait or Cancel), bounded by `call_s`; hmcd's answer becomes transfer->last.
+template <typename Rpc>
+hmc_status call_about(hmc_client *client, hmc_transfer *transfer, double seconds, double call_s, Rpc rpc) {
     hmc::v1::TransferRef ref;
     ref.set_transfer_id(transfer->id);
     ref.set_timeout_s(seconds);
     grpc::ClientContext context;
     client->prepare(context, call_s);
     hmc::v1::TransferStatus status;
-    hmc_status result = from_rpc(client->transfers->Wait(&context, ref, &status), context, client->address);
+    hmc_status result = from_rpc(rpc(&context, ref, &status), context, client->address);
     if (result == HMC_OK) transfer->last.Swap(&status);
     return result;
+}
+
+// One Wait call: hmcd holds it up to `seconds` (0: answers at once), the call itself bounded by `call_s`.
+hmc_status ask(hmc_client *client, hmc_transfer *transfer, double seconds, double call_s) {
+    return call_about(client, transfer, seconds, call_s, [client](grpc::ClientContext *context, const hmc::v1::TransferRef &ref, hmc::v1::TransferStatus *status) {
+        return client->transfers->Wait(context, ref, status);
+    });
 }
 
 hmc_status check(hmc_client *client, hmc_transfer *transfer) {
@@ -83,14 +91,9 @@ hmc_status wait_for(hmc_client *client, hmc_transfer *transfer, double timeout_s
 
 // One Cancel call, bounded by `call_s`.
 hmc_status cancel(hmc_client *client, hmc_transfer *transfer, double call_s) {
-    hmc::v1::TransferRef ref;
-    ref.set_transfer_id(transfer->id);
-    grpc::ClientContext context;
-    client->prepare(context, call_s);
-    hmc::v1::TransferStatus reply;
-    hmc_status status = from_rpc(client->transfers->Cancel(&context, ref, &reply), context, client->address);
-    if (status == HMC_OK) transfer->last.Swap(&reply);
-    return status;
+    return call_about(client, transfer, 0.0, call_s, [client](grpc::ClientContext *context, const hmc::v1::TransferRef &ref, hmc::v1::TransferStatus *status) {
+        return client->transfers->Cancel(context, ref, status);
+    });
 }
 
 thread_local hmc_transfer migrated;  // hmc_migrate's last transfer: its status's path lives here
