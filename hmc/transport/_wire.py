@@ -67,21 +67,8 @@ from hmc.errors import (
 from hmc.transport._splice import LEND_MIN_BYTES, Lender
 from hmc.v1 import common_pb2, peer_pb2
 
-__all__ = [
-    "HELLO_FRAME",
-    "INLINE_MAX",
-    "IOV_MAX",
-    "MAX_FRAME",
-    "PROTOCOL_VERSION",
-    "FRAME_RANGES",
-    "FrameStream",
-    "OK_FRAME",
-    "error_reply",
-    "expires_ms",
-    "key_proof",
-    "framed",
-    "raise_for_reply",
-]
+__all__ = ["FRAME_RANGES", "HELLO_FRAME", "INLINE_MAX", "IOV_MAX", "MAX_FRAME", "OK_FRAME", "PROTOCOL_VERSION",
+    "FrameStream", "error_reply", "expires_ms", "framed", "key_proof", "raise_for_reply"]
 
 PROTOCOL_VERSION = 4
 MAX_FRAME = 64 << 20
@@ -256,7 +243,8 @@ class FrameStream:
         self.send_serialized(frame.SerializeToString(), payload, deadline, lend=lend)
 
     def send_framed(self, data: bytes, deadline: float | None = None) -> None:
-        """Send a frame that `framed()` prefixed once (a constant reply): one send() where the socket takes it all."""
+        """Send a frame, no payload, that `framed()` prefixed (a constant reply, once): one send() where the socket
+        takes it all."""
         with self._send_lock:
             self._check()
             try:
@@ -281,8 +269,11 @@ class FrameStream:
         nbytes = (payload[0].nbytes if len(payload) == 1 else _payload_bytes(payload)) if payload else 0
         if 0 < nbytes <= INLINE_MAX and len(body) <= _INLINE_BODY_MAX:
             head = _INLINE_HEADER.pack(len(body) | _INLINE, nbytes) + body
+        elif not nbytes and lend is None:  # the frame alone
+            self.send_framed(framed(body), deadline)
+            return
         else:
-            head = _HEADER.pack(len(body)) + body
+            head = framed(body)
         with self._send_lock:
             self._check()
             try:
