@@ -15,7 +15,7 @@ from ucx_support import requires_ucx
 
 from hmc.agent import Agent, TransferState
 from hmc.config import Config, PathPolicy
-from hmc.errors import AccessDeniedError, BrokenResourceError, BufferWithdrawnError, CancelledError, TimeoutError
+from hmc.errors import AccessDeniedError, BrokenResourceError, BufferWithdrawnError, CancelledError, TimeoutError, UnsupportedError
 from hmc.memory import DeviceKind
 from hmc.testing import PeerProcess, TransportPair, check_transport
 from hmc.transport._base import PathName
@@ -235,3 +235,18 @@ def test_rdma_with_a_nic_but_the_wheels_ucx_says_no_verbs_and_what_it_would_regi
     reason = rdma.unavailable_reason() or ""
     assert "UCX has no verbs transport for mlx5_0" in reason and "set [ucx] library" in reason
     assert "device memory it would register by dma-buf: none" in reason  # no GPU here
+
+
+def test_only_the_rdma_paths_context_keeps_ucxs_own_rail_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The socket-minded split (`_ucx_engine._SOCKET_TUNING`) is asked for on the ucx path's context, not on rdma's."""
+    monkeypatch.setattr(ucx_transport, "rdma_nics", lambda: [("mlx5_0", ["1"])])
+    asked: list[tuple[str, bool]] = []
+
+    def context(*, wakeup: bool, transports: str, library: str, verbs: bool) -> None:
+        asked.append((transports, verbs))
+        raise UnsupportedError("recorded")
+
+    monkeypatch.setattr(ucx_transport.engine, "Context", context)
+    for path in (PathName.UCX, PathName.RDMA):
+        assert "recorded" in (UcxTransport(lambda d, t: None, lambda *a: None, path=path).unavailable_reason() or "")  # type: ignore[arg-type,return-value]
+    assert asked == [("", False), ("rc,dc,ud", True)]

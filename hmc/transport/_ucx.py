@@ -186,7 +186,7 @@ class UcxTransport(Transport):
             return "no RDMA device on this host (/sys/class/infiniband is empty)"
         dmabuf = memory.dmabuf_kinds() if self._path is PathName.RDMA else frozenset()
         try:
-            context = engine.Context(wakeup=True, transports=self._transports, library=self._library)
+            context = engine.Context(wakeup=True, transports=self._transports, library=self._library, verbs=self._path is PathName.RDMA)
         except HMCError as exc:
             if self._path is PathName.RDMA:
                 reach = f"; device memory it would register by dma-buf: {', '.join(sorted(k.value for k in dmabuf)) or 'none'}"
