@@ -36,7 +36,11 @@ $OUT is set (the device machine), else bench/results/gpu-<gpus>x-<device>-<date>
 or a row was not verified, else 0 (also when everything was skipped: no GPU).
 
     python bench/gpu.py [--quick] [--gpus 1|2] [--seconds S] [--systems a,b,...] [--hmc-paths a,b]
-                        [--kv-total BYTES] [--deadline S] [--out PATH] [--git-commit SHA [--git-modified a,b]]
+                        [--kv-total BYTES] [--rounds N] [--deadline S] [--out PATH] [--git-commit SHA [--git-modified a,b]]
+
+--rounds N runs every group N times, one round after the other, and reports each row's
+best round (every round's GB/s and p50 beside it): each round's processes allocate their
+buffers anew, and a 1 GiB copy within one GPU runs 2-3% faster or slower by where they lie.
 
 NIXL: `pip install --no-deps nixl-cu13==1.5.1 nixl==1.5.1` (without it the nixl rows are skipped).
 """
@@ -120,6 +124,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     parser.add_argument("--hmc-paths", default=",".join(HMC_PATHS), help=f"comma-separated subset of {','.join(HMC_PATHS)} (the hmc rows' peers)")
     parser.add_argument("--kv-total", type=int, default=GiB, help="bytes of the buffers the KV ranges lie in (default 1 GiB)")
+    parser.add_argument("--rounds", type=int, default=1, help="run every group this many times and report each row's best round (default 1)")
     parser.add_argument("--deadline", type=float, default=DEADLINE_S, help=f"seconds for the whole run (default {DEADLINE_S:.0f}); a group still running then is killed")
     parser.add_argument("--out", type=Path, default=None, help="JSON file to write")
     parser.add_argument("--git-commit", default=None, help="the commit to record instead of what this copy's .git says (the device machine's copy has none, or a stale one)")
@@ -129,7 +134,9 @@ def main(argv: list[str]) -> int:
     hmc_paths = _names(parser, args.hmc_paths, HMC_PATHS, "HMC paths")
     workloads = tuple(gpu_quick_workloads() if args.quick else gpu_workloads(args.kv_total))
     seconds = args.seconds if args.seconds is not None else (0.05 if args.quick else 0.3)
-    spec = GpuSpec(workloads, systems, Timing(seconds=seconds, warmup_s=0.0 if args.quick else WARMUP_S), args.deadline, args.gpus, hmc_paths)
+    if not 1 <= args.rounds <= 20:
+        parser.error("--rounds must be 1..20")
+    spec = GpuSpec(workloads, systems, Timing(seconds=seconds, warmup_s=0.0 if args.quick else WARMUP_S), args.deadline, args.gpus, hmc_paths, args.rounds)
     out_path: list[Path] = []
 
     def save(report: dict) -> None:

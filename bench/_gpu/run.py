@@ -13,6 +13,13 @@ that cannot run here (no GPU, one GPU for a two-GPU system, NIXL or HMC not
 importable) is recorded as skipped with the reason. `on_report` is called with
 the report so far after every group, so a run cut short still leaves its file.
 
+With `rounds` above one, every group runs that many times, one round after the
+other, and each row reports its round with the highest GB/s, every round's
+figures beside it (`hmc.bench._timing.best_rounds`, as `hmc bench --rounds`):
+a 1 GiB copy within one GPU runs at a rate set by where the two buffers lie,
+and each round's processes allocate theirs anew (docs/decisions.md, "ucx 1 GiB
+on one GPU: parity").
+
 The ratio checks (`_gpu.checks`) come from the rows of this one run.
 
 Concurrency: the caller's thread; groups run one after another.
@@ -21,6 +28,7 @@ Concurrency: the caller's thread; groups run one after another.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import multiprocessing
 import os
 import sys
@@ -35,7 +43,7 @@ from _gpu.harness import EXTRA_COLUMNS, GPU_ENV, NIXL_GPU_SYSTEMS, Devices, appl
 from _gpu.hmc_rows import HMC_PATHS, HMC_SYSTEMS
 from hmc.bench._child import receive, reap, send_error
 from hmc.bench._report import machine_info, provenance
-from hmc.bench._timing import COLUMNS, Row, Timing
+from hmc.bench._timing import COLUMNS, Row, Timing, best_rounds
 from hmc.bench._workloads import Workload
 from hmc.errors import BrokenResourceError, TimeoutError, UnavailableError
 
@@ -74,6 +82,8 @@ class GpuSpec:
     gpus: int | None = None
     """GPUs to use (1 or 2); None: two where two exist, else one."""
     hmc_paths: tuple[str, ...] = HMC_PATHS
+    rounds: int = 1
+    """Times every group runs, one round after the other; each row reports its best round."""
 
 
 # -- child groups ------------------------------------------------------------------
@@ -231,10 +241,11 @@ def run_gpu(spec: GpuSpec, command: Sequence[str] = (), progress: Callable[[str]
             "direction": None,
             "workloads": [w.to_dict() for w in spec.workloads],
             "timing": dataclasses.asdict(spec.timing),
+            "rounds": spec.rounds,
             "python_executable": sys.executable,
         },
         "columns": [*COLUMNS, *EXTRA_COLUMNS],
-        "rows": rows,
+        "rows": [],
         "ratios": [],
         "floors": [],
         "reference_ratios": [],
@@ -245,9 +256,10 @@ def run_gpu(spec: GpuSpec, command: Sequence[str] = (), progress: Callable[[str]
 
     def finish() -> dict[str, Any]:
         gpus = report["gpus_used"]
-        report["ratios"] = evaluate_checks(gpu_checks(spec.workloads, gpus), rows)
-        report["floors"] = floor_checks(spec.workloads, rows) if gpus >= 2 else []
-        report["reference_ratios"] = reference_ratios(spec.workloads, rows)
+        best = report["rows"] = best_rounds(rows) if spec.rounds > 1 else rows
+        report["ratios"] = evaluate_checks(gpu_checks(spec.workloads, gpus), best)
+        report["floors"] = floor_checks(spec.workloads, best) if gpus >= 2 else []
+        report["reference_ratios"] = reference_ratios(spec.workloads, best)
         report["duration_s"] = round(time.monotonic() - started, 1)
         report["machine"]["loadavg_end"] = machine_info()["loadavg"]
         if on_report is not None:
@@ -277,10 +289,11 @@ def run_gpu(spec: GpuSpec, command: Sequence[str] = (), progress: Callable[[str]
         note(f"{row['system']} {row['path']} {row['op']} {row['workload']}: {row['gbps']:.2f} GB/s, p50 {row['p50_lat_us']} us, verified {row['verified']}")
 
     def on_skip(system: str, reason: str) -> None:
-        skipped.append({"system": system, "reason": reason})
-        note(f"{system}: skipped ({reason})")
+        if {"system": system, "reason": reason} not in skipped:  # said once, not once a round
+            skipped.append({"system": system, "reason": reason})
+            note(f"{system}: skipped ({reason})")
 
-    for name, members in GROUPS.items():
+    for round_, (name, members) in itertools.product(range(spec.rounds), GROUPS.items()):
         wanted = [s for s in members if s in spec.systems]
         if gpus < 2:
             for s in (s for s in wanted if s in TWO_GPU_SYSTEMS):
@@ -295,7 +308,7 @@ def run_gpu(spec: GpuSpec, command: Sequence[str] = (), progress: Callable[[str]
             for s in wanted:
                 on_skip(s, str(exc))
         except (BrokenResourceError, TimeoutError, Exception) as exc:  # noqa: BLE001 - one group's failure is reported, the others still run
-            failed.append({"system": ",".join(wanted), "error": f"{type(exc).__name__}: {exc}", "rows_kept": len(rows) - before})
+            failed.append({"system": ",".join(wanted), "error": f"{type(exc).__name__}: {exc}", "rows_kept": len(rows) - before, "round": round_})
             note(f"{name}: FAILED ({type(exc).__name__}: {str(exc)[-2000:]})")
         finish()
     return finish()

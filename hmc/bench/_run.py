@@ -29,7 +29,7 @@ from hmc.bench._baselines import memcpy_rows, socket_rows
 from hmc.bench._nixl import NIXL_SYSTEMS, nixl_available, nixl_rows
 from hmc.bench._paths import PATHS, hmc_rows
 from hmc.bench._report import CpuSample, checks_for, evaluate, interference, machine_info, provenance
-from hmc.bench._timing import COLUMNS, Row, Timing
+from hmc.bench._timing import COLUMNS, Row, Timing, best_rounds
 from hmc.bench._workloads import Workload
 from hmc.config import Config
 
@@ -74,22 +74,6 @@ def _measure_system(name: str, spec: BenchSpec, config: Config, on_row: Callable
     return nixl_rows(name, wls, spec.ops, spec.timing, on_row)
 
 
-def _best_rounds(rows: list[Row]) -> list[Row]:
-    """One row per (system, path, op, workload): its round with the highest GB/s, every round's GB/s and p50 beside it,
-    verified only if every round was."""
-    groups: dict[tuple[Any, ...], list[Row]] = {}
-    for row in rows:
-        groups.setdefault((row["system"], row["path"], row["op"], row["workload"]), []).append(row)
-    out = []
-    for group in groups.values():
-        best = dict(max(group, key=lambda r: r["gbps"]))
-        best["rounds_gbps"] = [r["gbps"] for r in group]
-        best["rounds_p50_us"] = [r["p50_lat_us"] for r in group]
-        best["verified"] = all(r["verified"] for r in group)
-        out.append(best)
-    return out
-
-
 def _note(row: Row) -> str:
     return f"{row['system']} {row['path']} {row['op']} {row['workload']}: {row['gbps']:.2f} GB/s"
 
@@ -125,7 +109,7 @@ def run(spec: BenchSpec, config: Config, progress: Progress | None = None, comma
                 advance(units - len(got), f"{name}: FAILED")
             load[name if spec.rounds == 1 else f"{name} round {round_}"] = interference(before, CpuSample.take())
             rows.extend(got)
-    rows = _best_rounds(rows) if spec.rounds > 1 else rows
+    rows = best_rounds(rows) if spec.rounds > 1 else rows
     machine["loadavg_end"] = machine_info()["loadavg"]
     machine["interference"] = load
     return {

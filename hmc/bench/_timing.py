@@ -21,7 +21,7 @@ import numpy as np
 
 from hmc.bench._workloads import Workload
 
-__all__ = ["COLUMNS", "Row", "Timing", "measure", "make_row"]
+__all__ = ["COLUMNS", "Row", "Timing", "best_rounds", "measure", "make_row"]
 
 Row = dict[str, Any]
 
@@ -100,3 +100,19 @@ def make_row(system: str, path: str, op: str, workload: Workload, times_ns: np.n
         "iterations": int(t.size),
         "verified": bool(verified),
     }
+
+
+def best_rounds(rows: list[Row]) -> list[Row]:
+    """One row per (system, path, op, workload): its round with the highest GB/s, every round's GB/s and p50 beside it,
+    verified only if every round was."""
+    groups: dict[tuple[Any, ...], list[Row]] = {}
+    for row in rows:
+        groups.setdefault((row["system"], row["path"], row["op"], row["workload"]), []).append(row)
+    out = []
+    for group in groups.values():
+        best = dict(max(group, key=lambda r: r["gbps"]))
+        best["rounds_gbps"] = [r["gbps"] for r in group]
+        best["rounds_p50_us"] = [r["p50_lat_us"] for r in group]
+        best["verified"] = all(r["verified"] for r in group)
+        out.append(best)
+    return out

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -158,6 +159,40 @@ def test_help_names_every_system() -> None:
     assert done.returncode == 0, done.stderr
     for name in (*SYSTEMS, *HMC_PATHS, "--gpus", "--deadline", "--git-commit"):
         assert name in done.stdout
+
+
+def test_rounds_run_every_group_again_and_keep_each_rows_best_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two rounds: every group runs twice, round after round; a row is its round of the highest GB/s with both rounds'
+    figures beside it, verified only if both were; a skip is said once; the checks use the best rows."""
+    from _gpu import run
+
+    ran: list[str] = []
+    rates = {("nixl", 0): 10.0, ("nixl", 1): 12.0, ("hmc", 0): 11.0, ("hmc", 1): 9.0}
+
+    def group(name: str, systems: Any, spec: Any, devices: Any, deadline: float, on_row: Any, on_skip: Any) -> None:
+        round_ = ran.count(name)
+        ran.append(name)
+        on_skip("nccl", "needs two GPUs")
+        times = np.full(5, (1 << 30) / rates[(name, round_)], dtype=np.float64)  # ns: GB/s = bytes / ns
+        row = make_row(name, "p", "WRITE", Workload("bulk_1GiB", 1 << 30, 1, 1 << 30, False), times, verified=name != "hmc" or round_ == 0)
+        on_row(row)
+
+    monkeypatch.setattr(run, "_probe", lambda deadline: {"device_count": 1, "devices": [{"name": "fake"}]})
+    monkeypatch.setattr(run, "_run_group", group)
+    spec = run.GpuSpec((Workload("bulk_1GiB", 1 << 30, 1, 1 << 30, False),), ("nixl", "hmc"), Timing(seconds=0.01), 60.0, 1, rounds=2)
+    report = run.run_gpu(spec)
+    assert ran == ["nixl", "hmc", "nixl", "hmc"] and report["settings"]["rounds"] == 2
+    rows = {r["system"]: r for r in report["rows"]}
+    assert set(rows) == {"nixl", "hmc"} and len(report["rows"]) == 2
+    assert rows["nixl"]["gbps"] == pytest.approx(12.0) and rows["nixl"]["rounds_gbps"] == pytest.approx([10.0, 12.0])
+    assert rows["hmc"]["gbps"] == pytest.approx(11.0) and rows["hmc"]["verified"] is False
+    assert report["skipped"] == [{"system": "nccl", "reason": "needs two GPUs"}]
+
+
+def test_rounds_out_of_range_are_refused() -> None:
+    for rounds in ("0", "21"):
+        done = _script("--rounds", rounds, timeout=120)
+        assert done.returncode == 2 and "--rounds must be 1..20" in done.stderr
 
 
 @pytest.mark.skipif(_cuda_count() > 0, reason="a GPU is here: the quick runs below cover the run")
