@@ -56,6 +56,19 @@ def test_cross_vendor_never_uses_vendor_ipc() -> None:
     assert "cross-vendor" in dict(choice.rejected)[PathName.IPC]
 
 
+def test_staged_says_what_it_does_for_the_pair() -> None:
+    """Host memory: the TCP streams; device memory: the pinned ring shared on one host, or pinned rings and TCP."""
+    host_pair = negotiate(endpoint("a", "h1"), endpoint("b", "h2"))
+    assert host_pair.reason.startswith("works between any two agents: pipelined TCP streams (ranked above ucx")
+    nvidia = endpoint("a", "h1", "cuda:0", common_pb2.VENDOR_NVIDIA, kinds=ALL)
+    one_host = negotiate(nvidia, endpoint("b", "h1", "cuda:1", common_pb2.VENDOR_AMD, kinds=ALL))
+    assert one_host.path is PathName.STAGED and one_host.reason == "works between any two agents: device memory through a pinned ring shared on this host"
+    two_hosts = negotiate(endpoint("b", "h2"), nvidia)
+    assert two_hosts.path is PathName.STAGED and two_hosts.reason.startswith("works between any two agents: device memory through pinned rings on both hosts")
+    forced = negotiate(nvidia, endpoint("c", "h1", "cuda:0", common_pb2.VENDOR_NVIDIA, kinds=ALL), PathPolicy(prefer=("staged",)))
+    assert forced.reason == "works between any two agents: device memory through a pinned ring shared on this host (preferred by policy)"
+
+
 def test_same_vendor_devices_use_ipc() -> None:
     a = endpoint("a", "h1", "cuda:0", common_pb2.VENDOR_NVIDIA, kinds=ALL)
     b = endpoint("b", "h1", "cuda:1", common_pb2.VENDOR_NVIDIA, kinds=ALL)

@@ -194,11 +194,20 @@ _WHY_CHOSEN = {
     PathName.IPC: "same host: one-sided copy into the peer's mapped memory, no staging",
     PathName.RDMA: "both ends reach the memory through an RDMA NIC",
     PathName.UCX: "UCX on both ends: one-sided puts and gets over the transports both have",
-    PathName.STAGED: "works between any two agents: pipelined TCP streams",
 }
 _STAGED_FIRST = " (ranked above ucx between hosts: without the rdma path UCX has tcp only, one stream per worker)"
 """Between hosts, staged's pipelined TCP streams beat UCX over tcp (host memory, 2-core VM, one `hmc bench` run:
 256 MiB 6.3 against 4.0 GB/s, 4096 x 64 KiB 5.0 against 2.4, 4 KiB p50 28 against 51 us)."""
+
+
+def _why_staged(src: Endpoint, dst: Endpoint) -> str:
+    """What staged does for this pair, as `hmc path` says it: device memory goes through pinned rings (shared on one
+    host), host memory through the TCP streams alone."""
+    if _is_host(src.device) and _is_host(dst.device):
+        return "works between any two agents: pipelined TCP streams"
+    if _two_hosts(src, dst):
+        return "works between any two agents: device memory through pinned rings on both hosts, TCP between them"
+    return "works between any two agents: device memory through a pinned ring shared on this host"
 
 
 def _default_order(src: Endpoint, dst: Endpoint) -> list[PathName]:
@@ -223,7 +232,8 @@ def negotiate(src: Endpoint, dst: Endpoint, policy: PathPolicy = PathPolicy()) -
             continue
         why_not = _RULES[path](src, dst)
         if why_not is None:
-            reason = _WHY_CHOSEN[path] + (" (preferred by policy)" if path.value in policy.prefer else "")
+            why = _why_staged(src, dst) if path is PathName.STAGED else _WHY_CHOSEN[path]
+            reason = why + (" (preferred by policy)" if path.value in policy.prefer else "")
             if path is PathName.STAGED and _two_hosts(src, dst) and path.value not in policy.prefer:
                 reason += _STAGED_FIRST
             return PathChoice(path=path, reason=reason, rejected=tuple(rejected))
