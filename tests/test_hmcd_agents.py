@@ -16,6 +16,7 @@ import pytest
 from control_fixtures import REPO, DaemonSet, Hmcd, clean_env, daemon_set, start_peered
 
 from hmc.config import PathPolicy
+from hmc.control._agent_link import hmcd_clock_ahead
 from hmc.agent._peer_process import wait_stopped
 from hmc.errors import BufferWithdrawnError, CancelledError, TimeoutError
 from hmc.v1 import common_pb2, daemon_pb2
@@ -42,10 +43,15 @@ time.sleep(60)
 """
 
 
-def spawn_agent(hmcd: Hmcd, name: str, seed: int, deny: tuple[str, ...] = ()) -> tuple[subprocess.Popen[str], str]:
-    """A child process whose Agent registered `name`: SIZE random bytes from `seed`; returns it and its agent id."""
+def spawn_agent(
+    hmcd: Hmcd, name: str, seed: int, deny: tuple[str, ...] = (), *, prefix: tuple[str, ...] = (), env: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen[str], str]:  # fmt: skip
+    """A child process whose Agent registered `name`: SIZE random bytes from `seed`; returns it and its agent id. `prefix`
+    runs it under another command (`unshare`); `env` adds to its environment."""
     code = CHILD.format(node=hmcd.name, socket=hmcd.socket, deny=deny, seed=seed, size=SIZE, name=name)
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(), cwd=REPO)
+    child = subprocess.Popen(
+        [*prefix, sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(**(env or {})), cwd=REPO,
+    )  # fmt: skip
     assert child.stdout is not None
     line = child.stdout.readline()
     if not line.startswith("ready"):
@@ -74,10 +80,13 @@ def kv_blocks(seed: int, block: int = 64 << 10, count: int = 24) -> tuple[np.nda
 
 
 @contextlib.contextmanager
-def _prefill_and_decode(hmcd: Hmcd, seed: int) -> Iterator[tuple[subprocess.Popen[str], np.ndarray, np.ndarray, Any]]:
-    """An agent child holding "kv-prefill" (SIZE random bytes from `seed`), and here "kv-decode" (SIZE) and "kv-spare"
-    (4 KiB), both poisoned: (the child, kv-decode's memory, kv-spare's, a client of `hmcd`)."""
-    child, _ = spawn_agent(hmcd, "kv-prefill", seed=seed)
+def _prefill_and_decode(
+    hmcd: Hmcd, seed: int, *, prefix: tuple[str, ...] = (), env: dict[str, str] | None = None,
+) -> Iterator[tuple[subprocess.Popen[str], np.ndarray, np.ndarray, Any]]:  # fmt: skip
+    """An agent child holding "kv-prefill" (SIZE random bytes from `seed`; `prefix` and `env` as for `spawn_agent`),
+    and here "kv-decode" (SIZE) and "kv-spare" (4 KiB), both poisoned: (the child, kv-decode's memory, kv-spare's, a
+    client of `hmcd`)."""
+    child, _ = spawn_agent(hmcd, "kv-prefill", seed=seed, prefix=prefix, env=env)
     destination, spare = np.full(SIZE, 0xA5, dtype=np.uint8), np.full(4096, 0xA5, dtype=np.uint8)
     try:
         with Agent(hmcd.config(), daemon=True) as agent, hmcd.client() as client:
@@ -149,24 +158,77 @@ def test_a_cancelled_migration_lands_nothing_after_it_ended(node_a: Hmcd) -> Non
         assert "cancelled" in outcomes
 
 
-def test_a_migration_whose_executor_was_stopped_moves_nothing_after_it_timed_out(node_a: Hmcd) -> None:
+def _time_namespace(offset_s: int) -> tuple[str, ...]:
+    """`unshare` running a command in a time namespace whose CLOCK_MONOTONIC is ours + `offset_s` (skips where it cannot)."""
+    prefix = ("unshare", "--time", "--fork", "--kill-child", f"--monotonic={offset_s}")
+    try:
+        ok = subprocess.run([*prefix, "true"], capture_output=True, timeout=10, check=False).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if not ok:
+        pytest.skip("no time namespaces here (unshare --time needs root and a kernel with CONFIG_TIME_NS)")
+    return prefix
+
+
+def _agent_pid(child: subprocess.Popen[str]) -> int:
+    """The agent's process under `unshare --fork` (its one child; `--kill-child` ends it with `unshare`)."""
+    with open(f"/proc/{child.pid}/task/{child.pid}/children") as f:
+        (pid,) = f.read().split()
+    return int(pid)
+
+
+def _behind() -> int:
+    """A monotonic offset that keeps the namespace's clock above 0: half this machine's uptime, backwards."""
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    if uptime < 20:
+        pytest.skip(f"the machine is up {uptime:.0f} s: too little for a clock set back")
+    return -int(uptime / 2)
+
+
+@pytest.mark.parametrize("executor", ["this clock", "a clock behind hmcd's", "another host id"])
+def test_a_migration_whose_executor_was_stopped_moves_nothing_after_it_timed_out(node_a: Hmcd, executor: str) -> None:
     """The executing agent is stopped (SIGSTOP) before its instruction arrives; hmcd reports the timeout. Before, the
     agent, once running again, read the instruction, gave it a fresh timeout of its own and moved every byte after
-    the client had been told it failed (64 MiB in the C ABI's review). hmcd now sends its deadline on the host's
-    monotonic clock, and the agent refuses an instruction that reads it passed. A later migration between the same
-    agents, done, shows the stale instruction was read by then."""
-    with _prefill_and_decode(node_a, seed=13) as (child, destination, spare, client):
-        os.kill(child.pid, signal.SIGSTOP)
+    the client had been told it failed (64 MiB in the C ABI's review). hmcd sends its deadline on its monotonic
+    clock, and the agent refuses an instruction that reads it passed: on the same clock; in a time namespace whose
+    clock is behind hmcd's (which read hmcd's deadline as far off); as an agent of another host id (which hmcd gave
+    the timeout alone before 2026-11-29). A later migration between the same agents, done, shows the stale
+    instruction was read by then."""
+    prefix = _time_namespace(_behind()) if executor == "a clock behind hmcd's" else ()
+    env = {"HMC_HOST_ID": "e2e-other-host"} if executor == "another host id" else None
+    with _prefill_and_decode(node_a, seed=13, prefix=prefix, env=env) as (child, destination, spare, client):
+        pid = _agent_pid(child) if prefix else child.pid
+        os.kill(pid, signal.SIGSTOP)
         try:
-            wait_stopped(child.pid, time.monotonic() + 10)
+            wait_stopped(pid, time.monotonic() + 10)
             with pytest.raises(TimeoutError):
                 client.migrate("kv-prefill", "kv-decode", (0, 0, SIZE), timeout=1.0)
         finally:
-            os.kill(child.pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGCONT)
         for _ in range(2):
             client.migrate("kv-prefill", "kv-spare", (0, 0, 4096), timeout=10.0)
         assert np.array_equal(spare, expected(13)[:4096])
         assert (destination == 0xA5).all(), "bytes of a migration that timed out landed after it ended"
+
+
+def test_hmcds_clock_read_through_one_hello() -> None:
+    """hmcd's reading between ours: one clock (0); outside: the most hmcd's can be ahead (its reading minus ours
+    before the hello), so a deadline read through it is never later than hmcd's; an older hmcd says nothing (0)."""
+    assert hmcd_clock_ahead(100.0, 100.002, 100.001) == 0.0
+    assert hmcd_clock_ahead(100.0, 100.002, 100.0) == 0.0 and hmcd_clock_ahead(100.0, 100.002, 100.002) == 0.0
+    assert hmcd_clock_ahead(100.0, 100.002, 86500.001) == pytest.approx(86400.001)  # hmcd's a day ahead
+    assert hmcd_clock_ahead(50100.0, 50100.002, 100.001) == pytest.approx(-49999.999)  # hmcd's behind
+    assert hmcd_clock_ahead(100.0, 100.002, 0.0) == 0.0
+
+
+def test_an_executor_whose_clock_is_ahead_of_hmcds_still_migrates(node_a: Hmcd) -> None:
+    """An agent in a time namespace whose monotonic clock is a day ahead of hmcd's read every deadline of hmcd's as
+    long past and refused every migration; it reads them through its hello's round trip now."""
+    with _prefill_and_decode(node_a, seed=14, prefix=_time_namespace(86400)) as (_, destination, _, client):
+        status = client.migrate("kv-prefill", "kv-decode", (0, 0, SIZE), timeout=10.0)
+        assert status.state == common_pb2.TRANSFER_STATE_DONE
+        assert np.array_equal(destination, expected(14))
 
 
 def test_two_hmcd_find_by_name_and_forward_over_staged(node_a: Hmcd, node_b: Hmcd) -> None:

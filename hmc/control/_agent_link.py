@@ -63,7 +63,7 @@ from hmc.control._errors import error_from_proto, error_to_proto, rpc_errors, tr
 from hmc.errors import ArgumentError, BrokenResourceError, ClosedResourceError, HMCError, TimeoutError, UnavailableError, UnknownBufferError
 from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
-__all__ = ["DaemonLink"]
+__all__ = ["DaemonLink", "hmcd_clock_ahead"]
 
 log = logging.getLogger("hmc.agent.link")
 
@@ -85,6 +85,8 @@ class _Stream:
         self.registry = daemon_pb2_grpc.RegistryServiceStub(self.channel)
         # Messages to hmcd; drained by gRPC's request thread through _outgoing(); None ends the stream.
         self.requests: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
+        self.started = time.monotonic()
+        """This process's clock before the hello left: one end of the round trip that bounds hmcd's clock."""
         self.requests.put(hello)
         self.call = self.registry.Attach(self._outgoing())
 
@@ -145,6 +147,9 @@ class DaemonLink:
         """What this agent's paths measured (`measured()`): sent again with every attach."""
         self._takes_measurements = False
         """Whether the hmcd attached to last takes PathMeasurement messages."""
+        self._ahead_s = 0.0
+        """How far the clock of the hmcd attached to last may be ahead of ours (`hmcd_clock_ahead`); read by the
+        link's thread alone."""
         self._wake = threading.Event()  # set by close(): ends the backoff wait
         self._hello: concurrent.futures.Future[daemon_pb2.DaemonHello] = concurrent.futures.Future()
         # Callbacks for "hmc-daemon-events"; None ends that thread.
@@ -314,7 +319,9 @@ class DaemonLink:
         attached = False
         try:
             for message in stream.call:
-                attached = attached or message.WhichOneof("kind") == "hello"
+                if message.WhichOneof("kind") == "hello":
+                    attached = True
+                    self._ahead_s = hmcd_clock_ahead(stream.started, time.monotonic(), message.hello.monotonic_s)
                 self._dispatch(message)
             return attached, BrokenResourceError(f"hmcd at {self.address} ended the agent stream")
         except grpc.RpcError as exc:
@@ -378,6 +385,8 @@ class DaemonLink:
         log.warning("hmcd refused buffer %s%s on re-attach: %s; it stays usable by descriptor", descriptor.id, f" ({descriptor.name!r})" if descriptor.name else "", error)
 
     def _instruct(self, instruction: daemon_pb2.TransferInstruction) -> None:
+        if instruction.deadline_monotonic_s:  # hmcd's clock -> ours, never later than hmcd's deadline
+            instruction.deadline_monotonic_s = max(instruction.deadline_monotonic_s - self._ahead_s, 1e-9)
         try:
             self._on_instruction(instruction)
         except Exception as exc:  # noqa: BLE001 - reported as the transfer's failure
@@ -474,3 +483,16 @@ class DaemonLink:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "down" if self._down else "attached"
         return f"<DaemonLink agent={self._agent_id!r} {self.address} {state}>"
+
+
+def hmcd_clock_ahead(sent: float, received: float, theirs: float) -> float:
+    """How far hmcd's CLOCK_MONOTONIC may be ahead of this process's, from one hello: ours before the hello left
+    (`sent`) and as hmcd's reached us (`received`), hmcd's as it sent it (`theirs`; 0: an hmcd that does not say).
+
+    0 where the round trip allows one clock (hmcd's reading between ours: one kernel, one time namespace), and
+    where hmcd does not say (an hmcd of an older release gives deadlines to agents on its own clock only); else
+    the most it can be, `theirs - sent` (another time namespace, with its offset): a deadline of hmcd's read on
+    our clock through it is never later than hmcd's, and earlier by at most the round trip."""
+    if not theirs or sent <= theirs <= received:
+        return 0.0
+    return theirs - sent

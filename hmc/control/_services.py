@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import grpc
@@ -74,7 +75,7 @@ class RegistryServicer(daemon_pb2_grpc.RegistryServiceServicer):
         try:
             greeting = daemon_pb2.DaemonHello(
                 protocol_version=PROTOCOL_VERSION, node=daemon.config.node, host_id=daemon.inventory.host_id, registry_epoch=daemon.registry.epoch,
-                takes_measurements=True,
+                takes_measurements=True, monotonic_s=time.monotonic(),
             )
             await context.write(daemon_pb2.DaemonMessage(hello=greeting))
             writer = asyncio.create_task(_drain(session, context), name=f"hmc-attach-writer:{session.agent_id}")
