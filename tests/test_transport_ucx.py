@@ -54,6 +54,38 @@ def test_ucx_conforms(ucx_config: Config, make_peer: Callable[..., PeerProcess])
     check_transport(pair)
 
 
+def test_lanes_a_transfer_takes_to_a_peer_on_this_host() -> None:
+    """Over sockets alone, at most half this host's cores (each lane busies a core at both ends); otherwise no limit."""
+    assert ucx_lanes.sockets_only("tcp") and ucx_lanes.sockets_only(" tcp,cuda_copy ") and ucx_lanes.sockets_only("tcp,self")
+    assert not any(ucx_lanes.sockets_only(t) for t in ("", "sm,cma", "tcp,cma", "rc,dc,ud", "cuda_copy", "all"))
+    assert [ucx_lanes.lanes_on_one_host("tcp", cores) for cores in (1, 2, 3, 4, 64)] == [1, 1, 1, 2, 32]
+    assert ucx_lanes.lanes_on_one_host("sm,cma", 2) == 0 and ucx_lanes.lanes_on_one_host("", 2) == 0
+
+
+def test_a_large_transfer_over_tcp_to_a_peer_on_this_host_takes_one_lane_on_two_cores(
+    ucx_config: Config, make_peer: Callable[..., PeerProcess], rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Two cores: over tcp one part (the owner's threads need the other core); over cma two (the owner moves nothing).
+    Every byte lands either way."""
+    monkeypatch.setattr(ucx_transport.os, "sched_getaffinity", lambda pid: {0, 1})
+    asked: list[int] = []
+    launch = ucx_lanes.Lanes.launch
+
+    def recorded(self: ucx_lanes.Lanes, *args: object, most: int = 0) -> None:
+        asked.append(most)
+        launch(self, *args, most=most)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ucx_lanes.Lanes, "launch", recorded)
+    peer = make_peer(("ucx",), ucx_transports=ucx_config.ucx_transports)
+    size = 32 << 20
+    theirs = peer.register(size, fill=POISON)
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    with Agent(ucx_config.replace(policy=PathPolicy(allow=("ucx",))), daemon=False) as agent:
+        agent.write(agent.register(data), theirs, 0, 0, size).wait()
+    assert asked == [1 if ucx_config.ucx_transports == "tcp" else 0]
+    assert np.array_equal(np.frombuffer(peer.contents(theirs.id), np.uint8), data)
+
+
 def test_the_agent_declares_what_ucx_reaches(ucx_agent: Agent) -> None:
     [ucx] = [t for t in ucx_agent.info.transports if t.path == "ucx"]
     assert ucx.one_sided and "UCX 1." in ucx.detail and ucx_agent.config.ucx_transports in ucx.detail

@@ -38,6 +38,7 @@ Concurrency: `_lock` guards the grant table, the openings, the probes, the push 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -46,12 +47,12 @@ from typing import Any
 from hmc.errors import AccessDeniedError, ArgumentError, BrokenResourceError, BufferWithdrawnError, ClosedResourceError, HMCError, TimeoutError, UnsupportedError
 from hmc import memory
 from hmc.memory import DeviceKind, MemoryKind
-from hmc.memory._machine import rdma_nics
+from hmc.memory._machine import host_id, rdma_nics
 from hmc.transport import _ucx_engine as engine
 from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport, kind_to_proto
 from hmc.transport._ranges import RangeList
 from hmc.transport._ucx_inline import CallersWorker
-from hmc.transport._ucx_lanes import STOP_WAIT_S, Grant, Lanes, memory_kind
+from hmc.transport._ucx_lanes import STOP_WAIT_S, Grant, Lanes, lanes_on_one_host, memory_kind
 from hmc.transport._ucx_mapped import PeerMemory
 from hmc.transport._wire import raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
@@ -148,6 +149,9 @@ class UcxTransport(Transport):
         self._request_push = request_push
         self._path = path
         self._transports = RDMA_TRANSPORTS if path is PathName.RDMA else transports
+        self._host_id = host_id()
+        self._local_lanes = lanes_on_one_host(self._transports or os.environ.get("UCX_TLS", ""), len(os.sched_getaffinity(0)))
+        """The most lanes a transfer takes to a peer on this host (`lanes_on_one_host`; 0: every lane)."""
         self._library = library
         self._workers = workers
         self._timeout_s = timeout_s
@@ -299,7 +303,8 @@ class UcxTransport(Transport):
         """Hand the request to the lanes, the grant counting it until nothing of it is in flight."""
         with self._lock:
             grant.flights += 1
-        self._running().launch(request, grant, mapping, lambda: self._release(grant))
+        here = request.remote is not None and request.remote.owner.host_id == self._host_id  # a pushed read: the asker's host is not said
+        self._running().launch(request, grant, mapping, lambda: self._release(grant), most=self._local_lanes if here else 0)
 
     def _callers(self) -> CallersWorker:
         """The callers' worker (once the path closed, closed: it refuses copies)."""
