@@ -28,7 +28,7 @@ GPUs the source is on cuda:0 and the destination on cuda:1; on one GPU (or with
 
 NCCL_NVLS_ENABLE=0 (and the other multicast switches) are set here and in every
 child. Every wait on a child is bounded; children are killed when they stall; the
-whole run stops at --deadline (default 480 s: a full run on one H100 takes about
+whole run stops at --deadline (default 480 s a round: a full run on one H100 takes about
 3 minutes). Writes JSON: --out PATH, else $OUT/gpu-<gpus>x-<device>-<date>.json where
 $OUT is set (the device machine), else bench/results/gpu-<gpus>x-<device>-<date>.json
 (-2, -3, ... for later runs the same day). Prints the table and the ratio checks
@@ -125,7 +125,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hmc-paths", default=",".join(HMC_PATHS), help=f"comma-separated subset of {','.join(HMC_PATHS)} (the hmc rows' peers)")
     parser.add_argument("--kv-total", type=int, default=GiB, help="bytes of the buffers the KV ranges lie in (default 1 GiB)")
     parser.add_argument("--rounds", type=int, default=1, help="run every group this many times and report each row's best round (default 1)")
-    parser.add_argument("--deadline", type=float, default=DEADLINE_S, help=f"seconds for the whole run (default {DEADLINE_S:.0f}); a group still running then is killed")
+    parser.add_argument("--deadline", type=float, default=None, help=f"seconds for the whole run (default {DEADLINE_S:.0f} a round); a group still running then is killed")
     parser.add_argument("--out", type=Path, default=None, help="JSON file to write")
     parser.add_argument("--git-commit", default=None, help="the commit to record instead of what this copy's .git says (the device machine's copy has none, or a stale one)")
     parser.add_argument("--git-modified", default="", help="with --git-commit: comma-separated tracked files modified in the tree that was copied")
@@ -136,7 +136,8 @@ def main(argv: list[str]) -> int:
     seconds = args.seconds if args.seconds is not None else (0.05 if args.quick else 0.3)
     if not 1 <= args.rounds <= 20:
         parser.error("--rounds must be 1..20")
-    spec = GpuSpec(workloads, systems, Timing(seconds=seconds, warmup_s=0.0 if args.quick else WARMUP_S), args.deadline, args.gpus, hmc_paths, args.rounds)
+    deadline = args.deadline if args.deadline is not None else DEADLINE_S * args.rounds
+    spec = GpuSpec(workloads, systems, Timing(seconds=seconds, warmup_s=0.0 if args.quick else WARMUP_S), deadline, args.gpus, hmc_paths, args.rounds)
     out_path: list[Path] = []
 
     def save(report: dict) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -237,3 +238,30 @@ def fuzz_pair(hmcd: Hmcd) -> Iterator[Client]:
         assert 'code="INTERNAL"' not in client.metrics()
     src_agent.close()
     dst_agent.close()
+
+
+@pytest.mark.parametrize("reads_hmcds_clock", [True, False])
+def test_an_agent_of_another_host_id_gets_hmcds_deadline_where_its_hello_says_it_reads_hmcds_clock(
+    hmcd: Hmcd, client: Client, monkeypatch: pytest.MonkeyPatch, reads_hmcds_clock: bool,
+) -> None:  # fmt: skip
+    """Agents of hmcd's host id always get the deadline; another host id's only where the agent reads it through its
+    hello's round trip (an agent of an older release compares it with its own clock, which may be another's)."""
+    real = daemon_pb2.AgentHello
+    if not reads_hmcds_clock:  # what an agent of an older release says
+        monkeypatch.setattr(daemon_pb2, "AgentHello", lambda **fields: real(**{**fields, "reads_daemon_clock": False}))
+    monkeypatch.setenv("HMC_HOST_ID", "xfer-elsewhere")
+    src_agent = FakeAgent(hmcd.config())
+    monkeypatch.delenv("HMC_HOST_ID")
+    dst_agent = FakeAgent(hmcd.config())
+    try:
+        before = time.monotonic()
+        submit_4k(client, (src_agent, dst_agent), f"clock-{reads_hmcds_clock}", timeout=3.0)
+        wait_until(lambda: src_agent.instructions, what="instruction")
+        deadline = src_agent.instructions[0].deadline_monotonic_s
+        if reads_hmcds_clock:  # one kernel here: hmcd's clock is ours, and the link read the offset as 0
+            assert before + 3.0 <= deadline <= time.monotonic() + 3.0
+        else:
+            assert deadline == 0.0
+    finally:
+        src_agent.close()
+        dst_agent.close()

@@ -68,21 +68,21 @@ def test_a_large_transfer_over_tcp_to_a_peer_on_this_host_takes_one_lane_on_two_
     """Two cores: over tcp one part (the owner's threads need the other core); over cma two (the owner moves nothing).
     Every byte lands either way."""
     monkeypatch.setattr(ucx_transport.os, "sched_getaffinity", lambda pid: {0, 1})
-    asked: list[int] = []
-    launch = ucx_lanes.Lanes.launch
+    parts: list[int] = []
 
-    def recorded(self: ucx_lanes.Lanes, *args: object, most: int = 0) -> None:
-        asked.append(most)
-        launch(self, *args, most=most)  # type: ignore[arg-type]
+    class Counted(ucx_lanes.Transfer):
+        def __init__(self, request: object, grant: object, count: int, on_end: Callable[[], None]) -> None:
+            parts.append(count)
+            super().__init__(request, grant, count, on_end)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(ucx_lanes.Lanes, "launch", recorded)
+    monkeypatch.setattr(ucx_lanes, "Transfer", Counted)
     peer = make_peer(("ucx",), ucx_transports=ucx_config.ucx_transports)
     size = 32 << 20
     theirs = peer.register(size, fill=POISON)
     data = rng.integers(0, 256, size, dtype=np.uint8)
     with Agent(ucx_config.replace(policy=PathPolicy(allow=("ucx",))), daemon=False) as agent:
         agent.write(agent.register(data), theirs, 0, 0, size).wait()
-    assert asked == [1 if ucx_config.ucx_transports == "tcp" else 0]
+    assert parts == [1 if ucx_config.ucx_transports == "tcp" else 2]
     assert np.array_equal(np.frombuffer(peer.contents(theirs.id), np.uint8), data)
 
 
@@ -270,15 +270,19 @@ def test_rdma_with_a_nic_but_the_wheels_ucx_says_no_verbs_and_what_it_would_regi
 
 
 def test_only_the_rdma_paths_context_keeps_ucxs_own_rail_split(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The socket-minded split (`_ucx_engine._SOCKET_TUNING`) is asked for on the ucx path's context, not on rdma's."""
+    """The socket-minded split (`_ucx_engine._SOCKET_TUNING`) is asked for on the ucx path's context where UCX may use
+    sockets (its own choice, or tcp listed), not on rdma's nor on one restricted to verbs or shared memory."""
     monkeypatch.setattr(ucx_transport, "rdma_nics", lambda: [("mlx5_0", ["1"])])
     asked: list[tuple[str, bool]] = []
 
-    def context(*, wakeup: bool, transports: str, library: str, verbs: bool) -> None:
-        asked.append((transports, verbs))
+    def context(*, wakeup: bool, transports: str, library: str, sockets: bool) -> None:
+        asked.append((transports, sockets))
         raise UnsupportedError("recorded")
 
     monkeypatch.setattr(ucx_transport.engine, "Context", context)
-    for path in (PathName.UCX, PathName.RDMA):
-        assert "recorded" in (UcxTransport(lambda d, t: None, lambda *a: None, path=path).unavailable_reason() or "")  # type: ignore[arg-type,return-value]
-    assert asked == [("", False), ("rc,dc,ud", True)]
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    for path, transports in ((PathName.UCX, ""), (PathName.UCX, "tcp,cuda_copy"), (PathName.UCX, "rc,ud"), (PathName.UCX, "sm,cma"), (PathName.RDMA, "")):
+        transport = UcxTransport(lambda d, t: None, lambda *a: None, path=path, transports=transports)  # type: ignore[arg-type,return-value]
+        assert "recorded" in (transport.unavailable_reason() or "")
+    assert asked == [("", True), ("tcp,cuda_copy", True), ("rc,ud", False), ("sm,cma", False), ("rc,dc,ud", False)]
+    assert ucx_lanes.may_use_sockets("all") and not ucx_lanes.may_use_sockets("cuda_copy")

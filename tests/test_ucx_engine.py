@@ -189,7 +189,7 @@ def test_hmc_settings_on_a_context_yield_to_the_environment() -> None:
     unless the user's `UCX_<name>` says otherwise."""
     ours = {"CUDA_IPC_ENABLE_GET_ZCOPY": "y", "ADAPTIVE_PROGRESS": "n", "MAX_RMA_RAILS": "2"}
     assert ucx.tuning({}) == ours | {"MIN_RMA_CHUNK_SIZE": "64K"}
-    assert ucx.tuning({}, verbs=True) == ours  # the rdma path's NICs keep UCX's own split
+    assert ucx.tuning({}, sockets=False) == ours  # verbs NICs (the rdma path) keep UCX's own split
     assert ucx.tuning({"UCX_MAX_RMA_RAILS": "1", "UCX_TLS": "tcp"}) == {"CUDA_IPC_ENABLE_GET_ZCOPY": "y", "ADAPTIVE_PROGRESS": "n", "MIN_RMA_CHUNK_SIZE": "64K"}
     everything = {"UCX_ADAPTIVE_PROGRESS": "y", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n", "UCX_MAX_RMA_RAILS": "4", "UCX_MIN_RMA_CHUNK_SIZE": "8K"}
     assert ucx.tuning(everything) == {}

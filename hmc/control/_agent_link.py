@@ -127,7 +127,7 @@ class DaemonLink:
         self.address = f"unix:{config.socket}"
         self._timeout = config.timeout_s
         self._agent_id = agent_info.id
-        self._hello_message = Message(hello=daemon_pb2.AgentHello(protocol_version=PROTOCOL_VERSION, agent=agent_info))
+        self._hello_message = Message(hello=daemon_pb2.AgentHello(protocol_version=PROTOCOL_VERSION, agent=agent_info, reads_daemon_clock=True))
         self._on_instruction = on_instruction
         self._on_event = on_event
         self._on_cancel = on_cancel
@@ -489,10 +489,11 @@ def hmcd_clock_ahead(sent: float, received: float, theirs: float) -> float:
     """How far hmcd's CLOCK_MONOTONIC may be ahead of this process's, from one hello: ours before the hello left
     (`sent`) and as hmcd's reached us (`received`), hmcd's as it sent it (`theirs`; 0: an hmcd that does not say).
 
-    0 where the round trip allows one clock (hmcd's reading between ours: one kernel, one time namespace), and
-    where hmcd does not say (an hmcd of an older release gives deadlines to agents on its own clock only); else
-    the most it can be, `theirs - sent` (another time namespace, with its offset): a deadline of hmcd's read on
-    our clock through it is never later than hmcd's, and earlier by at most the round trip."""
+    0 where the round trip allows one clock (hmcd's reading between ours: one kernel, one time namespace; clocks
+    that differ by less than the round trip read so too, later by at most that), and where hmcd does not say (an
+    hmcd of an older release gives deadlines to agents on its own clock only); else the most it can be,
+    `theirs - sent` (another time namespace, with its offset): a deadline of hmcd's read on our clock through it
+    is then never later than hmcd's, and earlier by at most the round trip (the attach's connect included)."""
     if not theirs or sent <= theirs <= received:
         return 0.0
     return theirs - sent

@@ -77,6 +77,8 @@ class AgentSession:
         self.info = info
         self.process = process
         """The agent's process on this host (None: another host, or /proc could not say): what its leases name."""
+        self.reads_daemon_clock = False
+        """Its hello said it reads hmcd's monotonic deadlines on its own clock (AgentHello.reads_daemon_clock)."""
         self.buffers: set[str] = set()
         self.attached_at = time.time()
         # Messages for the agent's stream, drained by that stream's writer task; bounded so

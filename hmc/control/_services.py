@@ -69,6 +69,7 @@ class RegistryServicer(daemon_pb2_grpc.RegistryServiceServicer):
         if not hello.agent.node:
             hello.agent.node = daemon.config.node
         session = daemon.registry.attach(hello.agent)
+        session.reads_daemon_clock = hello.reads_daemon_clock
         writer: asyncio.Task[None] | None = None
         clean = False  # the agent closed its stream (EOF): it is gone; otherwise it may come back (registry: "Sessions")
         registering: dict[str, asyncio.Task[None]] = {}  # buffer id -> its registration, waiting for the directory

@@ -130,7 +130,8 @@ class TransferTable:
         instruction = daemon_pb2.TransferInstruction(
             transfer_id=transfer_id, op=op, local_buffer_id=local.id, remote=remote, ranges=request.ranges, notification=request.notification, timeout_s=timeout_s
         )
-        instruction.deadline_monotonic_s = time.monotonic() + timeout_s  # on hmcd's clock: the agent's link reads it on its own
+        if session.process is not None or session.reads_daemon_clock:  # one clock with hmcd, or an agent that reads it on its own
+            instruction.deadline_monotonic_s = time.monotonic() + timeout_s
         status.executor_agent = session.agent_id
         if not session.send(daemon_pb2.DaemonMessage(instruction=instruction)):
             raise BusyResourceError(f"agent {session.agent_id!r} has too many queued instructions")

@@ -52,7 +52,7 @@ from hmc.transport import _ucx_engine as engine
 from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport, kind_to_proto
 from hmc.transport._ranges import RangeList
 from hmc.transport._ucx_inline import CallersWorker
-from hmc.transport._ucx_lanes import STOP_WAIT_S, Grant, Lanes, lanes_on_one_host, memory_kind
+from hmc.transport._ucx_lanes import STOP_WAIT_S, Grant, Lanes, lanes_on_one_host, may_use_sockets, memory_kind
 from hmc.transport._ucx_mapped import PeerMemory
 from hmc.transport._wire import raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
@@ -190,7 +190,8 @@ class UcxTransport(Transport):
             return "no RDMA device on this host (/sys/class/infiniband is empty)"
         dmabuf = memory.dmabuf_kinds() if self._path is PathName.RDMA else frozenset()
         try:
-            context = engine.Context(wakeup=True, transports=self._transports, library=self._library, verbs=self._path is PathName.RDMA)
+            sockets = self._path is not PathName.RDMA and may_use_sockets(self._transports or os.environ.get("UCX_TLS", ""))
+            context = engine.Context(wakeup=True, transports=self._transports, library=self._library, sockets=sockets)
         except HMCError as exc:
             if self._path is PathName.RDMA:
                 reach = f"; device memory it would register by dma-buf: {', '.join(sorted(k.value for k in dmabuf)) or 'none'}"

@@ -47,17 +47,17 @@ put or get split over two devices where two reach the peer (UCX's default is one
 NICs of a node, or on the 2-core VM lo and eth0 (UCX over tcp, 1 MiB put + flush 430 -> 180 us, alternated)."""
 
 _SOCKET_TUNING = {"MIN_RMA_CHUNK_SIZE": "64K"}
-"""Also on contexts that may move bytes through kernel sockets (every one but the `rdma` path's, whose verbs NICs keep
-UCX's own split): a put or get is split over two rails only from 128 KiB, not from 16 KiB (UCX's 8K chunks). Over tcp
-each piece is a message of its own that both ends' threads handle; the KV patterns' ranges are 16 and 64 KiB (2-core
+"""Also on contexts that may move bytes through kernel sockets (not the `rdma` path's, nor a ucx path's restricted to
+verbs or shared memory: verbs NICs keep UCX's own split): a put or get is split over two rails only from 128 KiB,
+not from 16 KiB (UCX's 8K chunks). Over tcp each piece is a message of its own that both ends' threads handle; the KV patterns' ranges are 16 and 64 KiB (2-core
 VM, UCX over tcp, alternated twice: 16384 x 16 KiB 1.23-1.26 -> 1.89-2.01 GB/s, 4096 x 64 KiB 2.68-2.78 -> 3.05-3.09,
 1 MiB and 256 MiB unchanged)."""
 
 
-def tuning(environ: abc.Mapping[str, str], *, verbs: bool = False) -> dict[str, str]:
-    """The settings HMC makes on a context (`_TUNING`, and `_SOCKET_TUNING` unless `verbs`: a context of verbs
-    transports only): those the environment leaves alone (no `UCX_<name>`)."""
-    settings = _TUNING if verbs else _TUNING | _SOCKET_TUNING
+def tuning(environ: abc.Mapping[str, str], *, sockets: bool = True) -> dict[str, str]:
+    """The settings HMC makes on a context (`_TUNING`, and `_SOCKET_TUNING` where `sockets`: UCX may use kernel
+    sockets on it): those the environment leaves alone (no `UCX_<name>`)."""
+    settings = _TUNING | _SOCKET_TUNING if sockets else _TUNING
     return {name: value for name, value in settings.items() if f"UCX_{name}" not in environ}
 
 
@@ -175,10 +175,10 @@ class Context(_Parent):
     """A UCP context: the transports, the memory registrations and their keys; shared by its workers (each used
     by one thread), so its own calls may come from any thread."""
 
-    def __init__(self, *, wakeup: bool = False, transports: str = "", library: str = "", verbs: bool = False) -> None:
+    def __init__(self, *, wakeup: bool = False, transports: str = "", library: str = "", sockets: bool = True) -> None:
         """`wakeup`: its workers can be slept on (`fd`, `arm`); UCX then uses only transports that signal events.
         `transports`: UCX's transport list (UCX_TLS syntax; empty: UCX_TLS or UCX's choice). `library`: as for
-        `load`. `verbs`: `transports` are verbs transports only (`tuning`)."""
+        `load`. `sockets`: UCX may move its bytes through kernel sockets (`tuning`)."""
         super().__init__("context")
         ffi, lib = self._ffi, self._lib = load(library)
         params = ffi.new("ucp_params_t *")
@@ -191,7 +191,7 @@ class Context(_Parent):
         try:
             if transports:
                 check(lib.ucp_config_modify(config[0], b"TLS", transports.encode()), f"UCX transports {transports!r}")
-            for name, value in tuning(os.environ, verbs=verbs).items():
+            for name, value in tuning(os.environ, sockets=sockets).items():
                 lib.ucp_config_modify(config[0], name.encode(), value.encode())  # refused where the module is absent: fine
             check(lib.ucp_init(params, config[0], context), "ucp_init")
         finally:

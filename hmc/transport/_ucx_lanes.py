@@ -3,7 +3,8 @@
 UCX moves cma and tcp bytes on the thread that posts or progresses them, so one worker moves at most one
 core's worth: a path has `workers` lanes (`hmc.transport._ucx_progress.Progress` each), and a large
 transfer is split into one part per lane (`_PART_MIN` bytes at least each; over sockets to a peer on this
-host, into at most half this host's cores' worth: `lanes_on_one_host`). A lane connects an endpoint to
+host, into at most half this process's cores' worth: `lanes_on_one_host`; a pushed read, whose asker's host
+its Push does not say, takes every lane). A lane connects an endpoint to
 the owner's worker of the same index (peer error handling off: HMC learns that a peer died from its control
 channel, `fail_peer`), unpacks the grant's key once, and posts its part window by window (`_WINDOW_BYTES`,
 `_WINDOWS` in flight; device memory in one), each window one call below Python followed by a flush whose
@@ -45,7 +46,7 @@ from hmc.transport._ranges import RangeList
 from hmc.transport._ucx_progress import Progress
 from hmc.v1 import common_pb2, peer_pb2
 
-__all__ = ["STOP_WAIT_S", "Grant", "Lanes", "connect", "lanes_on_one_host", "memory_kind", "sockets_only"]
+__all__ = ["STOP_WAIT_S", "Grant", "Lanes", "connect", "lanes_on_one_host", "may_use_sockets", "memory_kind", "sockets_only"]
 
 _WINDOW_BYTES = 64 << 20
 """Bytes of a part posted before its flush. Each flush costs a round of both progress threads (about 0.1 ms
@@ -371,10 +372,16 @@ def sockets_only(transports: str) -> bool:
     return bool(names) and names <= _SOCKETS
 
 
+def may_use_sockets(transports: str) -> bool:
+    """Whether a UCX_TLS list lets UCX use sockets ("": UCX's own choice, which may)."""
+    names = {name.strip() for name in transports.split(",") if name.strip()}
+    return not names or bool(names & (_SOCKETS | {"all"}))
+
+
 def lanes_on_one_host(transports: str, cores: int) -> int:
-    """The most lanes a transfer takes to a peer on this host (0: no limit). Over sockets each lane keeps a core busy
-    at both ends, its progress thread and the owner's worker of its index, and both ends' cores are this host's: at
-    most half of them (2-core VM, UCX over tcp, one lane against two, alternated three times: 256 MiB 4.52-4.91
+    """The most lanes a transfer takes to a peer on this host (0: no limit), for `transports` (this agent's UCX_TLS)
+    and the `cores` this process may run on. Over sockets each lane keeps a core busy at both ends, its progress
+    thread and the owner's worker of its index, and both ends' cores are this host's: at most half of them (2-core VM, UCX over tcp, one lane against two, alternated three times: 256 MiB 4.52-4.91
     against 4.17-4.53 GB/s, 4096 x 64 KiB 3.16-3.55 against 2.71-3.09). Over cma or shared memory the owner moves
     nothing, and between hosts each end has its own cores: every lane."""
     return max(1, cores // 2) if sockets_only(transports) else 0
