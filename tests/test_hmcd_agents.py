@@ -220,6 +220,8 @@ def test_hmcds_clock_read_through_one_hello() -> None:
     assert hmcd_clock_ahead(100.0, 100.002, 86500.001) == pytest.approx(86400.001)  # hmcd's a day ahead
     assert hmcd_clock_ahead(50100.0, 50100.002, 100.001) == pytest.approx(-49999.999)  # hmcd's behind
     assert hmcd_clock_ahead(100.0, 100.002, 0.0) == 0.0
+    for nonsense in (float("nan"), float("inf"), float("-inf")):  # a reading that says nothing moves no deadline
+        assert hmcd_clock_ahead(100.0, 100.002, nonsense) == 0.0
 
 
 def test_an_executor_whose_clock_is_ahead_of_hmcds_still_migrates(node_a: Hmcd) -> None:

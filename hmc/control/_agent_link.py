@@ -48,6 +48,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import math
 import queue
 import random
 import threading
@@ -493,7 +494,8 @@ def hmcd_clock_ahead(sent: float, received: float, theirs: float) -> float:
     that differ by less than the round trip read so too, later by at most that), and where hmcd does not say (an
     hmcd of an older release gives deadlines to agents on its own clock only); else the most it can be,
     `theirs - sent` (another time namespace, with its offset): a deadline of hmcd's read on our clock through it
-    is then never later than hmcd's, and earlier by at most the round trip (the attach's connect included)."""
-    if not theirs or sent <= theirs <= received:
+    is then never later than hmcd's, and earlier by at most the round trip (the attach's connect included). A
+    reading that is not a finite number says nothing either (0)."""
+    if not theirs or not math.isfinite(theirs) or sent <= theirs <= received:
         return 0.0
     return theirs - sent

@@ -218,7 +218,10 @@ class Client:
 
     def cancel(self, transfer_id: str) -> daemon_pb2.TransferStatus:
         """Cancel a transfer (best effort: some ranges may have landed)."""
-        return self._call(self._transfers.Cancel, daemon_pb2.TransferRef(transfer_id=transfer_id))
+        return self._cancel(transfer_id, self.timeout)
+
+    def _cancel(self, transfer_id: str, timeout: float) -> daemon_pb2.TransferStatus:
+        return self._call(self._transfers.Cancel, daemon_pb2.TransferRef(transfer_id=transfer_id), timeout=timeout)
 
     def migrate(
         self, src: str | daemon_pb2.BufferRef, dst: str | daemon_pb2.BufferRef, ranges: Any, notify: bytes | None = None, timeout: float | None = None
@@ -241,7 +244,7 @@ class Client:
             ended = self._ended(submitted.transfer_id, min((self.timeout if timeout is None else timeout) + _VERDICT_S, MAX_TIMEOUT_S))
         except HMCError:  # not ended: stop it before saying so
             with contextlib.suppress(HMCError):
-                self._call(self._transfers.Cancel, daemon_pb2.TransferRef(transfer_id=submitted.transfer_id), timeout=min(self.timeout, _CANCEL_S))
+                self._cancel(submitted.transfer_id, min(self.timeout, _CANCEL_S))
             raise
         return _outcome(ended)
 

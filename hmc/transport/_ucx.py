@@ -150,7 +150,9 @@ class UcxTransport(Transport):
         self._path = path
         self._transports = RDMA_TRANSPORTS if path is PathName.RDMA else transports
         self._host_id = host_id()
-        self._local_lanes = lanes_on_one_host(self._transports or os.environ.get("UCX_TLS", ""), len(os.sched_getaffinity(0)))
+        self._tls = self._transports or os.environ.get("UCX_TLS", "")
+        """The transports the context gets: the path's, else UCX_TLS, else UCX's own choice ("")."""
+        self._local_lanes = lanes_on_one_host(self._tls, len(os.sched_getaffinity(0)))
         """The most lanes a transfer takes to a peer on this host (`lanes_on_one_host`; 0: every lane)."""
         self._library = library
         self._workers = workers
@@ -190,7 +192,7 @@ class UcxTransport(Transport):
             return "no RDMA device on this host (/sys/class/infiniband is empty)"
         dmabuf = memory.dmabuf_kinds() if self._path is PathName.RDMA else frozenset()
         try:
-            sockets = self._path is not PathName.RDMA and may_use_sockets(self._transports or os.environ.get("UCX_TLS", ""))
+            sockets = self._path is not PathName.RDMA and may_use_sockets(self._tls)
             context = engine.Context(wakeup=True, transports=self._transports, library=self._library, sockets=sockets)
         except HMCError as exc:
             if self._path is PathName.RDMA:

@@ -49,9 +49,9 @@ NICs of a node, or on the 2-core VM lo and eth0 (UCX over tcp, 1 MiB put + flush
 _SOCKET_TUNING = {"MIN_RMA_CHUNK_SIZE": "64K"}
 """Also on contexts that may move bytes through kernel sockets (not the `rdma` path's, nor a ucx path's restricted to
 verbs or shared memory: verbs NICs keep UCX's own split): a put or get is split over two rails only from 128 KiB,
-not from 16 KiB (UCX's 8K chunks). Over tcp each piece is a message of its own that both ends' threads handle; the KV patterns' ranges are 16 and 64 KiB (2-core
-VM, UCX over tcp, alternated twice: 16384 x 16 KiB 1.23-1.26 -> 1.89-2.01 GB/s, 4096 x 64 KiB 2.68-2.78 -> 3.05-3.09,
-1 MiB and 256 MiB unchanged)."""
+not from 16 KiB (UCX's 8K chunks). Over tcp each piece is a message of its own that both ends' threads handle; the
+KV patterns' ranges are 16 and 64 KiB (2-core VM, UCX over tcp, alternated twice: 16384 x 16 KiB 1.23-1.26 ->
+1.89-2.01 GB/s, 4096 x 64 KiB 2.68-2.78 -> 3.05-3.09, 1 MiB and 256 MiB unchanged)."""
 
 
 def tuning(environ: abc.Mapping[str, str], *, sockets: bool = True) -> dict[str, str]:

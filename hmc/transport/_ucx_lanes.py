@@ -366,24 +366,30 @@ class Lanes:
         return all(ended)
 
 
+def _names(transports: str) -> set[str]:
+    """The transports a UCX_TLS list names."""
+    return {name.strip() for name in transports.split(",") if name.strip()}
+
+
 def sockets_only(transports: str) -> bool:
     """Whether a UCX_TLS list leaves UCX nothing but sockets between two processes (e.g. "tcp", "tcp,cuda_copy")."""
-    names = {name.strip() for name in transports.split(",") if name.strip()} - _BESIDE
+    names = _names(transports) - _BESIDE
     return bool(names) and names <= _SOCKETS
 
 
 def may_use_sockets(transports: str) -> bool:
     """Whether a UCX_TLS list lets UCX use sockets ("": UCX's own choice, which may)."""
-    names = {name.strip() for name in transports.split(",") if name.strip()}
+    names = _names(transports)
     return not names or bool(names & (_SOCKETS | {"all"}))
 
 
 def lanes_on_one_host(transports: str, cores: int) -> int:
     """The most lanes a transfer takes to a peer on this host (0: no limit), for `transports` (this agent's UCX_TLS)
     and the `cores` this process may run on. Over sockets each lane keeps a core busy at both ends, its progress
-    thread and the owner's worker of its index, and both ends' cores are this host's: at most half of them (2-core VM, UCX over tcp, one lane against two, alternated three times: 256 MiB 4.52-4.91
-    against 4.17-4.53 GB/s, 4096 x 64 KiB 3.16-3.55 against 2.71-3.09). Over cma or shared memory the owner moves
-    nothing, and between hosts each end has its own cores: every lane."""
+    thread and the owner's worker of its index, and both ends' cores are this host's: at most half of them (2-core
+    VM, UCX over tcp, one lane against two, alternated three times: 256 MiB 4.52-4.91 against 4.17-4.53 GB/s,
+    4096 x 64 KiB 3.16-3.55 against 2.71-3.09). Over cma or shared memory the owner moves nothing, and between hosts
+    each end has its own cores: every lane."""
     return max(1, cores // 2) if sockets_only(transports) else 0
 
 
