@@ -11,6 +11,8 @@ GPUs the source is on cuda:0 and the destination on cuda:1; on one GPU (or with
     pinned-d2h/h2d torch copy_ between cuda:0 and pinned host memory: the ceiling of staged
     pinned-both    D2H and H2D on cuda:0 at once: staged's ceiling when both ends share one GPU
     pinned-across  D2H on cuda:0 and H2D on cuda:1 at once: staged's ceiling across two GPUs
+    pinned-ring    through a pinned ring of staged's geometry, hand-offs on the GPU, no CPU between
+                   slots: the ceiling of any such ring (its fill, drain and cost per slot included)
     torch-gather   index_select -> (peer copy) -> index_copy_ of the KV ranges (one process)
     copy-kernel    a CuPy copy kernel, one thread block per range, in one process
     cuda-ipc       two processes: the source's process opens the destination's IPC handle and

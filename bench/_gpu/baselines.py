@@ -12,6 +12,8 @@ Systems (row `system`, `path`):
                             ends share one GPU (its PCIe link carries both directions)
     pinned-across torch     the same with the H2D into cuda:1, bulk; two GPUs only: the ceiling of a staged
                             pair across two GPUs (each end's link and the host between them, both busy)
+    pinned-ring  cuda       one process: through a pinned ring of staged's geometry, the hand-off between
+                            slots on the GPUs (`_gpu.ring`), bulk: what any ring of that geometry can reach
     torch-gather torch      one process: index_select on the source device -> (peer copy) -> index_copy_
                             on the destination device, KV
     copy-kernel  push/pull  one process: the copy kernel (one block per range) on cuda:0 writing the
@@ -63,13 +65,16 @@ from _gpu.harness import (
     sizes_of,
     verify,
 )
+from _gpu.ring import pinned_ring
 from hmc.bench._child import receive, send_error
 from hmc.bench._timing import Timing
 from hmc.bench._workloads import SEED, Workload, make_ranges
 
 __all__ = ["LOCAL_SYSTEMS", "NCCL_SYSTEMS", "TWO_GPU_SYSTEMS", "ipc_initiator", "ipc_target", "local_child", "nccl_rank", "probe_child"]
 
-LOCAL_SYSTEMS = ("device-copy", "peer-copy", "pinned-d2h", "pinned-h2d", "pinned-both", "pinned-across", "torch-gather", "copy-kernel")
+LOCAL_SYSTEMS = (
+    "device-copy", "peer-copy", "pinned-d2h", "pinned-h2d", "pinned-both", "pinned-across", "pinned-ring", "torch-gather", "copy-kernel",
+)
 """Systems measured in one process that sees every GPU of the run."""
 NCCL_SYSTEMS: dict[str, dict[str, str]] = {"nccl": {}, "nccl-nop2p": {"NCCL_P2P_DISABLE": "1"}}
 """System name -> extra environment of both ranks."""
@@ -375,6 +380,7 @@ _BULK_SYSTEMS: dict[str, Callable[[_Local, Workload, Timing], Any]] = {
     "pinned-h2d": functools.partial(_pinned, to_host=False),
     "pinned-both": _pinned_both,
     "pinned-across": functools.partial(_pinned_both, across=True),
+    "pinned-ring": pinned_ring,
 }
 """The one-process systems that run every bulk workload, in the order they run."""
 

@@ -6,6 +6,10 @@ largest bulk workload (1 GiB in a full run) and `small` its smallest (4 KiB):
     hmc staged (peer AMD) big WRITE, READ     >= 0.9 x min(pinned D2H, pinned H2D)   (GB/s)
                                               >= 0.9 x pinned D2H and H2D at once    (GB/s; the
                                                  ceiling where both ends share one GPU's link)
+                                              >= 0.9 x the pinned ring, hand-off on the GPU (GB/s;
+                                                 the ceiling of any ring of staged's geometry)
+    the pinned ring itself (big)              >= 0.9 x min(pinned D2H, pinned H2D)   (GB/s; whether
+                                                 any ring of that geometry reaches the first bar)
     hmc staged (peer AMD) each KV WRITE, READ >= 0.8 x the same op's big rate          (GB/s)
                                               >= 80 x NIXL UCX_TLS=tcp,cuda_copy, same ranges and op
     hmc and hmc-prepared staged small WRITE p50 <= NIXL UCX_TLS=tcp,cuda_copy's        (us)
@@ -51,6 +55,7 @@ __all__ = [
 NIXL_NO_IPC = "nixl-tcp-cuda-copy"
 """NIXL without vendor IPC (UCX_TLS=tcp,cuda_copy): the cross-vendor anchor."""
 STAGED_AMD = "hmc staged (peer AMD)"
+RING = "the pinned ring with its hand-off on the GPU"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +83,12 @@ def cross_vendor_checks(workloads: Sequence[Workload]) -> list[Check | MinCheck]
         return []
     big, small, kvs = sizes
     checks: list[Check | MinCheck] = []
+    pinned = (("pinned-d2h", "", "WRITE", big), ("pinned-h2d", "", "WRITE", big))
     for op in OPS:
-        pinned = (("pinned-d2h", "", "WRITE", big), ("pinned-h2d", "", "WRITE", big))
         checks.append(MinCheck(f"{STAGED_AMD} {big} {op} vs min(pinned D2H, pinned H2D)", ("hmc", "staged", op, big), pinned, 0.9))
         checks.append(Check(f"{STAGED_AMD} {big} {op} vs pinned D2H and H2D at once (one GPU's link)", ("hmc", "staged", op, big), ("pinned-both", "", "WRITE", big), 0.9))
+        checks.append(Check(f"{STAGED_AMD} {big} {op} vs {RING}", ("hmc", "staged", op, big), ("pinned-ring", "", "WRITE", big), 0.9))
+    checks.append(MinCheck(f"{RING} {big} vs min(pinned D2H, pinned H2D): can a ring reach issue 11's bar here?", ("pinned-ring", "", "WRITE", big), pinned, 0.9))
     for kv in kvs:
         for op in OPS:
             staged = ("hmc", "staged", op, kv)
@@ -143,6 +150,7 @@ def two_gpu_staged_checks(workloads: Sequence[Workload]) -> list[Check | MinChec
             checks.append(MinCheck(f"{name} {big} {op} vs min(pinned D2H, pinned H2D)", ("hmc", path, op, big), pinned, 0.9))
             checks.append(Check(f"{name} {big} {op} vs D2H on one GPU and H2D on the other at once", ("hmc", path, op, big),
                                 ("pinned-across", "", "WRITE", big), 0.9))
+            checks.append(Check(f"{name} {big} {op} vs {RING}", ("hmc", path, op, big), ("pinned-ring", "", "WRITE", big), 0.9))
             checks += [Check(f"{name} {kv} {op} vs its {big} {op}", ("hmc", path, op, kv), ("hmc", path, op, big), 0.8) for kv in kvs]
         checks.append(Check(f"{name} {big} WRITE vs NCCL with P2P disabled", ("hmc", path, "WRITE", big), ("nccl-nop2p", "", "WRITE", big), 1.3))
         checks.append(Check(f"{name} {small} WRITE p50 latency vs NIXL UCX_TLS=tcp,cuda_copy", ("hmc", path, "WRITE", small),

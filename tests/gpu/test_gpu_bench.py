@@ -134,8 +134,12 @@ def test_cross_vendor_checks_of_issue_11() -> None:
         _row("hmc", "staged", small, 30e-6), _row("hmc-prepared", "staged", small, 50e-6), _row(nixl, "UCX UCX_TLS=tcp,cuda_copy", small, 40e-6),
     ]
     checks = gpu_checks(wls, 1)
-    assert sum(isinstance(c, MinCheck) for c in checks) == 2
-    ratios = {r["check"]: r for r in evaluate_checks(checks, rows + [_row("pinned-both", "torch", big, 2.2e-4)])}
+    assert sum(isinstance(c, MinCheck) for c in checks) == 3
+    ring = _row("pinned-ring", "cuda", big, 2.1e-4)
+    ratios = {r["check"]: r for r in evaluate_checks(checks, rows + [_row("pinned-both", "torch", big, 2.2e-4), ring])}
+    ceiling = ratios["the pinned ring with its hand-off on the GPU bulk_1MiB vs min(pinned D2H, pinned H2D): can a ring reach issue 11's bar here?"]
+    assert ceiling["ratio"] == pytest.approx(2e-4 / 2.1e-4, rel=1e-3) and ceiling["ok"] is True
+    assert ratios["hmc staged (peer AMD) bulk_1MiB READ vs the pinned ring with its hand-off on the GPU"]["ratio"] == pytest.approx(2.1e-4 / 2.5e-4, rel=1e-3)
     both = ratios["hmc staged (peer AMD) bulk_1MiB WRITE vs pinned D2H and H2D at once (one GPU's link)"]
     assert both["ratio"] == pytest.approx(2.2e-4 / 1.9e-4, rel=1e-3) and both["ok"] is True
     write = ratios["hmc staged (peer AMD) bulk_1MiB WRITE vs min(pinned D2H, pinned H2D)"]
@@ -316,7 +320,7 @@ def _quick_run(tmp_path: Path, gpus: int) -> dict:
     assert set(SYSTEMS) == systems | skipped
     wls = gpu_quick_workloads()
     bulk = [w.name for w in wls if not w.random]
-    for system in ("device-copy", "pinned-d2h", "pinned-h2d", "pinned-both"):
+    for system in ("device-copy", "pinned-d2h", "pinned-h2d", "pinned-both", "pinned-ring"):
         assert [r["workload"] for r in report["rows"] if r["system"] == system] == bulk
     hmc = {(r["path"], r["op"], r["workload"]) for r in report["rows"] if r["system"] == "hmc"}
     assert hmc == {(p, op, w.name) for p in HMC_PATHS for op in ("WRITE", "READ") for w in wls}
