@@ -18,6 +18,7 @@ Concurrency: runs on the thread of the child that owns the tensors.
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,30 +32,20 @@ __all__ = ["RING_SLOTS", "pinned_ring"]
 
 RING_SLOTS = 8
 """Slots of staged's shared ring (`ShmStaging`'s default)."""
-_RELEASE = 1 << 30
-"""A word's value that satisfies every wait a step queues (waits compare cyclically: (int32)(word - value) >= 0)."""
-
-
-def _ok(result: Any) -> Any:
-    """The value of a cuda.bindings call, or RuntimeError with its status."""
-    status, *rest = result if isinstance(result, tuple) else (result,)
-    if int(status) != 0:
-        raise RuntimeError(f"CUDA driver call failed: {status}")
-    return rest[0] if len(rest) == 1 else tuple(rest)
 
 
 class _Ring:
     """The registered ring and its words (ready[k], then free[k]), mapped for the GPUs."""
 
-    def __init__(self, cu: Any) -> None:
-        self.cu = cu
+    def __init__(self, cu: Any, check: Callable[[Any], Any]) -> None:
+        self.cu, self.check = cu, check
         self.size = RING_SLOTS * SLOT_BYTES
         self.memory = mmap.mmap(-1, self.size + mmap.PAGESIZE)
         self.host = np.frombuffer(self.memory, dtype=np.uint8).ctypes.data
         self.words = np.frombuffer(self.memory, dtype=np.uint32, count=2 * RING_SLOTS, offset=self.size)
         flags = cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP
-        _ok(cu.cuMemHostRegister(self.host, self.size + mmap.PAGESIZE, flags))
-        self.device = int(_ok(cu.cuMemHostGetDevicePointer(self.host, 0)))
+        check(cu.cuMemHostRegister(self.host, self.size + mmap.PAGESIZE, flags))
+        self.device = int(check(cu.cuMemHostGetDevicePointer(self.host, 0)))
 
     def ready(self, slot: int) -> int:
         return self.device + self.size + 4 * slot
@@ -63,7 +54,7 @@ class _Ring:
         return self.device + self.size + 4 * (RING_SLOTS + slot)
 
     def close(self) -> None:
-        _ok(self.cu.cuMemHostUnregister(self.host))
+        self.check(self.cu.cuMemHostUnregister(self.host))
         del self.words
         self.memory.close()
 
@@ -72,10 +63,12 @@ def pinned_ring(t: Any, w: Workload, timing: Timing) -> Row:
     """`w.nbytes` from `t.src0` to `t.dst1` through the ring, the hand-off on the GPUs; every byte compared."""
     from cuda.bindings import driver as cu
 
+    from hmc.memory._cuda_driver import check
+
     torch, n = t.torch, w.nbytes
-    gpus = [_ok(cu.cuDeviceGet(d.index or 0)) for d in (t.d0, t.d1)]
-    out_ctx, in_ctx = (_ok(cu.cuDevicePrimaryCtxRetain(g)) for g in gpus)  # torch's contexts: the runtime's primary ones
-    ring = _Ring(cu)
+    gpus = [check(cu.cuDeviceGet(d.index or 0)) for d in (t.d0, t.d1)]
+    out_ctx, in_ctx = (check(cu.cuDevicePrimaryCtxRetain(g)) for g in gpus)  # torch's contexts: the runtime's primary ones
+    ring = _Ring(cu, check)
     try:
         out_stream, in_stream = torch.cuda.Stream(t.d0), torch.cuda.Stream(t.d1)
         out_h, in_h = cu.CUstream(out_stream.cuda_stream), cu.CUstream(in_stream.cuda_stream)
@@ -85,20 +78,22 @@ def pinned_ring(t: Any, w: Workload, timing: Timing) -> Row:
         chunks = [(at, min(SLOT_BYTES, n - at)) for at in range(0, n, SLOT_BYTES)]
 
         def step() -> None:
+            # Each wait's value is queued before the wait (a chunk's ready write before its H2D side's wait, a slot's
+            # free write before the D2H side's wait RING_SLOTS chunks later): a step cut short leaves none unmet.
             ring.words[:] = 0  # both streams are idle between steps
             for i, (at, size) in enumerate(chunks):
                 slot, turn = i % RING_SLOTS, i // RING_SLOTS + 1
                 host = ring.host + slot * SLOT_BYTES
-                _ok(cu.cuCtxSetCurrent(out_ctx))
+                check(cu.cuCtxSetCurrent(out_ctx))
                 if turn > 1:
-                    _ok(cu.cuStreamWaitValue32(out_h, ring.free(slot), turn - 1, geq))
-                _ok(cu.cuMemcpyDtoHAsync(host, src + at, size, out_h))
-                _ok(cu.cuStreamWriteValue32(out_h, ring.ready(slot), turn, barrier))
-                _ok(cu.cuCtxSetCurrent(in_ctx))
-                _ok(cu.cuStreamWaitValue32(in_h, ring.ready(slot), turn, geq))
-                _ok(cu.cuMemcpyHtoDAsync(dst + at, host, size, in_h))
-                _ok(cu.cuStreamWriteValue32(in_h, ring.free(slot), turn, barrier))
-            _ok(cu.cuCtxSetCurrent(out_ctx))  # the source GPU's, as torch left it
+                    check(cu.cuStreamWaitValue32(out_h, ring.free(slot), turn - 1, geq))
+                check(cu.cuMemcpyDtoHAsync(host, src + at, size, out_h))
+                check(cu.cuStreamWriteValue32(out_h, ring.ready(slot), turn, barrier))
+                check(cu.cuCtxSetCurrent(in_ctx))
+                check(cu.cuStreamWaitValue32(in_h, ring.ready(slot), turn, geq))
+                check(cu.cuMemcpyHtoDAsync(dst + at, host, size, in_h))
+                check(cu.cuStreamWriteValue32(in_h, ring.free(slot), turn, barrier))
+            check(cu.cuCtxSetCurrent(out_ctx))  # the source GPU's, as torch left it
             in_stream.synchronize()
             out_stream.synchronize()
 
@@ -106,14 +101,11 @@ def pinned_ring(t: Any, w: Workload, timing: Timing) -> Row:
         t.sync()
         times = measure_row(step, timing, w)
         ok = verify(t.dst1, t.expected1, w, *make_ranges(w)[:2])
-    except BaseException:
-        ring.words[:] = _RELEASE  # a step cut short leaves waits queued: release them, or the sync below never returns
-        raise
     finally:
         t.sync()
         ring.close()
         for g in gpus:
-            _ok(cu.cuDevicePrimaryCtxRelease(g))
+            check(cu.cuDevicePrimaryCtxRelease(g))
     detail = (f"{t.d0} -> a pinned ring of {RING_SLOTS} x {SLOT_BYTES >> 20} MiB -> {t.d1}, one stream each way, the hand-off "
               "by cuStreamWriteValue32 / cuStreamWaitValue32 on words in the ring (no CPU between slots)")
     return gpu_row("pinned-ring", "cuda", w, times, ok, detail)

@@ -192,8 +192,7 @@ class UcxTransport(Transport):
             return "no RDMA device on this host (/sys/class/infiniband is empty)"
         dmabuf = memory.dmabuf_kinds() if self._path is PathName.RDMA else frozenset()
         try:
-            sockets = self._path is not PathName.RDMA and may_use_sockets(self._tls)
-            context = engine.Context(wakeup=True, transports=self._transports, library=self._library, sockets=sockets)
+            context = engine.Context(wakeup=True, transports=self._transports, library=self._library, sockets=may_use_sockets(self._tls))
         except HMCError as exc:
             if self._path is PathName.RDMA:
                 reach = f"; device memory it would register by dma-buf: {', '.join(sorted(k.value for k in dmabuf)) or 'none'}"
