@@ -118,15 +118,22 @@ def descriptor(name: str = "", size: int = 1 << 20, buffer_id: str | None = None
 
 
 class FakeAgent:
-    """A DaemonLink plus the instructions and events it received; `auto_report` answers instructions."""
+    """A DaemonLink plus the instructions and events it received; `auto_report` answers instructions, `confirm_cancels`
+    answers each cancel with a CANCELLED report."""
 
-    def __init__(self, config: Config, agent_id: str | None = None, *, auto_report: int | None = None) -> None:
+    def __init__(self, config: Config, agent_id: str | None = None, *, auto_report: int | None = None, confirm_cancels: bool = False) -> None:
         self.instructions: list[daemon_pb2.TransferInstruction] = []
         self.events: list[daemon_pb2.Event] = []
         self.cancels: list[str] = []
         self.info = agent_info(agent_id, config.node)
         self._auto_report = auto_report
-        self.link = DaemonLink(config, self.info, self._on_instruction, self.events.append, on_cancel=self.cancels.append)
+        self._confirm_cancels = confirm_cancels
+        self.link = DaemonLink(config, self.info, self._on_instruction, self.events.append, on_cancel=self._on_cancel)
+
+    def _on_cancel(self, transfer_id: str) -> None:
+        self.cancels.append(transfer_id)
+        if self._confirm_cancels:
+            self.link.report(daemon_pb2.TransferReport(transfer_id=transfer_id, state=common_pb2.TRANSFER_STATE_CANCELLED))
 
     def _on_instruction(self, instruction: daemon_pb2.TransferInstruction) -> None:
         self.instructions.append(instruction)

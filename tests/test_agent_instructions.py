@@ -107,3 +107,43 @@ def test_an_instruction_read_past_hmcds_deadline_is_refused_and_one_before_it_ge
     (timeout,) = timeouts  # the late one never reached submit
     assert timeout is not None and 0 < timeout <= 5.0
     instructions.close()
+
+
+def test_losing_hmcd_cancels_the_running_instruction_and_refuses_the_queued_one() -> None:
+    """hmcd fails its transfers when it goes: an instruction running for it must stop, and one queued behind it
+    must never start (each would land bytes after the verdict). One received after the loss runs."""
+    reports: dict[str, daemon_pb2.TransferReport] = {}
+    reported = {tid: threading.Event() for tid in ("t-running", "t-queued", "t-after")}
+    started = threading.Event()
+    handle = _Handle()
+    submitted: list[str] = []
+
+    class _Done:
+        path, bytes_done = "ipc", 8
+
+        def wait(self) -> None:
+            pass
+
+    def submit(*args: object) -> object:
+        submitted.append(str(args[-1]))
+        if args[-1] == "t-running":
+            started.set()
+            return handle
+        return _Done()
+
+    def report(r: daemon_pb2.TransferReport) -> None:
+        reports[r.transfer_id] = r
+        reported[r.transfer_id].set()
+
+    instructions = Instructions(submit, _Buffers(), report, workers=1)  # type: ignore[arg-type]
+    instructions.on_instruction(_instruction("t-running"))
+    assert started.wait(10)
+    instructions.on_instruction(_instruction("t-queued"))  # waits for the one worker
+    instructions.abandon()
+    assert reported["t-running"].wait(10) and reported["t-queued"].wait(10)
+    assert handle.stopped.is_set() and reports["t-running"].state == common_pb2.TRANSFER_STATE_CANCELLED
+    assert reports["t-queued"].state == common_pb2.TRANSFER_STATE_CANCELLED and reports["t-queued"].error.code == ErrorCode.CANCELLED
+    instructions.on_instruction(_instruction("t-after"))
+    assert reported["t-after"].wait(10) and reports["t-after"].state == common_pb2.TRANSFER_STATE_DONE
+    assert submitted == ["t-running", "t-after"]
+    instructions.close()

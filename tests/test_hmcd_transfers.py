@@ -156,6 +156,30 @@ def test_a_cancel_the_executor_does_not_confirm_leaves_the_transfer_running(hmcd
         assert client.wait(status.transfer_id, timeout=5.0).state == common_pb2.TRANSFER_STATE_DONE
 
 
+def test_stopping_hmcd_tells_executors_to_stop_before_it_fails_their_transfers(daemons: DaemonSet) -> None:
+    """SIGTERM: each executor is told to cancel and given the stop's grace to confirm; only then does the transfer
+    fail (UNAVAILABLE either way), so hmcd's verdict does not come while the executor still writes."""
+    stopping = daemons.start("xstop")
+    confirming, silent = FakeAgent(stopping.config(), confirm_cancels=True), FakeAgent(stopping.config())
+    dst_agent = FakeAgent(stopping.config())
+    try:
+        with stopping.client() as client:
+            dst_agent.register("s-dst", size=8192)
+            confirming.register("s-src1", size=4096)
+            silent.register("s-src2", size=4096)
+            first = client.submit("s-src1", "s-dst", 0, 0, 4096, timeout=30.0)
+            second = client.submit("s-src2", "s-dst", 0, 4096, 4096, timeout=30.0)
+            wait_until(lambda: confirming.instructions and silent.instructions, what="instructions")
+        stopping.stop()
+        assert confirming.cancels == [first.transfer_id] and silent.cancels == [second.transfer_id]
+        log = stopping.log_text()
+        assert f"transfer {first.transfer_id} ended TRANSFER_STATE_FAILED: hmcd stopped (the executor stopped the transfer)" in log
+        assert f"transfer {second.transfer_id} ended TRANSFER_STATE_FAILED: hmcd stopped (its executor had not confirmed" in log
+    finally:
+        for agent in (confirming, silent, dst_agent):
+            agent.close()
+
+
 def test_deadlines(client: Client, pair: tuple[FakeAgent, FakeAgent]) -> None:
     status = submit_4k(client, pair, "d", 0.2)
     with pytest.raises(TimeoutError, match="still"):

@@ -21,10 +21,9 @@ their arguments once and vet a route once, so a post is a lookup and the copy.
 Concurrency: every public method may be called from any thread. `_lock` guards
 the path cache and the set of remote buffers known to be withdrawn; the buffer
 table, transports, peers and server each guard their own state. hmcd
-instructions run on the "hmc-instr" executor, never on the link's thread;
-hmcd's events (other agents' withdrawals and ends) run on the link's
-"hmc-daemon-events" thread and land in `events()`. Nothing on the transfer path
-touches the link, so transfers go on while hmcd is down.
+instructions run on the "hmc-instr" executor, never on the link's thread; hmcd's events (other agents'
+withdrawals and ends) run on the link's "hmc-daemon-events" thread and land in `events()`. Nothing on the
+transfer path touches the link, so transfers go on while hmcd is down (not hmcd's: they stop with the link).
 """
 
 from __future__ import annotations
@@ -555,6 +554,7 @@ class Agent:
             self._events.deliver(AgentEvent(AgentEventKind.AGENT_DOWN, agent_id=event.agent_id, node=event.node))
 
     def _on_hmcd_lost(self, error: HMCError) -> None:
+        self._instructions.abandon()  # hmcd failed them when it went: none may outlive that verdict
         self._events.deliver(AgentEvent(AgentEventKind.HMCD_LOST, agent_id=self.id, detail=str(error)))
 
     def _on_hmcd_attached(self, hello: daemon_pb2.DaemonHello) -> None:

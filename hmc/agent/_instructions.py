@@ -5,13 +5,15 @@ choice and notification), waits for it, and reports the outcome to hmcd as a
 TransferReport carrying the typed error's code. A cancel from hmcd stops the
 transfer (the transport's stop: nothing of it lands afterwards) and only then is
 it reported CANCELLED; hmcd calls it ended when that report arrives. A cancel for an
-instruction still queued here keeps it from starting.
+instruction still queued here keeps it from starting. Losing hmcd (`abandon`) cancels
+every running instruction and refuses those queued before the loss: hmcd has already
+given its verdict on them (failed), so none may go on writing after it.
 
 Concurrency: instructions and cancels arrive on the hmcd link's thread and are handed
 at once to a small executor ("hmc-instr-N"), or a thread of their own for a cancel
 ("hmc-instr-cancel": a transport's stop may wait for copies in flight), so the link
-never blocks. `_lock` guards the executor's creation, the running handles and the
-cancels seen before their transfer started.
+never blocks. `_lock` guards the executor's creation, the running handles, the
+cancels seen before their transfer started and the count of hmcd losses (`_losses`).
 """
 
 from __future__ import annotations
@@ -44,18 +46,20 @@ class Instructions:
         self._buffers = buffers
         self._report = report
         self._workers = workers
-        self._lock = threading.Lock()  # guards _executor, _running and _early
+        self._lock = threading.Lock()  # guards _executor, _running, _early and _losses
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._running: dict[str, TransferHandle] = {}
         self._early: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._losses = 0
+        """How many times hmcd was lost: an instruction received before the latest loss never starts."""
 
     def on_instruction(self, instruction: daemon_pb2.TransferInstruction) -> None:
         """The link's callback: queue the instruction and return at once."""
         with self._lock:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(self._workers, thread_name_prefix="hmc-instr")
-            executor = self._executor
-        executor.submit(self._run, instruction)
+            executor, losses = self._executor, self._losses
+        executor.submit(self._run, instruction, losses)
 
     def on_cancel(self, transfer_id: str) -> None:
         """The link's callback: stop the transfer (on a thread of its own) or keep it from starting."""
@@ -66,22 +70,32 @@ class Instructions:
                 while len(self._early) > _EARLY_CANCELS:
                     self._early.popitem(last=False)
                 return
-        threading.Thread(target=handle.cancel, name="hmc-instr-cancel", daemon=True).start()
+        _cancel_aside(handle)
 
-    def _take_early(self, transfer_id: str) -> bool:
-        """Whether a cancel came for `transfer_id` before its handle was known here (forgetting it)."""
+    def abandon(self) -> None:
+        """The link to hmcd was lost (the link's "hmc-daemon-events" thread): cancel every running instruction, each
+        on a thread of its own, and refuse every one received before now when its turn comes."""
+        with self._lock:
+            self._losses += 1
+            handles = list(self._running.values())
+        for handle in handles:
+            _cancel_aside(handle)
+
+    def _take_early(self, transfer_id: str, losses: int) -> bool:
+        """Whether a cancel came for `transfer_id` before its handle was known here (forgetting it), or hmcd was
+        lost since the instruction came (`losses`: the count then)."""
         with self._lock:
             if transfer_id not in self._early:
-                return False
+                return losses != self._losses
             del self._early[transfer_id]
             return True
 
-    def _run(self, instruction: daemon_pb2.TransferInstruction) -> None:
+    def _run(self, instruction: daemon_pb2.TransferInstruction, losses: int) -> None:
         transfer_id = instruction.transfer_id
         report = daemon_pb2.TransferReport(transfer_id=transfer_id)
         try:
-            if self._take_early(transfer_id):
-                raise CancelledError(f"transfer {transfer_id} was cancelled before it started")
+            if self._take_early(transfer_id, losses):
+                raise CancelledError(f"transfer {transfer_id} was cancelled (or hmcd lost) before it started")
             local = self._buffers.get(instruction.local_buffer_id)
             ranges = RangeList.from_proto(instruction.ranges)
             op = TransferOp.READ if instruction.op == common_pb2.TRANSFER_OP_READ else TransferOp.WRITE
@@ -91,7 +105,7 @@ class Instructions:
             with self._lock:
                 self._running[transfer_id] = handle
             try:
-                if self._take_early(transfer_id):  # came while it was being submitted
+                if self._take_early(transfer_id, losses):  # came while it was being submitted
                     handle.cancel()
                 handle.wait()
             finally:
@@ -111,6 +125,11 @@ class Instructions:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _cancel_aside(handle: TransferHandle) -> None:
+    """Cancel `handle` on a thread of its own ("hmc-instr-cancel": a transport's stop may wait for copies in flight)."""
+    threading.Thread(target=handle.cancel, name="hmc-instr-cancel", daemon=True).start()
 
 
 def _timeout(instruction: daemon_pb2.TransferInstruction) -> float | None:

@@ -177,14 +177,15 @@ class Daemon:
         self._tls = credentials is not None
 
     async def stop(self, grace: float = 0.5) -> None:
-        """Stop serving: end watches, fail pending transfers, give unary calls `grace` seconds,
-        then cancel what remains (agents' streams, which never end on their own); idempotent."""
+        """Stop serving: end watches, fail pending transfers (their executors told to stop first, and given `grace`
+        seconds to confirm), give unary calls `grace` seconds, then cancel what remains (agents' streams, which
+        never end on their own); idempotent."""
         if self._stopped:
             return
         self._stopped = True
         await self.health.enter_graceful_shutdown()  # NOT_SERVING for good, while calls drain
         self.events.close()
-        self.transfers.close()
+        await self.transfers.close(grace)  # executors get `grace` to confirm they stopped
         for server in self._servers:
             await server.stop(grace)
         if self._door is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import time
@@ -92,6 +93,8 @@ class TransferTable:
         self._keep_finished = keep_finished
         self._active: dict[str, _Transfer] = {}
         self._finished: collections.OrderedDict[str, _Transfer] = collections.OrderedDict()
+        self._closing = False
+        """Set by close(): a CANCELLED report from now on is hmcd's stop at work, not a client's cancel."""
 
     # -- submit -------------------------------------------------------------------
 
@@ -166,7 +169,9 @@ class TransferTable:
             record.status.bytes_done = report.bytes_done
         if report.path:
             record.status.path = report.path
-        if report.state in _FINAL:
+        if report.state == common_pb2.TRANSFER_STATE_CANCELLED and self._closing:
+            self._finish(record, common_pb2.TRANSFER_STATE_FAILED, error_to_proto(UnavailableError("hmcd stopped (the executor stopped the transfer)")))
+        elif report.state in _FINAL:
             self._finish(record, report.state, report.error if report.HasField("error") else None)
         elif report.state == common_pb2.TRANSFER_STATE_RUNNING and record.status.state != report.state:
             self._metrics.transfer_moved(record.status.state, report.state)
@@ -265,11 +270,20 @@ class TransferTable:
             self._active.pop(transfer_id, None)
             self._finished[transfer_id] = record
 
-    def close(self) -> None:
-        """hmcd is stopping: every unfinished local transfer fails."""
-        for record in list(self._active.values()):
-            if record.peer is None:
-                self._finish(record, common_pb2.TRANSFER_STATE_FAILED, error_to_proto(UnavailableError("hmcd stopped")))
+    async def close(self, grace: float) -> None:
+        """hmcd is stopping: every unfinished local transfer fails, once its executor has been told to stop and has
+        confirmed (or `grace` seconds passed): the failure must not be reported while bytes of it still land."""
+        self._closing = True
+        local = [record for record in self._active.values() if record.peer is None]
+        for record in local:
+            self._tell_executor_cancel(record)
+        if local and grace > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*(record.done.wait() for record in local)), grace)
+        for record in local:
+            error = UnavailableError(f"hmcd stopped (its executor had not confirmed it stopped the transfer within {grace:g}s)")
+            self._finish(record, common_pb2.TRANSFER_STATE_FAILED, error_to_proto(error))
+            log.info("hmcd stopping: transfer %s ended %s: %s", record.status.transfer_id, common_pb2.TransferState.Name(record.status.state), record.status.error.message)
 
     @property
     def active(self) -> int:
