@@ -1,22 +1,18 @@
 """The agent: this process's data-plane endpoint.
 
-It registers ConnBuffers, chooses a path per pair of buffers (negotiation over
-both ends' declared capabilities), validates and coalesces ranges, and hands
-transfers to the path's transport. It runs the owner side of every path in its
-peer listener, and, when an hmcd is running, registers its buffers there and
-executes the third-party transfers hmcd instructs.
+It registers ConnBuffers, chooses a path per pair of buffers (negotiation over both ends' declared capabilities),
+validates and coalesces ranges, and hands transfers to the path's transport. It runs the owner side of every path
+in its peer listener, and, when an hmcd is running, registers its buffers there and executes the third-party
+transfers hmcd instructs.
 
-Hot path. A single-range transfer given as plain ints, between a pair that has
-already moved data over a path offering an inline copy (local, ipc), skips
-range arrays, negotiation and request objects: bounds check, one copy, one
-finished handle. Calls that force `path=` have routes of their own (per remote
-buffer and path); the pair's negotiated path serves forced and unforced calls.
-A route's copy runs within its transport's default deadline, so a call with a
-`timeout` of its own takes it only for a range up to 1 MiB whose copy waits on
-no peer (a device range of a GiB, or a staged round trip, takes a request that
-the caller's deadline bounds).
-Prepared transfers (`prepare_write`/`prepare_read`, `hmc.agent._prepared`) check
-their arguments once and vet a route once, so a post is a lookup and the copy.
+Hot path. A single-range transfer given as plain ints, between a pair that has already moved data over a path
+offering an inline copy (local, ipc), skips range arrays, negotiation and request objects: bounds check, one copy,
+one finished handle. Calls that force `path=` have routes of their own (per remote buffer and path); the pair's
+negotiated path serves forced and unforced calls. A route's copy runs within its transport's default deadline, so
+a call with a `timeout` of its own takes it only for a range up to 1 MiB whose copy waits on no peer (a device
+range of a GiB, or a staged round trip, takes a request that the caller's deadline bounds).
+Prepared transfers (`prepare_write`/`prepare_read`, `hmc.agent._prepared`) check their arguments once and vet a
+route once, so a post is a lookup and the copy.
 
 Concurrency: every public method may be called from any thread. `_lock` guards
 the path cache and the set of remote buffers known to be withdrawn; the buffer
@@ -43,7 +39,7 @@ from hmc.agent._peers import Peers
 from hmc.agent._prepared import PreparedTransfer
 from hmc.agent._routes import Route
 from hmc.agent._server import PeerServer
-from hmc.agent._transports import default_transports
+from hmc.agent._transports import default_transports, withdraw_everywhere
 from hmc.agent._transfer import FINAL_STATES, Notification, NotificationInbox, NotifyStep, TransferHandle, TransferState
 from hmc.config import Config, PathPolicy
 from hmc.control._agent_link import DaemonLink
@@ -225,17 +221,20 @@ class Agent:
         for handle in running:
             handle.cancel()  # its transport stops it: nothing of it touches the memory afterwards
         grace = time.monotonic() + min(self.config.timeout_s, _UNREGISTER_GRACE_S)
-        self._server.withdraw(buffer_id, grace)  # ipc grantees drop their grants; one that does not answer is cut
+        unconfirmed = self._server.withdraw(buffer_id, grace)  # grantees drop their grants; one that does not confirm it is cut
         if not self._buffers.wait_unused(buffer_id, grace):
             self._server.cut(buffer_id)
             if not self._buffers.wait_unused(buffer_id, time.monotonic() + _UNREGISTER_GRACE_S):
-                raise DeviceError(f"buffer {buffer_id}: copies into it still run after its connections were cut")
+                raise DeviceError(f"buffer {buffer_id}: transfers of it still run after their connections were cut")
         self._drop_routes(buffer_id)
         removed.inline_routes.clear()
-        for transport in self._transports.values():
-            transport.withdraw(buffer_id)
-        if self._link is not None:
-            self._link.unregister(buffer_id)
+        try:
+            withdraw_everywhere(self._transports.values(), buffer_id)
+        finally:
+            if self._link is not None:
+                self._link.unregister(buffer_id)
+        if unconfirmed:
+            raise DeviceError(f"buffer {buffer_id}: {unconfirmed} did not confirm that nothing of theirs can land in it any more: keep its memory")
 
     def buffers(self) -> list[ConnBuffer]:
         """The buffers registered on this agent."""
@@ -512,8 +511,7 @@ class Agent:
             withdrawn, back_at = self._withdrawn_remote.get(buffer_id, (-1, 0))
             self._withdrawn_remote[buffer_id] = (max(epoch or _FOREVER, withdrawn), back_at)
         self._drop_routes(buffer_id)
-        for transport in self._transports.values():
-            transport.withdraw(buffer_id)
+        withdraw_everywhere(self._transports.values(), buffer_id)  # DeviceError: transfers of it may still land
 
     def _remote_added(self, buffer_id: str, epoch: int) -> None:
         """A remote buffer is registered again at `epoch` (its node left the directory and came back): that epoch
@@ -545,8 +543,10 @@ class Agent:
     def _on_hmcd_event(self, event: daemon_pb2.Event) -> None:
         """hmcd's word about another agent (thread "hmc-daemon-events"): act as on the peer's own, then tell the user."""
         if event.kind == daemon_pb2.EVENT_KIND_BUFFER_WITHDRAWN and event.buffer.owner.id != self.id:
-            self._remote_withdrawn(event.agent_id, event.buffer.id, event.buffer.registry_epoch)
-            self._events.deliver(AgentEvent(AgentEventKind.BUFFER_WITHDRAWN, event.buffer.id, event.agent_id, event.buffer.name, event.node))
+            try:
+                self._remote_withdrawn(event.agent_id, event.buffer.id, event.buffer.registry_epoch)
+            finally:
+                self._events.deliver(AgentEvent(AgentEventKind.BUFFER_WITHDRAWN, event.buffer.id, event.agent_id, event.buffer.name, event.node))
         elif event.kind == daemon_pb2.EVENT_KIND_BUFFER_ADDED and event.buffer.owner.id != self.id:
             self._remote_added(event.buffer.id, event.buffer.registry_epoch)
         elif event.kind == daemon_pb2.EVENT_KIND_AGENT_DOWN and event.agent_id != self.id:

@@ -51,7 +51,7 @@ from collections.abc import Callable
 
 from hmc.agent._buffers import BufferTable, ConnBuffer
 from hmc.agent._transfer import Notification, NotificationInbox
-from hmc.errors import AccessDeniedError, HMCError, ProtocolError, UnknownBufferError
+from hmc.errors import AccessDeniedError, DeviceError, HMCError, ProtocolError, TimeoutError, UnknownBufferError
 from hmc.transport._channel import DEFERRED, Channel
 from hmc.transport._ranges import RangeList
 from hmc.transport._staged_serve import DataConnections
@@ -246,7 +246,7 @@ class PeerServer:
             ranges = RangeList.from_proto(request.ranges)
             ranges.check(buffer.size, request.target_size)
             ranges.check_disjoint_dst()
-            deadline = time.monotonic() + (request.expires_ms / 1000 if request.expires_ms else self._timeout_s)
+            deadline = time.monotonic() + min(request.expires_ms / 1000 or self._timeout_s, self._timeout_s)  # the asker's, within ours
 
             def done(error: BaseException | None) -> None:
                 self._buffers.release(buffer.id, holder)
@@ -268,17 +268,23 @@ class PeerServer:
             for holders in self._opened.values():
                 holders.discard(channel)
 
-    def withdraw(self, buffer_id: str, deadline: float) -> None:
-        """Tell every peer that opened `buffer_id` it is gone; wait for their acknowledgements."""
+    def withdraw(self, buffer_id: str, deadline: float) -> str:
+        """Tell every peer that opened `buffer_id` it is gone; wait for their acknowledgements. Returns those (named)
+        that did not confirm nothing of theirs can still land (no answer in time, or DeviceError: UCX may still run
+        their puts); "" when all did. A peer that is gone, or one that refused otherwise, holds nothing any more."""
         with self._lock:
             holders = self._opened.pop(buffer_id, set())
         frame = peer_pb2.PeerFrame(withdrawn=peer_pb2.Withdrawn(buffer_id=buffer_id))
+        unconfirmed = []
         for channel in holders:
             try:
                 channel.request(frame, deadline)
             except HMCError as exc:  # cut it: a peer whose channel breaks drops every grant it holds from this agent
                 _log.info("withdrawn %s not acknowledged by %s (%s): connection cut", buffer_id, channel.name, exc)
                 channel.stream.abort()
+                if isinstance(exc, (TimeoutError, DeviceError)):
+                    unconfirmed.append(f"{channel.name} ({exc})")
+        return ", ".join(unconfirmed)
 
     def cut(self, buffer_id: str) -> int:
         """Abort every connection whose receive still writes into `buffer_id`; how many were cut."""

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from hmc.agent._buffers import BufferTable
 from hmc.agent._peers import Peers
 from hmc.config import Config
+from hmc.errors import DeviceError
 from hmc.memory import DeviceKind
 from hmc.transport._base import PathName, Transport
 from hmc.transport._gpu_ipc import GpuIpcTransport
@@ -18,7 +19,7 @@ from hmc.transport._staged import StagedTransport
 from hmc.transport._ucx import UcxTransport
 from hmc.v1 import common_pb2
 
-__all__ = ["default_transports"]
+__all__ = ["default_transports", "withdraw_everywhere"]
 
 
 def default_transports(
@@ -49,3 +50,16 @@ def default_transports(
         memory_kinds=local.capabilities.memory_kinds,
     )
     return [local, IpcPath(ipc_movers), *ucx, staged]
+
+
+def withdraw_everywhere(transports: Iterable[Transport], buffer_id: str) -> None:
+    """Withdraw a buffer from every transport; then the first DeviceError, if one said transfers of it may still
+    run (the memory must be kept)."""
+    unsettled: list[DeviceError] = []
+    for transport in transports:
+        try:
+            transport.withdraw(buffer_id)
+        except DeviceError as exc:
+            unsettled.append(exc)
+    if unsettled:
+        raise unsettled[0]

@@ -44,7 +44,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hmc.errors import AccessDeniedError, ArgumentError, BrokenResourceError, BufferWithdrawnError, ClosedResourceError, HMCError, TimeoutError, UnsupportedError
+from hmc.errors import (
+    AccessDeniedError, ArgumentError, BrokenResourceError, BufferWithdrawnError, ClosedResourceError, DeviceError, HMCError, TimeoutError, UnsupportedError,
+)  # fmt: skip
 from hmc import memory
 from hmc.memory import DeviceKind, MemoryKind
 from hmc.memory._machine import host_id, rdma_nics
@@ -110,13 +112,17 @@ class _Opening:
 
 
 class _Done:
-    """The completion of a read the owner pushes: `done` hears its end, once."""
+    """The completion of a read the owner pushes: `done` hears its end, once, when it has also settled (nothing of
+    it runs in UCX any more: the asker, told, may let go of its memory)."""
 
     on_cancel: Callable[[], None] | None = None
     cancelled = False
 
     def __init__(self, done: Callable[[BaseException | None], None]) -> None:
         self._done: Callable[[BaseException | None], None] | None = done
+        self._lock = threading.Lock()  # guards the rest
+        self._finished = self._settled = False
+        self._error: BaseException | None = None
 
     def set_running(self) -> None:
         return None
@@ -125,9 +131,24 @@ class _Done:
         return None
 
     def finish(self, error: BaseException | None = None) -> None:
-        done, self._done = self._done, None
+        with self._lock:
+            if self._finished:
+                return
+            self._finished, self._error = True, error
+        self._tell()
+
+    def settled(self) -> None:
+        with self._lock:
+            self._settled = True
+        self._tell()
+
+    def _tell(self) -> None:
+        with self._lock:
+            done = self._done if self._finished and self._settled else None
+            if done is not None:
+                self._done = None
         if done is not None:
-            done(error)
+            done(self._error)
 
 
 class UcxTransport(Transport):
@@ -301,12 +322,20 @@ class UcxTransport(Transport):
             return
         self._launch(request, grant, mapping)
 
-    def _launch(self, request: TransferRequest, grant: Grant, mapping: engine.Mapping) -> None:
-        """Hand the request to the lanes, the grant counting it until nothing of it is in flight."""
+    def _launch(self, request: TransferRequest, grant: Grant, mapping: engine.Mapping, settled: Callable[[], None] | None = None) -> None:
+        """Hand the request to the lanes, the grant and this end's memory counting it until nothing of it is in flight
+        (then `settled` runs)."""
         with self._lock:
             grant.flights += 1
+            mapping.users += 1
+
+        def ended() -> None:
+            self._release(grant, mapping)
+            if settled is not None:
+                settled()
+
         here = request.remote is not None and request.remote.owner.host_id == self._host_id  # a pushed read: the asker's host is not said
-        self._running().launch(request, grant, mapping, lambda: self._release(grant), most=self._local_lanes if here else 0)
+        self._running().launch(request, grant, mapping, ended, most=self._local_lanes if here else 0)
 
     def _callers(self) -> CallersWorker:
         """The callers' worker (once the path closed, closed: it refuses copies)."""
@@ -396,8 +425,12 @@ class UcxTransport(Transport):
         ended = threading.Event()
         cancelled = [False]
         completion = request.completion
+        with self._lock:  # the owner's puts land in our memory until it replies (its reply waits until they settled)
+            mapping.users += 1
 
         def replied(reply: peer_pb2.PeerReply | None, error: BaseException | None) -> None:
+            if reply is not None or isinstance(error, BrokenResourceError):  # not a reply: the owner is gone
+                self._release_memory(mapping)
             error = error if error is not None else _reply_error(reply)
             ended.set()
             if not cancelled[0]:
@@ -409,10 +442,15 @@ class UcxTransport(Transport):
             cancelled[0] = True
             ended.wait(STOP_WAIT_S)
 
-        message = self._push_message(request.remote, request.ranges, request.local, mapping, request.deadline, request.transfer_id)
-        completion.set_running()
-        completion.on_cancel = stop
-        self._request_push(request.remote, message, request.deadline, replied)
+        try:
+            message = self._push_message(request.remote, request.ranges, request.local, mapping, request.deadline, request.transfer_id)
+            completion.set_running()
+            completion.on_cancel = stop
+            self._request_push(request.remote, message, request.deadline, replied)
+        except HMCError:
+            if not ended.is_set():  # never asked (a failed send reaches `replied` first)
+                self._release_memory(mapping)
+            raise
 
     def push(self, buffer: Any, request: peer_pb2.Push, ranges: RangeList, deadline: float, done: Callable[[BaseException | None], None]) -> None:
         """Owner side: put `ranges` of `buffer` into the asker's memory (its key, address and workers in `request`)."""
@@ -422,9 +460,10 @@ class UcxTransport(Transport):
         if mapping is None:
             raise UnsupportedError(f"buffer {buffer.id} is not registered with {self._path.value}")
         target = self._target(request.target, request.target_size)
-        pushed = TransferRequest(request.transfer_id, TransferOp.WRITE, buffer, None, ranges, deadline, _Done(done))  # type: ignore[arg-type]
+        completion = _Done(done)
+        pushed = TransferRequest(request.transfer_id, TransferOp.WRITE, buffer, None, ranges, deadline, completion)  # type: ignore[arg-type]
         if memory_kind(buffer) is DeviceKind.HOST or len(ranges) > _INLINE_RANGES:
-            self._launch(pushed, target, mapping)
+            self._launch(pushed, target, mapping, completion.settled)
             return
         try:  # device memory: on this (the control channel's) thread, within microseconds per range
             self._callers().run(pushed, target, mapping)
@@ -436,13 +475,15 @@ class UcxTransport(Transport):
     def _target(self, handle: common_pb2.UcxHandle, size: int) -> Grant:
         """The asker's memory of a pushed read, as a grant to write it (cached: the same buffer is pushed into again)."""
         key = (bytes(handle.rkey), handle.address, size, tuple(handle.workers))
+        evicted: list[Grant] = []
         with self._lock:
             target = self._targets.get(key)
             if target is None:
                 if len(self._targets) >= _TARGETS:
-                    for old in list(self._targets)[: _TARGETS // 2]:  # their unpacked keys stay with the workers until they close
-                        del self._targets[old]
+                    evicted = [self._targets.pop(old) for old in list(self._targets)[: _TARGETS // 2]]
                 target = self._targets[key] = Grant(handle, buffer_id="(a pushed read's target)", size=size, read_only=False, key=b"", owner="", lanes=self._workers)
+        for old in evicted:  # their unpacked keys, where nothing uses them (else they stay until the workers close)
+            self._drop_keys(old)
         return target
 
     def measured(self, local: Any, remote: common_pb2.BufferDescriptor) -> common_pb2.PathMeasurement | None:
@@ -477,19 +518,32 @@ class UcxTransport(Transport):
             return None
         return inline.inline_copy(grant, mapping, local)
 
-    def _release(self, grant: Grant) -> None:
-        """A transfer of `grant` has nothing in flight any more (a withdrawal, which revokes the grant first under the
-        lock, waits for all of them: only a revoked grant's end is told)."""
+    def _release(self, grant: Grant, mapping: engine.Mapping | None = None) -> None:
+        """A transfer of `grant` (through `mapping`, this end's memory) has nothing in flight any more (a withdrawal
+        waits for all of them)."""
         with self._lock:
             grant.flights -= 1
-            if grant.revoked is not None:
-                self._drained.notify_all()
+            if mapping is not None:
+                mapping.users -= 1
+            self._drained.notify_all()
+
+    def _release_memory(self, mapping: engine.Mapping) -> None:
+        """A pushed read into `mapping` has nothing in flight any more."""
+        with self._lock:
+            mapping.users -= 1
+            self._drained.notify_all()
 
     def withdraw(self, buffer_id: str) -> None:
-        """A local buffer: unregister its memory. A remote one: revoke the grant, wait (bounded) for its transfers."""
+        """A local buffer: unregister its memory once no transfer through it may still run (bounded). A remote one:
+        revoke the grant, wait (bounded) for its transfers. Where UCX may still run one (a flush that missed its
+        deadline: UCX cancels nothing), DeviceError: the memory must be kept (a local one stays registered)."""
         with self._map_lock:
             mapping = self._mappings.pop(buffer_id, None)
         if mapping is not None:
+            with self._lock:
+                idle = self._drained.wait_for(lambda: mapping.users == 0, STOP_WAIT_S)
+            if not idle:
+                raise DeviceError(f"buffer {buffer_id}: {self._path.value} transfers through it still run in UCX, which cancels nothing: keep its memory")
             mapping.unmap()
         withdrawn = BufferWithdrawnError("the buffer's owner withdrew it")
         drained = False
@@ -501,8 +555,11 @@ class UcxTransport(Transport):
             if grant is not None:
                 grant.revoked = withdrawn
                 drained = self._drained.wait_for(lambda: grant.flights == 0, STOP_WAIT_S)
-        if grant is not None and drained:
-            self._drop_keys(grant)
+        if grant is None:
+            return
+        if not drained:
+            raise DeviceError(f"buffer {buffer_id} of agent {grant.owner}: {self._path.value} transfers into it may still land (UCX cancels nothing)")
+        self._drop_keys(grant)
 
     def _drop_keys(self, grant: Grant) -> None:
         """Destroy a revoked grant's unpacked keys, where nothing may still use them: each lane its own (on its thread),

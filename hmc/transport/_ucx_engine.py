@@ -368,6 +368,9 @@ class Mapping(_Owned):
     def __init__(self, context: Context, handle: Any, address: int, length: int, rkey: bytes) -> None:
         super().__init__(context, "mapping")
         self.handle, self.address, self.length, self.rkey = handle, address, length, rkey
+        self.users = 0
+        """Transfers through it that may still run (the path counts them under its lock; one that UCX may still
+        run for good is never uncounted: the mapping then stays until the context closes)."""
 
     def unmap(self) -> None:
         self.release()

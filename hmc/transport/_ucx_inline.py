@@ -8,7 +8,8 @@ grant and local GPU, under the worker's lock, where the grant's key is unpacked)
 
 The worker keeps one endpoint per owner's worker address and, in each grant, a key of its own (`inline_rkey`,
 unpacked on first use). Each copy is counted in flight on its grant by the transport (`enter`, `release`: a
-revoked grant refuses it) for as long as it may still touch the grant's memory. A revoked grant's key is
+revoked grant refuses it) for as long as it may still touch the grant's memory: one that did not complete, for
+good, and on the local memory's mapping too (UCX cancels nothing). A revoked grant's key is
 destroyed once nothing of the grant runs, unless an operation with it did not complete (`inline_kept`: then, as
 when a caller holds the worker past `_KEY_LOCK_S`, it stays until the path closes); a lost peer's endpoints are
 closed without waiting. `close` leaves the worker allocated where a caller still holds it; a closed worker
@@ -95,7 +96,10 @@ class CallersWorker:
                         else:
                             endpoint.rma(op.value, mapping, local.astype(np.uint64) + np.uint64(local_base), remote.astype(np.uint64) + np.uint64(grant.address), lengths, rkey, left)
                     except HMCError:
-                        grant.inline_kept = True  # what it posted may still run, with this key
+                        grant.inline_kept = True  # what it posted may still run, with this key: in flight for good
+                        landed = False
+                        with self._flights_lock:
+                            mapping.users += 1
                         raise
                     return
             finally:

@@ -14,9 +14,12 @@ without an error of its own, and fails the endpoint afterwards).
 A transfer ends when all its parts have: a failed part stops the others from posting, and the end is
 reported once nothing of the transfer is in flight, with the first error; a dead peer ends it at once.
 At the deadline no window starts any more, and the transfer ends (TimeoutError) once the windows in flight
-landed: their flushes are watched `_LANDING_S` longer. Before, the flushes expired with the deadline, so a
-transfer that timed out stopped counting against its grant while its windows still landed, and the owner's
-`unregister()` returned before they did (over tcp, tens of MiB landed afterwards). A cancel (the handle's
+landed: their flushes are watched `_LANDING_S` longer. UCX cancels nothing, so a flush that misses even that goes
+on: the transfer reports its end then, but stays in flight (`on_end` not yet run: its grant and its local memory
+still count it) until the flush ends, watched up to `_LINGER_S` more, or for good if it never does. Before, the
+flushes expired with the deadline, so a transfer that timed out stopped counting against its grant while its windows
+still landed, and the owner's `unregister()` returned before they did (over tcp, tens of MiB landed afterwards; with
+an owner slowed by a CPU quota, 99 MiB still after the landing bound). A cancel (the handle's
 `on_cancel`) stops posting and waits, bounded by `STOP_WAIT_S`, for what is in flight.
 
 Keys: a revoked grant's key is destroyed by its lane once no part of the grant is on it (`drop_keys`, and the
@@ -43,7 +46,7 @@ from hmc.memory import DeviceKind, MemoryKind
 from hmc.transport import _ucx_engine as engine
 from hmc.transport._base import TransferOp, TransferRequest
 from hmc.transport._ranges import RangeList
-from hmc.transport._ucx_progress import Progress
+from hmc.transport._ucx_progress import Missed, Progress
 from hmc.v1 import common_pb2, peer_pb2
 
 __all__ = ["STOP_WAIT_S", "Grant", "Lanes", "connect", "lanes_on_one_host", "may_use_sockets", "memory_kind", "sockets_only"]
@@ -66,6 +69,9 @@ _LANDING_S = 0.5
 """How long past its deadline a transfer waits for its windows in flight to land before it ends (a healthy owner
 lands two 64 MiB windows a lane within tens of milliseconds; one that stopped progressing, never: README, "Failure
 semantics"), within the bound on a wait's overrun."""
+_LINGER_S = 60.0
+"""How long a flush that missed its landing bound is watched on: past that, what it covered counts as in flight for
+good (a withdrawal of its grant or of its local memory then fails with DeviceError instead of returning)."""
 
 
 class Grant:
@@ -126,7 +132,11 @@ class Transfer:
         """A part failed: the others post nothing more."""
         self.cancelled = False
         self.ended = threading.Event()
-        """Set once no part has anything in flight any more."""
+        """Set once every part has ended (a flush that missed its landing bound may still be on: `lingering`)."""
+        self.lingering = 0
+        """Flushes that missed their landing bound and go on in UCX: until they end, `on_end` waits."""
+        self.stuck = False
+        """One of them never ended: the transfer stays in flight for good."""
 
     def part_ended(self, error: BaseException | None) -> None:
         with self.lock:
@@ -135,11 +145,28 @@ class Transfer:
                 self.error = error
                 self.failed = True
             last = self.remaining == 0
-        if last:
+            settled = last and not self.lingering and not self.stuck
+        if settled:
             self._on_end()
+        if last:
             self.ended.set()
             if not self.cancelled:
                 self.request.completion.finish(self.error)
+
+    def linger(self) -> None:
+        """A flush of it missed its landing bound (it goes on: watched on)."""
+        with self.lock:
+            self.lingering += 1
+
+    def lingered(self, error: BaseException | None) -> None:
+        """A lingering flush ended (`error` None or its failure: nothing of it runs any more) or was given up on
+        (TimeoutError: it may run for good)."""
+        with self.lock:
+            self.lingering -= 1
+            self.stuck = self.stuck or isinstance(error, TimeoutError)
+            settled = not self.remaining and not self.lingering and not self.stuck
+        if settled:
+            self._on_end()
 
 
 @dataclasses.dataclass(eq=False)
@@ -259,7 +286,10 @@ class Lanes:
                 return
             part.in_flight += 1
             nbytes = window.total
-            part.lane.progress.watch(flush, request.deadline + _LANDING_S, lambda error, n=nbytes: self._landed(index, part, endpoint, mapping, n, error), busy=part.device)
+            part.lane.progress.watch(
+                flush, request.deadline + _LANDING_S, lambda error, n=nbytes: self._landed(index, part, endpoint, mapping, n, error), busy=part.device,
+                then=transfer.lingered, linger=_LINGER_S,
+            )  # fmt: skip
         if part.in_flight == 0 and not part.stopping:
             if part.confirming:
                 self._end(part, None)
@@ -271,10 +301,15 @@ class Lanes:
                 self._end(part, exc)
                 return
             part.in_flight += 1
-            part.lane.progress.watch(flush, request.deadline + _LANDING_S, lambda error: self._landed(index, part, endpoint, mapping, 0, error), busy=part.device)
+            part.lane.progress.watch(
+                flush, request.deadline + _LANDING_S, lambda error: self._landed(index, part, endpoint, mapping, 0, error), busy=part.device,
+                then=transfer.lingered, linger=_LINGER_S,
+            )  # fmt: skip
 
     def _landed(self, index: int, part: Part, endpoint: engine.Endpoint, mapping: engine.Mapping, nbytes: int, error: BaseException | None) -> None:
         part.in_flight -= 1
+        if isinstance(error, Missed):  # it goes on, watched on: the transfer stays in flight until it ends
+            part.transfer.linger()
         if error is not None:
             part.dirty = True  # a flush that failed or timed out: what it covered may still run
             self._end(part, error)

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 from hmc.errors import ClosedResourceError, HMCError, TimeoutError
 from hmc.transport._ucx_engine import Request, Worker
 
-__all__ = ["Progress"]
+__all__ = ["Missed", "Progress"]
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -51,15 +51,20 @@ _JOIN_S = 5.0
 _CLOSE_MARGIN_S = 1.0
 """What the thread keeps, of the time `close` gives it, for destroying its worker after closing the endpoints."""
 
+class Missed(TimeoutError):
+    """A watched request missed its deadline and goes on in UCX (which cancels nothing): watched on for `then`."""
+
+
 Done = Callable[[BaseException | None], None]
 """Called on the progress thread once a watched request ended: None, or the `hmc.errors` error."""
 
 
 class _Watch:
-    __slots__ = ("busy", "deadline", "done", "request")
+    __slots__ = ("busy", "deadline", "done", "linger", "request", "then")
 
-    def __init__(self, request: Request, deadline: float, done: Done, busy: bool) -> None:
+    def __init__(self, request: Request, deadline: float, done: Done, busy: bool, then: Done | None = None, linger: float = 0.0) -> None:
         self.request, self.deadline, self.done, self.busy = request, deadline, done, busy
+        self.then, self.linger = then, linger
 
     def __lt__(self, other: _Watch) -> bool:
         return self.deadline < other.deadline
@@ -114,11 +119,13 @@ class Progress:
             raise value
         return value  # type: ignore[no-any-return]
 
-    def watch(self, request: Request, deadline: float, done: Done, *, busy: bool = False) -> None:
+    def watch(self, request: Request, deadline: float, done: Done, *, busy: bool = False, then: Done | None = None, linger: float = 0.0) -> None:
         """Poll `request` until it ends or `deadline` passes (TimeoutError), then call `done` once; called on the
         progress thread (from a command). `busy`: without sleeping meanwhile (a device copy ends without an event on
-        the worker's file descriptor)."""
-        heapq.heappush(self._watched, _Watch(request, deadline, done, busy))
+        the worker's file descriptor). `then`: UCX cancels nothing, so a request that missed `deadline` goes on; it
+        stays watched up to `linger` seconds more, and `then` gets whether it ended (None, or its error) or may still
+        run (TimeoutError)."""
+        heapq.heappush(self._watched, _Watch(request, deadline, done, busy, then, linger))
 
     def _run(self) -> None:
         worker = self.worker
@@ -180,6 +187,10 @@ class Progress:
             except HMCError as exc:
                 finished, error = True, exc
             if not finished and now > watch.deadline:
+                if watch.then is not None:  # it goes on: watched until it ends or lingered, then told to `then`
+                    watch.done(Missed("the UCX operation missed its deadline"))
+                    keep.append(_Watch(watch.request, now + watch.linger, watch.then, False))
+                    continue
                 finished, error = True, TimeoutError("the UCX operation missed its deadline")
             if finished:
                 watch.request.release()

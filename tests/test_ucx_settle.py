@@ -1,0 +1,189 @@
+"""The `ucx` path when UCX still runs what a transfer posted after the transfer reported its end: UCX cancels no put,
+get or flush, so a flush that misses its landing bound stays counted (on its grant and on this end's memory) until it
+ends, and a withdrawal that cannot wait that long says so (DeviceError) instead of returning as if nothing could land.
+A pushed read runs within the owner's own timeout whatever the asker asks for, and the targets of pushed reads the
+owner evicts from its cache let go of their keys. Real agents, a real peer process frozen with SIGSTOP where the owner
+must stop progressing, UCX from the libucx wheel over tcp; random bytes, poisoned destinations, every byte compared."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from ucx_support import requires_ucx
+
+from hmc.agent import Agent
+from hmc.errors import CancelledError, DeviceError, TimeoutError
+from hmc.testing import PeerProcess
+from hmc.transport import _ucx as ucx_transport
+from hmc.transport import _ucx_engine
+from hmc.transport import _ucx_lanes as ucx_lanes
+from hmc.transport._base import PathName
+from hmc.transport._ranges import RangeList
+from hmc.transport._ucx import UcxTransport
+from hmc.v1 import common_pb2, peer_pb2
+
+pytestmark = requires_ucx
+
+POISON = 0xA5
+
+
+def _transport(agent: Agent) -> UcxTransport:
+    transport = agent._transports[PathName.UCX]  # type: ignore[attr-defined]
+    assert isinstance(transport, UcxTransport)
+    return transport
+
+
+def _until(condition: Callable[[], bool], what: str, deadline_s: float = 10.0) -> None:
+    """Return once `condition()` holds; fail the test at the deadline."""
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        os.sched_yield()
+
+
+def _posted(transport: UcxTransport) -> bool:
+    """Whether a part of a transfer on the path's lanes has something in flight."""
+    lanes = transport._lanes
+    return lanes is not None and any(part.in_flight for lane in lanes.lanes for part in list(lane.parts))
+
+
+def test_a_write_whose_flush_outlives_its_landing_bound_counts_until_it_lands(
+    make_agent: Callable[..., Agent], make_peer: Callable[..., PeerProcess], rng: np.random.Generator
+) -> None:
+    """A write to a frozen owner reported its timeout at its landing bound and stopped counting against its grant while
+    UCX still had its windows queued: the owner, running again, landed them after its unregister() returned (99 MiB with
+    an owner slowed by a CPU quota). Now the grant counts the transfer until its flushes end, and the owner's unregister
+    returns only once they did: nothing of it lands afterwards."""
+    peer = make_peer(("ucx",), ucx_transports="tcp")
+    initiator = make_agent(("ucx",), ucx_transports="tcp")
+    size = 128 << 20
+    theirs, sync = peer.register(size, fill=POISON), peer.register(4096, fill=POISON)
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    mine = initiator.register(data)
+    initiator.write(mine, theirs, 0, 0, 4096).wait()  # granted and connected
+    initiator.write(mine, sync, 0, 0, 4096).wait()
+    grant = _transport(initiator)._grants[theirs.id]
+    with peer.stalled():
+        handle = initiator.write(mine, theirs, 0, 0, size, timeout=0.2)
+        with pytest.raises(TimeoutError):
+            handle.wait()
+        assert grant.flights == 1, "a transfer whose flushes UCX still runs stopped counting against its grant"
+    peer.unregister(theirs.id)  # the initiator confirms once its windows have landed
+    at_unregister = np.frombuffer(peer.contents(theirs.id), np.uint8)
+    initiator.write(mine, sync, 0, 0, 4096).wait()  # a round trip on the same connections, behind anything still coming
+    later = np.frombuffer(peer.contents(theirs.id), np.uint8)
+    assert np.array_equal(at_unregister, later), "bytes landed after the owner's unregister returned"
+    assert grant.flights == 0
+    assert bool(np.all((later == POISON) | (later == data)))
+
+
+def test_unregistering_memory_a_read_still_lands_in_says_so(
+    make_agent: Callable[..., Agent], make_peer: Callable[..., PeerProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """unregister() cancelled a read into the buffer from a frozen owner, waited 5 s for its windows and returned: when the
+    owner ran again, 94 MiB landed in memory the caller had been told was free. UCX cannot cancel the gets, so now
+    unregister raises DeviceError (keep the memory) and leaves the memory registered with UCX."""
+    monkeypatch.setattr(ucx_lanes, "STOP_WAIT_S", 0.3)
+    monkeypatch.setattr(ucx_transport, "STOP_WAIT_S", 0.3)
+    peer = make_peer(("ucx",), ucx_transports="tcp")
+    initiator = make_agent(("ucx",), ucx_transports="tcp", timeout_s=30.0)
+    size = 64 << 20
+    theirs = peer.register(size, fill=0x3C)
+    sink = np.full(size, POISON, np.uint8)
+    local = initiator.register(sink)
+    initiator.read(local, theirs, 0, 0, 4096).wait()  # granted, measured, connected
+    transport = _transport(initiator)
+    mapping = transport._mappings[local.id]
+    with peer.stalled():
+        handle = initiator.read(local, theirs, 0, 0, size)
+        _until(lambda: _posted(transport), "the read's first gets are posted")
+        with pytest.raises(DeviceError, match="keep its memory"):
+            initiator.unregister(local)
+        assert mapping.users == 1 and not mapping._released, "memory UCX may still write was unregistered"
+        with pytest.raises(CancelledError):
+            handle.wait()
+
+
+def _blocked_asker(asker: Agent) -> threading.Event:
+    """Stop the asker's lanes from progressing (its workers land nothing) until the returned event is set."""
+    release = threading.Event()
+    lanes = _transport(asker)._lanes
+    assert lanes is not None
+    for lane in lanes.lanes:
+        lane.progress.submit(lambda: release.wait(60))
+    return release
+
+
+def _push(asker: Agent, remote: common_pb2.BufferDescriptor, local_id: str, nbytes: int, expires_ms: int, address_shift: int = 0) -> threading.Event:
+    """Ask `remote`'s owner to push `nbytes` into the asker's buffer `local_id` (raw, as a hostile asker may);
+    the event is set with the reply (`.outcome`)."""
+    transport = _transport(asker)
+    mapping = transport._mappings[local_id]
+    target = common_pb2.UcxHandle(rkey=mapping.rkey, address=mapping.address + address_shift, workers=transport._running().addresses, ucx_version=_ucx_engine.version())
+    message = peer_pb2.Push(
+        buffer_id=remote.id, path="ucx", ranges=RangeList.build(0, 0, nbytes).to_proto(), target=target, target_size=nbytes, expires_ms=expires_ms
+    )
+    ended = threading.Event()
+
+    def replied(reply: peer_pb2.PeerReply | None, error: BaseException | None) -> None:
+        ended.outcome = (reply, error)  # type: ignore[attr-defined]
+        ended.set()
+
+    transport._request_push(remote, message, time.monotonic() + 60, replied)
+    return ended
+
+
+def test_a_pushed_read_runs_within_the_owners_timeout_whatever_the_asker_asks(make_agent: Callable[..., Agent]) -> None:
+    """A key holder asked for a push with expires_ms = 2**32 - 1 and stopped progressing: the owner's push held the
+    buffer for 49.7 days. The owner now bounds it by its own timeout_s."""
+    owner = make_agent(("ucx",), ucx_transports="tcp", timeout_s=1.0)
+    asker = make_agent(("ucx",), ucx_transports="tcp")
+    size = 32 << 20
+    theirs = owner.register(np.full(size, 7, np.uint8))
+    mine = asker.register(np.zeros(size, np.uint8))
+    asker.read(mine, theirs.descriptor, 0, 0, 4096).wait()  # granted, measured, connected
+    release = _blocked_asker(asker)
+    try:
+        ended = _push(asker, theirs.descriptor, mine.id, size, (1 << 32) - 1)
+        pushing = _transport(owner)
+        _until(lambda: _posted(pushing), "the owner pushes")
+        _until(lambda: not _posted(pushing), "the owner's push ends at its own timeout", 1.0 + ucx_lanes._LANDING_S + 5.0)
+        assert not ended.is_set(), "the owner replied while its puts could still land in the asker's memory"
+    finally:
+        release.set()
+    assert ended.wait(10), "the owner did not reply once its puts had landed"
+    reply, error = ended.outcome  # type: ignore[attr-defined]
+    assert error is None and reply.HasField("error"), "a push the asker never took ended without an error"
+
+
+def test_evicted_push_targets_let_go_of_their_keys(make_agent: Callable[..., Agent], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner caches pushed reads' targets and evicted half when full, but their unpacked keys stayed with its
+    workers: a key holder naming a new target address per push grew the owner without bound (20000 pushes: 20004
+    keys). Evicted targets' keys are now destroyed."""
+    monkeypatch.setattr(ucx_transport, "_TARGETS", 8)
+    owner = make_agent(("ucx",), ucx_transports="tcp")
+    asker = make_agent(("ucx",), ucx_transports="tcp")
+    theirs = owner.register(np.full(1 << 20, 7, np.uint8))
+    mine = asker.register(np.zeros(1 << 20, np.uint8))
+    asker.read(mine, theirs.descriptor, 0, 0, 4096).wait()
+    mine.numpy()[:] = POISON
+    lanes = _transport(owner)._lanes
+    assert lanes is not None
+
+    def keys() -> int:
+        return sum(len(lane.progress.worker._owned) for lane in lanes.lanes)
+
+    before = keys()
+    for i in range(40):
+        ended = _push(asker, theirs.descriptor, mine.id, 8, 5000, address_shift=8 * i)
+        assert ended.wait(10)
+        reply, error = ended.outcome  # type: ignore[attr-defined]
+        assert error is None and not reply.HasField("error")
+    _until(lambda: keys() <= before + 8, "the evicted targets' keys are dropped (on the lanes' threads)")
+    pushed = mine.numpy()[: 8 * 40 + 8]
+    assert bool(np.all(pushed[:-8] == 7)) and bool(np.all(pushed[-8:] == POISON))
