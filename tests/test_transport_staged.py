@@ -337,3 +337,33 @@ def test_a_request_that_waited_out_a_frozen_owner_is_served_while_its_initiator_
     expected = np.full(1 << 16, POISON, np.uint8)
     expected[:4096], expected[8192:12288] = first, late
     assert peer.contents(remote.id) == expected.tobytes()
+
+
+def test_a_chunk_whose_deadline_passed_while_its_sender_waited_is_never_sent(peer: PeerProcess, rng: np.random.Generator) -> None:
+    """A stream's sender is held (another chunk's payload, or its process stopped) while a queued chunk's deadline
+    passes: the chunk's frame is built when it can be sent, so it never goes out with the budget it had when queued.
+    Its transfer fails TimeoutError and the owner's buffer keeps its bytes."""
+    from types import SimpleNamespace
+
+    from hmc.agent._transfer import TransferHandle
+    from hmc.transport._base import TransferOp, TransferRequest
+    from hmc.transport._ranges import RangeList
+    from hmc.transport._staged_streams import Chunk, DataStream, Transfer
+
+    remote = peer.register(1 << 16, fill=POISON)
+    data = rng.integers(0, 256, 4096, dtype=np.uint8)
+    stream = DataStream(data_connection(peer, remote), "late", lambda _: None, 5.0)
+    try:
+        deadline = time.monotonic() + 0.3
+        handle = TransferHandle("staged", 4096, deadline, "late")
+        ranges = RangeList.single(0, 0, 4096)
+        transfer = Transfer(TransferRequest("late", TransferOp.WRITE, SimpleNamespace(view=memoryview(data)), remote, ranges, deadline, handle), 1)
+        handle.on_cancel = transfer.abort
+        with stream._order:  # the sender waits here, as behind another chunk's payload
+            assert stream.put(Chunk(transfer, ranges))
+            wait_until(lambda: time.monotonic() > deadline, 5.0, "the chunk's deadline to pass")
+        wait_until(handle.done, 5.0, "the transfer to end")
+        assert isinstance(handle.error, TimeoutError)
+    finally:
+        stream.close()
+    assert peer.contents(remote.id)[:4096] == bytes([POISON]) * 4096, "a chunk past its deadline was sent"

@@ -5,12 +5,14 @@ payload) back to back without waiting for acknowledgements, and a receiver threa
 replies in order (and a read's payload, straight into the destination). A `Transfer` counts its chunks
 down to completion; when it ends early (deadline, cancel) it aborts the streams carrying its chunks
 (`FrameStream.abort`: nothing the kernel still holds is sent, no payload lands) before its handle reports
-the end. A stream that breaks or makes no progress for `stall_s` fails every chunk queued or in flight on
-it (`BrokenResourceError`: their callers may retry) and tells its pipe to replace it.
+the end. Each frame is built right before its send, so the deadline it carries is what is left then; a chunk
+whose deadline passed is never sent (its transfer is aborted and fails with TimeoutError). A stream that
+breaks or makes no progress for `stall_s` fails every chunk queued or in flight on it
+(`BrokenResourceError`: their callers may retry) and tells its pipe to replace it.
 
 Concurrency: a stream's queue and in-flight deque are shared by its two threads and the callers that
-queue chunks, guarded by its `_lock`; its `_order` lock keeps "record as sent" and "send" together, so
-replies match `_sent`'s order; `_landing` is held while a read payload is received into user memory.
+queue chunks, guarded by its `_lock`; its `_order` lock keeps "build the frame", "record as sent" and "send"
+together, so replies match `_sent`'s order; `_landing` is held while a read payload is received into user memory.
 """
 
 from __future__ import annotations
@@ -56,6 +58,12 @@ class Transfer:
         self.aborted = True
         for stream in list(self.streams):
             stream.abort_if_carrying(self)
+
+    def expire(self) -> None:
+        """Its deadline passed before a chunk of it could be sent: abort it (nothing of it lands after this), then
+        fail it with TimeoutError."""
+        self.abort()
+        self.request.completion.finish(TimeoutError(f"transfer {self.request.transfer_id} reached its deadline before all its chunks were sent"))
 
     def chunk_done(self, nbytes: int) -> None:
         completion = self.request.completion
@@ -119,7 +127,7 @@ class DataStream:
         self._stall_s = stall_s
         self._on_broken = on_broken
         self._lock = threading.Lock()  # guards _alive, _running, and _queue/_sent against failure draining
-        self._order = threading.Lock()  # held across "record as sent" + send, so replies match _sent's order
+        self._order = threading.Lock()  # held across build + "record as sent" + send, so replies match _sent's order
         self._alive = True
         self._landing = threading.Lock()  # held while a read payload is received into user memory (an abort waits for it)
         self._receiving: Chunk | None = None  # the chunk whose read payload is being received (under _lock)
@@ -174,17 +182,24 @@ class DataStream:
                 return
 
     def _send(self, chunk: Chunk) -> HMCError | None:
-        frame = chunk.frame(self._stream)
         with self._order:
-            chunk.sent_at = time.monotonic()
             with self._lock:
                 if chunk.transfer.aborted:  # ended meanwhile: never sent (an abort checks _sent under this lock)
                     return None
-                self._sent.append(chunk)
-            try:
-                self._stream.send(frame, chunk.payload(), deadline=chunk.sent_at + self._stall_s)
-            except HMCError as exc:
-                return exc
+                try:  # built right before its send, so its expires_ms is what is left of the deadline now
+                    frame = chunk.frame(self._stream)
+                except TimeoutError:
+                    frame = None
+                else:
+                    chunk.sent_at = time.monotonic()
+                    self._sent.append(chunk)
+            if frame is not None:
+                try:
+                    self._stream.send(frame, chunk.payload(), deadline=chunk.sent_at + self._stall_s)
+                except HMCError as exc:
+                    return exc
+                return None
+        chunk.transfer.expire()  # outside the locks: its abort may fail this stream
         return None
 
     def _receive_loop(self) -> None:

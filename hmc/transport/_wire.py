@@ -158,8 +158,12 @@ def _disconnect(sock: socket.socket) -> None:
 
 
 def expires_ms(deadline: float) -> int:
-    """What is left of `deadline` in whole milliseconds, as a frame carries it (at least 1, fits a uint32)."""
-    return min(max(int((deadline - time.monotonic()) * 1000), 1), 0xFFFFFFFF)
+    """What is left of `deadline` in whole milliseconds, as a frame carries it (at least 1, fits a uint32);
+    TimeoutError once it passed: a passed deadline never goes out as a fresh budget."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"the deadline passed {-left:.3f}s before the frame could be sent")
+    return min(max(int(left * 1000), 1), 0xFFFFFFFF)
 
 
 def _remaining(deadline: float | None) -> float:
