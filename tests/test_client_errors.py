@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 
 import grpc
@@ -132,6 +132,27 @@ def test_migrate_checks_its_ranges(hmcd: Hmcd) -> None:
             client.migrate("a", "b", [1, 2])
         with pytest.raises(ArgumentError, match="differ in length"):
             client.submit("a", "b", [0, 1], [0], [1, 1])
+
+
+_BAD_ARGUMENTS: dict[str, Callable[[Client], object]] = {
+    "notify str": lambda c: c.migrate("a", "b", (0, 0, 16), notify="hello", timeout=5.0),  # type: ignore[arg-type]
+    "notify int": lambda c: c.migrate("a", "b", (0, 0, 16), notify=5, timeout=5.0),  # type: ignore[arg-type]
+    "wait int": lambda c: c.wait(5, timeout=1.0),  # type: ignore[arg-type]
+    "cancel int": lambda c: c.cancel(7),  # type: ignore[arg-type]
+    "status list": lambda c: c.status([1]),  # type: ignore[arg-type]
+    "wait surrogate": lambda c: c.wait("\udcff", timeout=1.0),
+    "cancel surrogate": lambda c: c.cancel("t\udcff"),
+    "name surrogate": lambda c: c.migrate("\udcff", "b", (0, 0, 16), timeout=5.0),
+    "id surrogate": lambda c: c.lookup("id:\udcff"),
+}
+
+
+@pytest.mark.parametrize("call", _BAD_ARGUMENTS.values(), ids=_BAD_ARGUMENTS.keys())
+def test_arguments_of_the_wrong_type_or_not_text_are_argument_errors(hmcd: Hmcd, call: Callable[[Client], object]) -> None:
+    """Transfer ids, buffer names and notifications protobuf cannot take raise ArgumentError, never TypeError or
+    UnicodeEncodeError, and before anything is sent (hmcd has no buffer named "a": a sent request would say so)."""
+    with hmcd.client() as client, pytest.raises(ArgumentError, match="notify must be bytes|must be a non-empty string|not valid text"):
+        call(client)
 
 
 class _StoppedAfterSubmit(daemon_pb2_grpc.TransferServiceServicer):  # type: ignore[misc]

@@ -63,7 +63,7 @@ from hmc.memory import register as register_memory
 from hmc.transport._base import PathName, TransferOp, TransferRequest, Transport
 from hmc.transport._ipc import allow_ptrace_peers
 from hmc.transport._negotiate import Endpoint, PathChoice, negotiate
-from hmc.transport._ranges import MAX_TIMEOUT_S, RangeList, check_timeout
+from hmc.transport._ranges import MAX_TIMEOUT_S, RangeList, check_notify, check_timeout
 from hmc.transport._wire import PROTOCOL_VERSION, raise_for_reply
 from hmc.v1 import common_pb2, daemon_pb2, peer_pb2
 
@@ -351,8 +351,7 @@ class Agent:
         notify: bytes | None, timeout: float | None, path: str | None, transfer_id: str | None = None,
     ) -> TransferHandle:
         timeout = None if timeout is None else check_timeout(timeout)
-        if notify is not None and not isinstance(notify, (bytes, bytearray, memoryview)):
-            raise ArgumentError(f"notify must be bytes, got {type(notify).__name__}")
+        notify = check_notify(notify)
         descriptor = self._checked(op, local, remote, ranges)
         ranges = ranges.coalesced()
         choice = self._choose(local, descriptor, path)

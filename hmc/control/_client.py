@@ -33,7 +33,7 @@ from hmc.control._auth import CHANNEL_OPTIONS, bearer_metadata, check_socket_dir
 from hmc.control._errors import error_from_proto, rpc_errors, translate_rpc_error
 from hmc.errors import ArgumentError, ClosedResourceError, HMCError, TimeoutError
 from hmc.transport._negotiate import PathChoice
-from hmc.transport._ranges import MAX_TIMEOUT_S, RangeList, check_timeout
+from hmc.transport._ranges import MAX_TIMEOUT_S, RangeList, check_notify, check_timeout
 from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
 __all__ = ["Client", "EventStream", "NodeHealth"]
@@ -55,14 +55,25 @@ def _outcome(status: daemon_pb2.TransferStatus) -> daemon_pb2.TransferStatus:
     return status
 
 
+def _text(value: object, what: str) -> str:
+    """`value` for a string field of a request: a non-empty str that UTF-8 encodes (no lone surrogates); ArgumentError
+    otherwise, before protobuf would raise TypeError or UnicodeEncodeError."""
+    if not isinstance(value, str) or not value:
+        raise ArgumentError(f"{what} must be a non-empty string, got {value!r}")
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise ArgumentError(f"{what} {value!r} is not valid text: {exc.reason}") from exc
+    return value
+
+
 def _ref(ref: str | daemon_pb2.BufferRef | common_pb2.BufferDescriptor) -> daemon_pb2.BufferRef:
     """A BufferRef from a name, an `id:<id>` string, a descriptor or a BufferRef."""
     if isinstance(ref, daemon_pb2.BufferRef):
         return ref
     if isinstance(ref, common_pb2.BufferDescriptor):
         return daemon_pb2.BufferRef(id=ref.id)
-    if not isinstance(ref, str) or not ref:
-        raise ArgumentError(f"a buffer reference must be a non-empty name or 'id:<id>', got {ref!r}")
+    ref = _text(ref, "a buffer reference (a name or 'id:<id>')")
     if ref.startswith("id:"):
         return daemon_pb2.BufferRef(id=ref[3:])
     return daemon_pb2.BufferRef(name=ref)
@@ -193,17 +204,17 @@ class Client:
         """Ask hmcd to move ranges from src to dst; returns the PENDING status (with its `transfer_id`)."""
         ranges = RangeList.build(src_offsets, dst_offsets, lengths)
         request = daemon_pb2.SubmitTransferRequest(
-            src=_ref(src), dst=_ref(dst), ranges=ranges.to_proto(), notification=notify or b"", timeout_s=self.timeout if timeout is None else check_timeout(timeout)
+            src=_ref(src), dst=_ref(dst), ranges=ranges.to_proto(), notification=check_notify(notify) or b"", timeout_s=self.timeout if timeout is None else check_timeout(timeout)
         )
         return self._call(self._transfers.Submit, request)
 
     def status(self, transfer_id: str) -> daemon_pb2.TransferStatus:
         """A transfer's status now, without waiting."""
-        return self._call(self._transfers.Wait, daemon_pb2.TransferRef(transfer_id=transfer_id, timeout_s=0.0))
+        return self._call(self._transfers.Wait, daemon_pb2.TransferRef(transfer_id=_text(transfer_id, "transfer id"), timeout_s=0.0))
 
     def wait(self, transfer_id: str, timeout: float | None = None) -> daemon_pb2.TransferStatus:
         """Block until the transfer is DONE (its status) or failed (its typed error); TimeoutError after `timeout`."""
-        return _outcome(self._ended(transfer_id, self.timeout if timeout is None else check_timeout(timeout)))
+        return _outcome(self._ended(_text(transfer_id, "transfer id"), self.timeout if timeout is None else check_timeout(timeout)))
 
     def _ended(self, transfer_id: str, limit: float) -> daemon_pb2.TransferStatus:
         """The transfer's final status; TimeoutError when it has not ended within `limit` seconds (or hmcd's errors)."""
@@ -218,7 +229,7 @@ class Client:
 
     def cancel(self, transfer_id: str) -> daemon_pb2.TransferStatus:
         """Cancel a transfer (best effort: some ranges may have landed)."""
-        return self._cancel(transfer_id, self.timeout)
+        return self._cancel(_text(transfer_id, "transfer id"), self.timeout)
 
     def _cancel(self, transfer_id: str, timeout: float) -> daemon_pb2.TransferStatus:
         return self._call(self._transfers.Cancel, daemon_pb2.TransferRef(transfer_id=transfer_id), timeout=timeout)

@@ -33,7 +33,7 @@ import numpy as np
 from hmc.errors import ArgumentError, OutOfRangeError, ProtocolError
 from hmc.v1 import common_pb2
 
-__all__ = ["MAX_TIMEOUT_S", "RangeList", "check_timeout", "end_to_end", "iovec_rows"]
+__all__ = ["MAX_TIMEOUT_S", "RangeList", "check_notify", "check_timeout", "end_to_end", "iovec_rows"]
 
 _I64 = np.dtype("<i8")
 _I64_MAX = int(np.iinfo(np.int64).max)
@@ -109,6 +109,13 @@ def check_timeout(timeout: object, name: str = "timeout") -> float:
     if not 0.0 < seconds <= MAX_TIMEOUT_S:  # NaN fails this too
         raise ArgumentError(f"{name} must be finite, > 0 and at most {MAX_TIMEOUT_S:g} s, got {timeout!r}")
     return seconds
+
+
+def check_notify(notify: object) -> bytes | None:
+    """A transfer's notification: None or bytes-like (as bytes); ArgumentError otherwise (a str is not encoded here)."""
+    if notify is not None and not isinstance(notify, (bytes, bytearray, memoryview)):
+        raise ArgumentError(f"notify must be bytes, got {type(notify).__name__}")
+    return None if notify is None else bytes(notify)
 
 
 def _check_few(offsets: list[int], lengths: list[int], size: int, name: str) -> None:
