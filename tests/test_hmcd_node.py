@@ -7,6 +7,7 @@ import ipaddress
 import os
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -240,6 +241,42 @@ def test_second_hmcd_on_the_same_socket_refuses(hmcd: Hmcd) -> None:
     assert "already serving" in run.stderr
     with hmcd.client() as client:
         assert client.health().serving
+
+
+def _heard_from(sock: socket.socket) -> str:
+    """What hmcd did with a silent connection so far: "" nothing yet, "answered" (it sent its HTTP/2 settings: taken),
+    "closed" (refused)."""
+    try:
+        data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return ""
+    except ConnectionResetError:
+        return "closed"
+    return "answered" if data else "closed"
+
+
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
+@pytest.mark.parametrize(("limits", "soft_after", "taken"), [("256:4096", 4096, range(300, 301)), ("256:256", 256, range(1, 129))])
+def test_silent_tcp_connections_cannot_cut_hmcd_off_its_unix_socket(scratch: str, limits: str, soft_after: int, taken: range) -> None:
+    """A client without the token holds 300 silent TCP connections, more than the soft limit on open files hmcd was
+    started with. hmcd raised that limit to the hard one, and takes at most half of it in TCP connections (gRPC
+    closes the rest at once): its own node's clients still get through on the unix socket."""
+    hmcd = Hmcd.start(scratch, "flood", token=TOKEN, args=("--log-level", "debug"), env=clean_env(), prefix=("prlimit", f"--nofile={limits}", "--"), cwd=str(REPO))
+    held: list[socket.socket] = []
+    try:
+        limit_line = next(line for line in Path(f"/proc/{hmcd.process.pid}/limits").read_text().splitlines() if line.startswith("Max open files"))
+        assert limit_line.split()[3] == str(soft_after)
+        assert ("raised the soft limit on open files from 256 to 4096" in hmcd.log_text()) == (soft_after == 4096)
+        for _ in range(300):
+            held.append(socket.create_connection(("127.0.0.1", hmcd.port), timeout=5))
+        wait_until(lambda: all(_heard_from(s) for s in held), 10.0, "hmcd to take or refuse every connection")
+        assert sum(_heard_from(s) == "answered" for s in held) in taken
+        with hmcd.client(timeout=5.0) as client:
+            assert client.node_info().node == "flood"
+    finally:
+        for sock in held:
+            sock.close()
+        hmcd.stop()
 
 
 def test_a_taken_tcp_port_is_refused_cleanly(hmcd: Hmcd, scratch: str) -> None:

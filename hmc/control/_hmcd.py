@@ -28,6 +28,7 @@ import contextlib
 import importlib.metadata
 import logging
 import os
+import resource
 import time
 
 import grpc
@@ -61,6 +62,19 @@ SERVER_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 )
+
+_TCP_HANDSHAKE_MS = 10_000
+"""A TCP connection that has not sent its HTTP/2 settings (and finished TLS) by then is closed (gRPC's default: 120 s)."""
+_TCP_CONNECTIONS_MAX = 1 << 16
+
+
+def tcp_options() -> tuple[tuple[str, int], ...]:
+    """The TCP server's bounds on its connections: at most half the descriptors hmcd may open (the rest stay for the
+    unix socket, its agents and peers; gRPC closes a connection over the bound at once), each given
+    `_TCP_HANDSHAKE_MS` to start speaking."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = _TCP_CONNECTIONS_MAX if soft == resource.RLIM_INFINITY else max(min(soft // 2, _TCP_CONNECTIONS_MAX), 16)
+    return (("grpc.max_allowed_incoming_connections", limit), ("grpc.server_handshake_timeout_ms", _TCP_HANDSHAKE_MS))
 
 
 def _version() -> str:
@@ -163,7 +177,7 @@ class Daemon:
                 log.warning("hmcd listens on TCP %s with a token but without TLS: the token crosses the network in clear (set tls_cert and tls_key)", self.config.listen)
         else:
             log.warning("hmcd listens on TCP %s without a token: anyone who can reach it may use it", self.config.listen)
-        tcp = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
+        tcp = grpc.aio.server(interceptors=interceptors, options=(*SERVER_OPTIONS, *tcp_options()))
         add_services(self, tcp)
         try:
             bound = tcp.add_insecure_port(self.config.listen) if credentials is None else tcp.add_secure_port(self.config.listen, credentials)

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import os
+import resource
 import signal
 import sys
 from collections.abc import Sequence
@@ -22,6 +23,9 @@ from hmc.errors import HMCError
 __all__ = ["main", "parse_args"]
 
 log = logging.getLogger("hmc.hmcd")
+
+_NOFILE_UNLIMITED = 1 << 20
+"""The soft limit asked for when the hard one is unlimited (Linux's default fs.nr_open)."""
 
 _EPILOG = """\
 Settings come from, in rising precedence: defaults, the TOML file (--config or
@@ -118,6 +122,20 @@ async def serve(config: Config, port_file: str | None = None, metrics_port: int 
         await daemon.stop()
 
 
+def raise_open_files_limit() -> None:
+    """Raise the soft limit on open files to the hard one: at systemd's usual 1024, a client holding that many
+    silent TCP connections would leave hmcd no descriptor for its own node's agents on the unix socket."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = _NOFILE_UNLIMITED if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (OSError, ValueError) as exc:
+            log.warning("cannot raise the limit on open files from %d to %d: %s", soft, target, exc)
+            return
+        log.info("raised the soft limit on open files from %d to %d (the hard limit)", soft, target)
+
+
 def _write_atomically(path: str, text: str) -> None:
     temporary = f"{path}.{os.getpid()}.tmp"
     with open(temporary, "w") as fh:
@@ -138,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s hmcd[%(process)d] %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("hmc").setLevel(args.log_level.upper())  # gRPC's own debug chatter stays out
+    raise_open_files_limit()
     try:
         config = build_config(args)
         _run(serve(config, args.port_file, args.metrics_port))
