@@ -19,7 +19,7 @@ from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
 from hmc.errors import BrokenResourceError, ProtocolError, TimeoutError
 from hmc.testing import PeerProcess, TransportPair, check_transport
-from hmc.transport._wire import FRAME_RANGES, FrameStream, raise_for_reply
+from hmc.transport._wire import FRAME_RANGES, FrameStream, expires_ms, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
 POISON = 0xA5
@@ -367,3 +367,12 @@ def test_a_chunk_whose_deadline_passed_while_its_sender_waited_is_never_sent(pee
     finally:
         stream.close()
     assert peer.contents(remote.id)[:4096] == bytes([POISON]) * 4096, "a chunk past its deadline was sent"
+
+
+def test_a_deadline_goes_out_as_what_is_left_of_it_and_a_passed_one_is_refused() -> None:
+    """A frame carries what is left of its deadline; a passed one must not go out as a fresh budget (1 ms, or more)."""
+    now = time.monotonic()
+    assert 1 <= expires_ms(now + 2.0) <= 2000
+    assert expires_ms(now + 1e9) == 0xFFFFFFFF
+    with pytest.raises(TimeoutError, match="passed"):
+        expires_ms(now - 0.001)

@@ -25,7 +25,6 @@ from hmc.transport._wire import (
     FrameStream,
     _row_views,
     error_reply,
-    expires_ms,
     framed,
     key_proof,
 )
@@ -599,12 +598,3 @@ def test_readable_naps_shorter_than_a_millisecond(tcp_streams: tuple[FrameStream
     left.send(peer_pb2.PeerFrame(request_id=1), deadline=time.monotonic() + 5)
     assert right.readable(5.0) and right.readable(50e-6)
     assert naps == [50e-6]
-
-
-def test_a_deadline_goes_out_as_what_is_left_of_it_and_a_passed_one_is_refused() -> None:
-    """A frame carries what is left of its deadline; a passed one must not go out as a fresh budget (1 ms, or more)."""
-    now = time.monotonic()
-    assert 1 <= expires_ms(now + 2.0) <= 2000
-    assert expires_ms(now + 1e9) == 0xFFFFFFFF
-    with pytest.raises(TimeoutError, match="passed"):
-        expires_ms(now - 0.001)
