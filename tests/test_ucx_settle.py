@@ -22,6 +22,7 @@ from hmc.testing import PeerProcess
 from hmc.transport import _ucx as ucx_transport
 from hmc.transport import _ucx_engine
 from hmc.transport import _ucx_lanes as ucx_lanes
+from hmc.transport import _ucx_push as ucx_push
 from hmc.transport._base import PathName
 from hmc.transport._ranges import RangeList
 from hmc.transport._ucx import UcxTransport
@@ -165,7 +166,7 @@ def test_evicted_push_targets_let_go_of_their_keys(make_agent: Callable[..., Age
     """The owner caches pushed reads' targets and evicted half when full, but their unpacked keys stayed with its
     workers: a key holder naming a new target address per push grew the owner without bound (20000 pushes: 20004
     keys). Evicted targets' keys are now destroyed."""
-    monkeypatch.setattr(ucx_transport, "_TARGETS", 8)
+    monkeypatch.setattr(ucx_push, "_TARGETS", 8)
     owner = make_agent(("ucx",), ucx_transports="tcp")
     asker = make_agent(("ucx",), ucx_transports="tcp")
     theirs = owner.register(np.full(1 << 20, 7, np.uint8))

@@ -12,7 +12,7 @@ withdrawn. The packed key, the buffer's address and the workers' addresses are h
 BufferGrant (`grant`), to a peer that proved the buffer's access key over its control channel: whoever holds
 them can write the memory (as with `ipc`'s grants). The owner's progress threads are what land puts and gets
 that UCX emulates (tcp, shared memory); cma and cuda_ipc land without them. It also runs reads that askers
-want pushed (`push`: a Push frame, checked by the peer server).
+want pushed (`push`: a Push frame, checked by the peer server; `_ucx_push`).
 
 Initiator side. `post` asks the owner for a grant once per (buffer, key) on the caller's thread, then moves
 the ranges on the caller's thread or hands them to the lanes. GPU memory whose peer buffer UCX maps here
@@ -22,16 +22,17 @@ of memory kinds (`_probe`: a get and a push by the owner into a scratch buffer) 
 pushes win (`_pull_by_push`). The notification that may follow is sent by the agent after the transfer ended.
 
 Ends: see the lanes for windows, cancels and the bytes a stopped owner may still get; a withdrawal revokes
-the grant and waits, bounded by `STOP_WAIT_S`, until no transfer of it is in flight; a dead peer's grants are
-void at once (`forget_peer`).
+the grant (or, for this agent's memory, unregisters it) once no transfer of it is in flight, waiting for that at
+most `STOP_WAIT_S`: past that, DeviceError (UCX cancels nothing: the memory must be kept); a dead peer's grants
+are void at once (`forget_peer`).
 
 One grant per remote buffer at a time (`_grant`: of first transfers that open one at once, all use the first
 that came back); a withdrawal or a peer's loss also reaches grants still being opened (`_Opening`), and
 destroys a revoked grant's unpacked keys once nothing uses them (`_drop_keys`). `close` destroys no worker or
 context that a thread may still use inside UCX: past its bound it leaves them allocated, and says so.
 
-Concurrency: `_lock` guards the grant table, the openings, the probes, the push targets and each grant's
-`flights` (waited for under `_drained`); `_scratch_lock` the scratch buffers; `_map_lock` the registrations;
+Concurrency: `_lock` guards the grant table, the openings, the probes, each grant's `flights` and each
+registration's `users` (waited for under `_drained`); `_scratch_lock` the scratch buffers; `_map_lock` the registrations;
 `CallersWorker.lock` the callers' worker, waited for within the caller's deadline.
 """
 
@@ -56,7 +57,7 @@ from hmc.transport._ranges import RangeList
 from hmc.transport._ucx_inline import CallersWorker
 from hmc.transport._ucx_lanes import STOP_WAIT_S, Grant, Lanes, lanes_on_one_host, may_use_sockets, memory_kind
 from hmc.transport._ucx_mapped import PeerMemory
-from hmc.transport._wire import raise_for_reply
+from hmc.transport._ucx_push import PushCompletion, PushTargets, push_message, reply_error
 from hmc.v1 import common_pb2, peer_pb2
 
 __all__ = ["RDMA_TRANSPORTS", "UcxTransport"]
@@ -80,8 +81,6 @@ _PROBE_BYTES = 1 << 20
 kinds), into a scratch buffer of this agent."""
 _PUSH_PREFERRED = 0.8
 """Reads go as pushes where a push takes less than this fraction of a get's time."""
-_TARGETS = 256
-"""Askers' memories of pushed reads kept unpacked."""
 _CLOSE_S = STOP_WAIT_S
 """How long `close` waits for the lanes' threads and the callers' worker before it leaves them (and the context) allocated."""
 _KINDS = {"host": DeviceKind.HOST, "cuda": DeviceKind.CUDA, "rocm": DeviceKind.HIP}
@@ -109,46 +108,6 @@ class _Opening:
     def __init__(self, buffer_id: str, owner: str) -> None:
         self.buffer_id, self.owner = buffer_id, owner
         self.revoked: HMCError | None = None
-
-
-class _Done:
-    """The completion of a read the owner pushes: `done` hears its end, once, when it has also settled (nothing of
-    it runs in UCX any more: the asker, told, may let go of its memory)."""
-
-    on_cancel: Callable[[], None] | None = None
-    cancelled = False
-
-    def __init__(self, done: Callable[[BaseException | None], None]) -> None:
-        self._done: Callable[[BaseException | None], None] | None = done
-        self._lock = threading.Lock()  # guards the rest
-        self._finished = self._settled = False
-        self._error: BaseException | None = None
-
-    def set_running(self) -> None:
-        return None
-
-    def add_bytes(self, nbytes: int) -> None:
-        return None
-
-    def finish(self, error: BaseException | None = None) -> None:
-        with self._lock:
-            if self._finished:
-                return
-            self._finished, self._error = True, error
-        self._tell()
-
-    def settled(self) -> None:
-        with self._lock:
-            self._settled = True
-        self._tell()
-
-    def _tell(self) -> None:
-        with self._lock:
-            done = self._done if self._finished and self._settled else None
-            if done is not None:
-                self._done = None
-        if done is not None:
-            done(self._error)
 
 
 class UcxTransport(Transport):
@@ -187,14 +146,14 @@ class UcxTransport(Transport):
         self._lanes: Lanes | None = None
         self._inline: CallersWorker | None = None
         """Set once the path runs, and kept (closed) once it closed."""
-        self._lock = threading.Lock()  # guards _grants, _probes, _targets and every grant's flights
+        self._lock = threading.Lock()  # guards _grants, _probes, every grant's flights and every mapping's users
         self._drained = threading.Condition(self._lock)  # a grant's last transfer ended
         self._grants: dict[str, Grant] = {}
         self._openings: set[_Opening] = set()
         """Grants being opened (outside the lock): what a withdrawal or a peer's loss must reach too."""
         self._probes: dict[tuple[str, DeviceKind, int], common_pb2.PathMeasurement] = {}
         """(owner agent, local memory kind, the remote descriptor's device kind) -> what the first read measured."""
-        self._targets: dict[tuple[bytes, int, int, tuple[bytes, ...]], Grant] = {}
+        self._targets = PushTargets(workers)
         self._scratch_lock = threading.Lock()  # guards _scratches
         self._scratches: dict[str, _Scratch] = {}
         """Device name -> the probes' scratch buffer there."""
@@ -406,19 +365,17 @@ class UcxTransport(Transport):
         outcome: list[BaseException | None] = [None]
 
         def replied(reply: peer_pb2.PeerReply | None, error: BaseException | None) -> None:
-            outcome[0] = error if error is not None else _reply_error(reply)
+            outcome[0] = error if error is not None else reply_error(reply)
             ended.set()
 
-        self._request_push(remote, self._push_message(remote, ranges, local, mapping, deadline, ""), deadline, replied)
+        self._request_push(remote, self._push_message(remote, ranges, local, mapping, deadline), deadline, replied)
         if not ended.wait(max(0.0, deadline - time.monotonic())):
             raise TimeoutError(f"agent {remote.owner.id} did not push the read in time")
         if outcome[0] is not None:
             raise outcome[0]
 
-    def _push_message(self, remote: common_pb2.BufferDescriptor, ranges: RangeList, local: Any, mapping: engine.Mapping, deadline: float, transfer_id: str) -> peer_pb2.Push:
-        target = common_pb2.UcxHandle(rkey=mapping.rkey, address=mapping.address, workers=self._running().addresses, ucx_version=engine.version())
-        expires_ms = max(1, min(int((deadline - time.monotonic()) * 1000), (1 << 32) - 1))
-        return peer_pb2.Push(buffer_id=remote.id, path=self._path.value, ranges=ranges.to_proto(), target=target, target_size=local.size, transfer_id=transfer_id, expires_ms=expires_ms)
+    def _push_message(self, remote: common_pb2.BufferDescriptor, ranges: RangeList, local: Any, mapping: engine.Mapping, deadline: float, transfer_id: str = "") -> peer_pb2.Push:
+        return push_message(self._path.value, remote, ranges, local, mapping, self._running().addresses, deadline, transfer_id)
 
     def _pull_by_push(self, request: TransferRequest, mapping: engine.Mapping) -> None:
         """A read as a push by the owner into our registered memory; ends with the owner's reply."""
@@ -431,7 +388,7 @@ class UcxTransport(Transport):
         def replied(reply: peer_pb2.PeerReply | None, error: BaseException | None) -> None:
             if reply is not None or isinstance(error, BrokenResourceError):  # not a reply: the owner is gone
                 self._release_memory(mapping)
-            error = error if error is not None else _reply_error(reply)
+            error = error if error is not None else reply_error(reply)
             ended.set()
             if not cancelled[0]:
                 if error is None:
@@ -460,7 +417,7 @@ class UcxTransport(Transport):
         if mapping is None:
             raise UnsupportedError(f"buffer {buffer.id} is not registered with {self._path.value}")
         target = self._target(request.target, request.target_size)
-        completion = _Done(done)
+        completion = PushCompletion(done)
         pushed = TransferRequest(request.transfer_id, TransferOp.WRITE, buffer, None, ranges, deadline, completion)  # type: ignore[arg-type]
         if memory_kind(buffer) is DeviceKind.HOST or len(ranges) > _INLINE_RANGES:
             self._launch(pushed, target, mapping, completion.settled)
@@ -473,15 +430,8 @@ class UcxTransport(Transport):
         done(None)
 
     def _target(self, handle: common_pb2.UcxHandle, size: int) -> Grant:
-        """The asker's memory of a pushed read, as a grant to write it (cached: the same buffer is pushed into again)."""
-        key = (bytes(handle.rkey), handle.address, size, tuple(handle.workers))
-        evicted: list[Grant] = []
-        with self._lock:
-            target = self._targets.get(key)
-            if target is None:
-                if len(self._targets) >= _TARGETS:
-                    evicted = [self._targets.pop(old) for old in list(self._targets)[: _TARGETS // 2]]
-                target = self._targets[key] = Grant(handle, buffer_id="(a pushed read's target)", size=size, read_only=False, key=b"", owner="", lanes=self._workers)
+        """The asker's memory of a pushed read, as a grant to write it (`PushTargets`)."""
+        target, evicted = self._targets.get(handle, size)
         for old in evicted:  # their unpacked keys, where nothing uses them (else they stay until the workers close)
             self._drop_keys(old)
         return target
@@ -625,14 +575,6 @@ def _second_of_two(run: Callable[[], None]) -> float:
     started = time.perf_counter()
     run()
     return max(time.perf_counter() - started, 1e-9)
-
-
-def _reply_error(reply: peer_pb2.PeerReply | None) -> HMCError | None:
-    try:
-        raise_for_reply(reply)  # type: ignore[arg-type]
-    except HMCError as exc:
-        return exc
-    return None
 
 
 def _copy(measured: common_pb2.PathMeasurement) -> common_pb2.PathMeasurement:
