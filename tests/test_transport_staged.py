@@ -19,7 +19,8 @@ from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
 from hmc.errors import BrokenResourceError, ProtocolError, TimeoutError
 from hmc.testing import PeerProcess, TransportPair, check_transport
-from hmc.transport._wire import FRAME_RANGES, FrameStream, expires_ms, raise_for_reply
+from hmc.transport._deadlines import expires_ms, stamp
+from hmc.transport._wire import FRAME_RANGES, FrameStream, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
 POISON = 0xA5
@@ -275,9 +276,9 @@ def test_transfer_ids_a_peer_makes_up_do_not_grow_the_owner_without_bound(peer: 
 
 
 def test_the_owners_record_of_deadlines_stays_bounded_and_keeps_recent_ones() -> None:
-    from hmc.transport._staged_serve import _EXPECTED_MAX, _Expiry
+    from hmc.transport._deadlines import _EXPECTED_MAX, Expiry
 
-    expiry = _Expiry(10.0)
+    expiry = Expiry(10.0)
     first = expiry.deadline("t-recent", 3_600_000)
     for index in range(3 * _EXPECTED_MAX):  # transfers far from over, each seen once
         expiry.deadline(f"t-{index}", 3_600_000)
@@ -376,3 +377,30 @@ def test_a_deadline_goes_out_as_what_is_left_of_it_and_a_passed_one_is_refused()
     assert expires_ms(now + 1e9) == 0xFFFFFFFF
     with pytest.raises(TimeoutError, match="passed"):
         expires_ms(now - 0.001)
+    assert stamp(peer_pb2.DataWrite(), now + 2.0, same_host=False).deadline_monotonic_s == 0  # another host's clock is not ours
+    assert stamp(peer_pb2.DataRead(), now + 2.0, same_host=True).deadline_monotonic_s == now + 2.0
+
+
+def test_a_frame_read_past_its_deadline_on_this_hosts_clock_is_dropped(peer: PeerProcess, rng: np.random.Generator) -> None:
+    """A frame's budget counts from when the owner reads it: one that waited (its sender stopped after building it) got
+    its whole budget again, and a stopped executor's chunks landed after migrate had timed out. A peer on this host also
+    sends the deadline itself, and the owner takes the earlier: a frame read past it is dropped (TimeoutError, nothing
+    written) though its budget is not spent; one read before it lands."""
+    remote = peer.register(1 << 16, fill=POISON)
+    stale_bytes, fresh_bytes = rng.integers(0, 256, 4096, dtype=np.uint8), rng.integers(0, 256, 4096, dtype=np.uint8)
+    stream = data_connection(peer, remote)
+    try:
+        stale = _write_of(stream, remote, 0, 4096)
+        stale.write.transfer_id, stale.write.expires_ms, stale.write.deadline_monotonic_s = "stale", 10_000, time.monotonic() - 0.05
+        stream.send(stale, [memoryview(stale_bytes)], time.monotonic() + 5)
+        with pytest.raises(TimeoutError, match="past its deadline"):
+            raise_for_reply(stream.recv(time.monotonic() + 5).reply)
+        fresh = _write_of(stream, remote, 8192, 4096)
+        fresh.write.transfer_id, fresh.write.expires_ms, fresh.write.deadline_monotonic_s = "fresh", 10_000, time.monotonic() + 10
+        stream.send(fresh, [memoryview(fresh_bytes)], time.monotonic() + 5)
+        raise_for_reply(stream.recv(time.monotonic() + 5).reply)
+    finally:
+        stream.close()
+    expected = np.full(1 << 16, POISON, np.uint8)
+    expected[8192:12288] = fresh_bytes
+    assert peer.contents(remote.id) == expected.tobytes()

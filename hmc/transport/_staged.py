@@ -77,7 +77,8 @@ from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, 
 from hmc.transport._staged_shm import ShmStaging, same_host
 from hmc.transport._staged_streams import Chunk, DataStream, Transfer, request_frame, request_views, stream_error
 from hmc.transport._staged_tcp_ring import TcpRingStaging
-from hmc.transport._wire import FRAME_RANGES, FrameStream, expires_ms, raise_for_reply
+from hmc.transport._deadlines import on_this_host, stamp
+from hmc.transport._wire import FRAME_RANGES, FrameStream, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
 __all__ = ["StagedTransport"]
@@ -137,8 +138,9 @@ class _RoundTrip:
 
     def __init__(self, stream: FrameStream) -> None:
         self.stream = stream
-        self.frames: dict[tuple[str, bool], tuple[peer_pb2.PeerFrame, Any, common_pb2.RangeList]] = {}
-        """Per (remote buffer id, write): the frame, its request and its range list, proving the key on this connection."""
+        self.frames: dict[tuple[str, bool], tuple[peer_pb2.PeerFrame, Any, common_pb2.RangeList, bool]] = {}
+        """Per (remote buffer id, write): the frame, its request and its range list, proving the key on this connection,
+        and whether the owner is on this host (`_deadlines.stamp`)."""
 
     def single(self, remote: common_pb2.BufferDescriptor, write: bool, offset: int, length: int, deadline: float) -> bytes:
         """The serialized request for one range at `offset` of `remote` (written or read), expiring at `deadline`."""
@@ -149,14 +151,14 @@ class _RoundTrip:
             frame = peer_pb2.PeerFrame()
             request = frame.write if write else frame.read
             request.buffer_id, request.key_proof = remote.id, self.stream.proof(remote.access_key, remote.registry_epoch)
-            cached = self.frames[(remote.id, write)] = (frame, request, request.ranges)
-        frame, request, ranges = cached
+            cached = self.frames[(remote.id, write)] = (frame, request, request.ranges, on_this_host(remote))
+        frame, request, ranges, same_host = cached
         if write:
             ranges.dst_offsets = _I64.pack(offset)
         else:
             ranges.src_offsets = _I64.pack(offset)
         ranges.lengths = _I64.pack(length)
-        request.expires_ms = expires_ms(deadline)
+        stamp(request, deadline, same_host)
         return frame.SerializeToString()
 
 

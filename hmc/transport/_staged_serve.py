@@ -14,9 +14,9 @@ goes through a shared ring slot the frame names (same host, `_staged_shm`) or, w
 with the frame (between hosts), a pinned bounce slot of the connection (`_staged_tcp_ring`); either
 way its copies are queued on the GPU (`_staged_owner.OwnerSegments`) and replied to in frame order.
 
-Deadlines. A data frame names its transfer and what was left of its deadline; the owner drops a
-frame that arrives after its transfer's deadline (as first seen here) and stops receiving a payload
-at that deadline, breaking the connection.
+Deadlines. A data frame names its transfer and its deadline (`_deadlines`); the owner drops a frame
+that arrives after its transfer's deadline (as first seen here) and stops receiving a payload at that
+deadline, breaking the connection.
 
 Concurrency: `serve` runs on the connection's thread (the listener's "hmc-peer-<addr>"), which reads
 every frame and receives or sends host memory's payloads; the connection's `OwnerSegments`
@@ -29,7 +29,6 @@ lock) and the default budget, so one serves every connection of a listener.
 from __future__ import annotations
 
 import functools
-import hashlib
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +41,7 @@ from hmc.memory import MemoryKind
 from hmc.transport._pinned import PinnedMapping
 from hmc.transport._staged_mailbox import RECHECK_S, SmallRequest, decode_request, token_of
 from hmc.transport._staged_owner import OwnerSegments, ReplyTo
+from hmc.transport._deadlines import Expiry
 from hmc.transport._staged_tcp_ring import BOUNCE_WAIT_S, BounceSlots
 from hmc.transport._wire import FRAME_RANGES, OK_FRAME, FrameStream, error_reply
 from hmc.v1 import common_pb2, peer_pb2
@@ -64,11 +64,6 @@ _UNSEEN_S = 1e-3
 """A request taken longer than this after the one before it (the connection's thread slept, or its process was
 stopped meanwhile) is served only while its initiator is still connected: one that gave up (its deadline passed while
 the owner was frozen) hung up, and its request must not land late."""
-_EXPECTED_MAX = 4096
-"""Transfers a data connection remembers the deadline of; older entries past their deadline are forgotten (and, when
-that is not enough, the first seen of those not over)."""
-_ID_KEPT = 256
-"""A transfer id up to this long is remembered as it is; a longer one (a peer's frames may carry megabytes) by its digest."""
 
 
 class DataConnections:
@@ -86,12 +81,12 @@ class DataConnections:
         segments = OwnerSegments(stream)  # device memory's copies: shared ring slots (same host), bounce slots (between hosts)
         bounce = BounceSlots()
         try:
-            self._serve_frames(stream, segments, bounce, _Expiry(self._timeout_s))
+            self._serve_frames(stream, segments, bounce, Expiry(self._timeout_s))
         finally:
             segments.close()
             bounce.close()
 
-    def _serve_frames(self, stream: FrameStream, segments: OwnerSegments, bounce: BounceSlots, expiry: _Expiry) -> None:
+    def _serve_frames(self, stream: FrameStream, segments: OwnerSegments, bounce: BounceSlots, expiry: Expiry) -> None:
         queued = False  # copies (or replies) handed to `segments` since it last drained: a reply sent here waits for them
         token = token_of(stream)
         taken = time.monotonic()  # when the last request was taken: a stop since then shows in the next one's wait
@@ -114,7 +109,7 @@ class DataConnections:
                 raise ProtocolError(f"{kind or 'empty frame'} is not a data request")
             if stream.inline_bytes and (kind != "write" or request.HasField("shm")):
                 raise ProtocolError(f"a {kind} request with {stream.inline_bytes} bytes of payload inline")
-            deadline = expiry.deadline(request.transfer_id, request.expires_ms)
+            deadline = expiry.deadline(request.transfer_id, request.expires_ms, request.deadline_monotonic_s)
             if deadline < time.monotonic():  # its transfer has ended: nothing of it is written or read any more
                 late = TimeoutError(f"transfer {request.transfer_id} is past its deadline; frame dropped")
                 if kind == "write" and not request.HasField("shm"):
@@ -307,34 +302,6 @@ def _releaser(buffers: BufferTable, buffer_id: str, bounce: BounceSlots, slot: P
             buffers.release(buffer_id, holder)
 
     return release
-
-
-
-class _Expiry:
-    """A data connection's record of its transfers' deadlines, as first seen here (see the module's "Deadlines")."""
-
-    __slots__ = ("_default_s", "_deadlines")
-
-    def __init__(self, default_s: float) -> None:
-        self._default_s = default_s
-        self._deadlines: dict[str | bytes, float] = {}
-
-    def deadline(self, transfer_id: str, expires_ms: int) -> float:
-        """The monotonic deadline of `transfer_id`'s frames (a frame without one gets the agent's default budget)."""
-        now = time.monotonic()
-        budget = expires_ms / 1000 if expires_ms else self._default_s
-        if not transfer_id:
-            return now + budget
-        key: str | bytes = transfer_id if len(transfer_id) <= _ID_KEPT else hashlib.blake2b(transfer_id.encode(), digest_size=16).digest()
-        known = self._deadlines.get(key)
-        if known is None:
-            if len(self._deadlines) >= _EXPECTED_MAX:
-                live = [(tid, when) for tid, when in self._deadlines.items() if when >= now]
-                # still full of transfers not over (a peer's far deadlines): forget the first seen of them; a later
-                # frame of one gets the deadline it carries itself
-                self._deadlines = dict(live[-(_EXPECTED_MAX // 2) :])
-            known = self._deadlines[key] = now + budget
-        return known
 
 
 

@@ -27,7 +27,8 @@ from typing import Any
 from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutError
 from hmc.transport._base import TransferOp, TransferRequest
 from hmc.transport._ranges import RangeList
-from hmc.transport._wire import FrameStream, expires_ms, raise_for_reply
+from hmc.transport._deadlines import on_this_host, stamp
+from hmc.transport._wire import FrameStream, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
 __all__ = ["Chunk", "DataStream", "Transfer", "request_frame", "request_views", "stream_error"]
@@ -106,12 +107,14 @@ def request_frame(request: TransferRequest, ranges: RangeList, stream: FrameStre
     """The DataWrite or DataRead asking for `ranges` of the request on `stream` (a write's payload goes after it)."""
     lengths = ranges.lengths.tobytes()
     remote = request.remote
-    proof, tid, expires = stream.proof(remote.access_key, remote.registry_epoch), request.transfer_id, expires_ms(request.deadline)
+    proof, tid = stream.proof(remote.access_key, remote.registry_epoch), request.transfer_id
     if request.op is TransferOp.WRITE:
         wire = common_pb2.RangeList(dst_offsets=ranges.dst.tobytes(), lengths=lengths)
-        return peer_pb2.PeerFrame(write=peer_pb2.DataWrite(buffer_id=remote.id, key_proof=proof, ranges=wire, transfer_id=tid, expires_ms=expires))
+        write = peer_pb2.DataWrite(buffer_id=remote.id, key_proof=proof, ranges=wire, transfer_id=tid)
+        return peer_pb2.PeerFrame(write=stamp(write, request.deadline, on_this_host(remote)))
     wire = common_pb2.RangeList(src_offsets=ranges.src.tobytes(), lengths=lengths)
-    return peer_pb2.PeerFrame(read=peer_pb2.DataRead(buffer_id=remote.id, key_proof=proof, ranges=wire, transfer_id=tid, expires_ms=expires))
+    read = peer_pb2.DataRead(buffer_id=remote.id, key_proof=proof, ranges=wire, transfer_id=tid)
+    return peer_pb2.PeerFrame(read=stamp(read, request.deadline, on_this_host(remote)))
 
 
 def stream_error(exc: HMCError) -> HMCError:

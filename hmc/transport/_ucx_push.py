@@ -10,12 +10,12 @@ keys are destroyed where nothing uses them), and answers only once the push has 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from hmc.errors import HMCError
 from hmc.transport import _ucx_engine as engine
+from hmc.transport._deadlines import expires_ms
 from hmc.transport._ranges import RangeList
 from hmc.transport._ucx_lanes import Grant
 from hmc.transport._wire import raise_for_reply
@@ -91,8 +91,9 @@ class PushTargets:
 def push_message(path: str, remote: common_pb2.BufferDescriptor, ranges: RangeList, local: Any, mapping: engine.Mapping, workers: list[bytes], deadline: float, transfer_id: str) -> peer_pb2.Push:
     """The Push asking `remote`'s owner to put `ranges` into `local` (registered as `mapping`, reached through `workers`)."""
     target = common_pb2.UcxHandle(rkey=mapping.rkey, address=mapping.address, workers=workers, ucx_version=engine.version())
-    expires_ms = max(1, min(int((deadline - time.monotonic()) * 1000), (1 << 32) - 1))
-    return peer_pb2.Push(buffer_id=remote.id, path=path, ranges=ranges.to_proto(), target=target, target_size=local.size, transfer_id=transfer_id, expires_ms=expires_ms)
+    return peer_pb2.Push(
+        buffer_id=remote.id, path=path, ranges=ranges.to_proto(), target=target, target_size=local.size, transfer_id=transfer_id, expires_ms=expires_ms(deadline)
+    )
 
 
 def reply_error(reply: peer_pb2.PeerReply | None) -> HMCError | None:

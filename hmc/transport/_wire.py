@@ -68,7 +68,7 @@ from hmc.transport._splice import LEND_MIN_BYTES, Lender
 from hmc.v1 import common_pb2, peer_pb2
 
 __all__ = ["FRAME_RANGES", "HELLO_FRAME", "INLINE_MAX", "IOV_MAX", "MAX_FRAME", "OK_FRAME", "PROTOCOL_VERSION",
-    "FrameStream", "error_reply", "expires_ms", "framed", "key_proof", "raise_for_reply"]
+    "FrameStream", "error_reply", "framed", "key_proof", "raise_for_reply"]
 
 PROTOCOL_VERSION = 4
 MAX_FRAME = 64 << 20
@@ -155,15 +155,6 @@ def _disconnect(sock: socket.socket) -> None:
     included) and wakes every thread blocked on the socket."""
     with contextlib.suppress(OSError, ValueError):
         _LIBC.connect(sock.fileno(), ctypes.byref(_UNSPEC), ctypes.sizeof(_UNSPEC))
-
-
-def expires_ms(deadline: float) -> int:
-    """What is left of `deadline` in whole milliseconds, as a frame carries it (at least 1, fits a uint32);
-    TimeoutError once it passed: a passed deadline never goes out as a fresh budget."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError(f"the deadline passed {-left:.3f}s before the frame could be sent")
-    return min(max(int(left * 1000), 1), 0xFFFFFFFF)
 
 
 def _remaining(deadline: float | None) -> float:
