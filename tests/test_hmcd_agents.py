@@ -186,6 +186,19 @@ def _behind() -> int:
     return -int(uptime / 2)
 
 
+def test_an_agent_in_another_time_namespace_does_not_share_this_clock() -> None:
+    """Staged frames carry their deadline on CLOCK_MONOTONIC to a peer whose `clock_id` is ours: one in a time
+    namespace set back shares the host (boot id) but not the clock, so it must not count as sharing it (its
+    frames would read as long past: every one dropped)."""
+    from hmc.memory._machine import clock_id, host_id
+
+    code = "from hmc.memory._machine import clock_id, host_id; print(clock_id(), host_id())"
+    out = subprocess.run([*_time_namespace(_behind()), sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True, env=clean_env())
+    theirs, their_host = out.stdout.split()
+    assert their_host == host_id() and theirs != clock_id()
+    assert theirs.split("/")[0] == clock_id().split("/")[0]  # one kernel: the boot id alone would not tell them apart
+
+
 @pytest.mark.parametrize("executor", ["this clock", "a clock behind hmcd's", "another host id"])
 def test_a_migration_whose_executor_was_stopped_moves_nothing_after_it_timed_out(node_a: Hmcd, executor: str) -> None:
     """The executing agent is stopped (SIGSTOP) before its instruction arrives; hmcd reports the timeout. Before, the

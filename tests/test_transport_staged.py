@@ -377,8 +377,8 @@ def test_a_deadline_goes_out_as_what_is_left_of_it_and_a_passed_one_is_refused()
     assert expires_ms(now + 1e9) == 0xFFFFFFFF
     with pytest.raises(TimeoutError, match="passed"):
         expires_ms(now - 0.001)
-    assert stamp(peer_pb2.DataWrite(), now + 2.0, same_host=False).deadline_monotonic_s == 0  # another host's clock is not ours
-    assert stamp(peer_pb2.DataRead(), now + 2.0, same_host=True).deadline_monotonic_s == now + 2.0
+    assert stamp(peer_pb2.DataWrite(), now + 2.0, clocked=False).deadline_monotonic_s == 0  # another clock is not ours
+    assert stamp(peer_pb2.DataRead(), now + 2.0, clocked=True).deadline_monotonic_s == now + 2.0
 
 
 def test_a_frame_read_past_its_deadline_on_this_hosts_clock_is_dropped(peer: PeerProcess, rng: np.random.Generator) -> None:

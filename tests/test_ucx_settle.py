@@ -7,6 +7,7 @@ must stop progressing, UCX from the libucx wheel over tcp; random bytes, poisone
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -17,7 +18,7 @@ import pytest
 from ucx_support import requires_ucx
 
 from hmc.agent import Agent
-from hmc.errors import CancelledError, DeviceError, TimeoutError
+from hmc.errors import BufferWithdrawnError, CancelledError, DeviceError, HMCError, StaleDescriptorError, TimeoutError
 from hmc.testing import PeerProcess
 from hmc.transport import _ucx as ucx_transport
 from hmc.transport import _ucx_engine
@@ -188,3 +189,77 @@ def test_evicted_push_targets_let_go_of_their_keys(make_agent: Callable[..., Age
     _until(lambda: keys() <= before + 8, "the evicted targets' keys are dropped (on the lanes' threads)")
     pushed = mine.numpy()[: 8 * 40 + 8]
     assert bool(np.all(pushed[:-8] == 7)) and bool(np.all(pushed[-8:] == POISON))
+
+
+def test_a_transfer_ended_at_once_for_a_lost_peer_ends_once_when_its_flush_lingers_after() -> None:
+    """A peer's loss reports its parts at once, flushes still watched; one that then missed its landing bound lingered
+    and ended later, and `on_end` ran a second time: the grant's and the memory's counts went negative."""
+    from types import SimpleNamespace
+
+    ended: list[str] = []
+    finished: list[BaseException | None] = []
+    request = SimpleNamespace(completion=SimpleNamespace(finish=finished.append))
+    transfer = ucx_lanes.Transfer(request, grant=None, parts=1, on_end=lambda: ended.append("on_end"))  # type: ignore[arg-type]
+    transfer.part_ended(BrokenPipeError("gone"))  # the lost peer's part, reported with its flush still watched
+    transfer.linger()  # that flush then missed its landing bound
+    transfer.lingered(None)  # and ended
+    assert ended == ["on_end"] and len(finished) == 1
+
+
+def test_a_holder_that_cannot_confirm_a_withdrawal_keeps_its_channel_and_its_other_grants(
+    make_agent: Callable[..., Agent], make_peer: Callable[..., PeerProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder whose transfers into a withdrawn buffer may still land answers DeviceError; the owner then aborted its
+    control channel, and the holder took the live owner for gone (every other grant of its revoked as "gone", their
+    counts given back while their puts could still land). The owner now raises DeviceError from unregister() and
+    keeps the channel: a later withdrawal of another buffer reaches the holder as a withdrawal."""
+    monkeypatch.setattr(ucx_transport, "STOP_WAIT_S", 0.3)
+    owner = make_peer(("ucx",), ucx_transports="tcp")
+    holder = make_agent(("ucx",), ucx_transports="tcp")
+    size = 64 << 20
+    x, y = owner.register(size, fill=1), owner.register(4096, fill=2)
+    mine = holder.register(np.full(size, 3, np.uint8))
+    holder.write(mine, x, 0, 0, 4096).wait()
+    holder.write(mine, y, 0, 0, 4096).wait()
+    transport = _transport(holder)
+    grant_y = transport._grants[y.id]
+    handle = holder.write(mine, x, 0, 0, size, timeout=30)
+    _until(lambda: _posted(transport), "the write's first windows are posted")
+    release = _blocked_asker(holder)  # its lanes land nothing more: the write stays in flight
+    try:
+        with pytest.raises(DeviceError, match="did not confirm"):
+            owner.unregister(x.id)
+    finally:
+        release.set()
+    with contextlib.suppress(HMCError):  # its windows were all posted before the withdrawal: it may well complete
+        handle.wait()
+    owner.unregister(y.id)  # over the same control channel: a withdrawal, not the owner's loss
+    assert isinstance(grant_y.revoked, BufferWithdrawnError) and not isinstance(grant_y.revoked, StaleDescriptorError)
+    assert "gone" not in str(grant_y.revoked)
+
+
+def test_a_pushed_read_that_timed_out_lets_go_of_its_memory_once_the_owner_replies(
+    make_agent: Callable[..., Agent], make_peer: Callable[..., PeerProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read the owner pushes counts on this end's memory until the owner replies (its puts land until then). The
+    reply came after the asker's channel had expired the request, was dropped, and the memory stayed counted for good:
+    its unregister() raised DeviceError although the owner had settled long before."""
+    monkeypatch.setattr(ucx_transport, "_PUSH_PREFERRED", 1e9)  # reads go as pushes
+    owner = make_peer(("ucx",), ucx_transports="tcp")
+    asker = make_agent(("ucx",), ucx_transports="tcp")
+    size = 16 << 20
+    theirs = owner.register(size, fill=7)
+    sink = np.full(size, POISON, np.uint8)
+    local = asker.register(sink)
+    asker.read(local, theirs, 0, 0, 4096).wait()
+    transport = _transport(asker)
+    assert all(probe.push_reads for probe in transport._probes.values())
+    mapping = transport._mappings[local.id]
+    with owner.stalled():
+        handle = asker.read(local, theirs, 0, 0, size, timeout=0.3)
+        with pytest.raises(TimeoutError):
+            handle.wait()
+        assert mapping.users == 1  # the owner may still push
+    _until(lambda: mapping.users == 0, "the owner's late reply lets go of the memory")
+    asker.unregister(local)
+    assert bool(np.all((sink == POISON) | (sink == 7)))

@@ -44,7 +44,7 @@ from hmc.agent._transfer import FINAL_STATES, Notification, NotificationInbox, N
 from hmc.config import Config, PathPolicy
 from hmc.control._agent_link import DaemonLink
 from hmc.control._inventory import apply_vendor_override, device_to_proto
-from hmc.memory._machine import host_id
+from hmc.memory._machine import clock_id, host_id
 from hmc.errors import (
     AccessDeniedError,
     ArgumentError,
@@ -128,7 +128,7 @@ class Agent:
         self.info = common_pb2.AgentInfo(
             id=self.id,
             node=self.config.node,
-            host_id=host_id(),
+            host_id=host_id(), clock_id=clock_id(),
             pid=os.getpid(),
             endpoint=common_pb2.TcpEndpoint(host=self.config.agent_host, port=self._server.port),
             transports=[t.capabilities.to_proto() for t in self._transports.values()],
@@ -536,7 +536,8 @@ class Agent:
 
     def _default_link(self, config: Config, info: common_pb2.AgentInfo, on_instruction: Callable[[daemon_pb2.TransferInstruction], None]) -> DaemonLink:
         return DaemonLink(
-            config, info, on_instruction, self._on_hmcd_event, on_cancel=self._instructions.on_cancel, on_lost=self._on_hmcd_lost, on_attached=self._on_hmcd_attached
+            config, info, on_instruction, self._on_hmcd_event, on_cancel=self._instructions.on_cancel, on_lost=self._on_hmcd_lost, on_attached=self._on_hmcd_attached,
+            on_down=lambda _: self._instructions.abandon(),  # hmcd failed what it instructed when it went: none may outlive that verdict
         )
 
     def _on_hmcd_event(self, event: daemon_pb2.Event) -> None:
@@ -553,7 +554,6 @@ class Agent:
             self._events.deliver(AgentEvent(AgentEventKind.AGENT_DOWN, agent_id=event.agent_id, node=event.node))
 
     def _on_hmcd_lost(self, error: HMCError) -> None:
-        self._instructions.abandon()  # hmcd failed them when it went: none may outlive that verdict
         self._events.deliver(AgentEvent(AgentEventKind.HMCD_LOST, agent_id=self.id, detail=str(error)))
 
     def _on_hmcd_attached(self, hello: daemon_pb2.DaemonHello) -> None:

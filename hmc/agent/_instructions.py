@@ -73,8 +73,9 @@ class Instructions:
         _cancel_aside(handle)
 
     def abandon(self) -> None:
-        """The link to hmcd was lost (the link's "hmc-daemon-events" thread): cancel every running instruction, each
-        on a thread of its own, and refuse every one received before now when its turn comes."""
+        """The link to hmcd was lost (on the link's thread, before it attaches again: an instruction of the next hmcd
+        comes after this): cancel every running instruction, each on a thread of its own, and refuse every one
+        received before now when its turn comes."""
         with self._lock:
             self._losses += 1
             handles = list(self._running.values())

@@ -279,10 +279,13 @@ class PeerServer:
         for channel in holders:
             try:
                 channel.request(frame, deadline)
+            except DeviceError as exc:  # it answered: its transfers may still land (its channel stays: it holds other grants)
+                _log.warning("withdrawn %s: %s cannot confirm it (%s)", buffer_id, channel.name, exc)
+                unconfirmed.append(f"{channel.name} ({exc})")
             except HMCError as exc:  # cut it: a peer whose channel breaks drops every grant it holds from this agent
                 _log.info("withdrawn %s not acknowledged by %s (%s): connection cut", buffer_id, channel.name, exc)
                 channel.stream.abort()
-                if isinstance(exc, (TimeoutError, DeviceError)):
+                if isinstance(exc, TimeoutError):
                     unconfirmed.append(f"{channel.name} ({exc})")
         return ", ".join(unconfirmed)
 

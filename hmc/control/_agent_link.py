@@ -118,10 +118,12 @@ class DaemonLink:
         on_cancel: Callable[[str], None] | None = None,
         on_lost: Callable[[HMCError], None] | None = None,
         on_attached: Callable[[daemon_pb2.DaemonHello], None] | None = None,
+        on_down: Callable[[HMCError], None] | None = None,
     ) -> None:
         """Connect and attach; UnavailableError when no hmcd answers within `config.timeout_s`.
 
-        Callbacks: `on_instruction`/`on_cancel` on the link's thread (must not block);
+        Callbacks: `on_instruction`/`on_cancel`, and `on_down` (the stream broke: before any instruction of the
+        stream attached next), on the link's thread (must not block);
         `on_event` (hmcd's events), `on_lost` (the stream broke; re-attaching) and
         `on_attached` (attached again, buffers being registered again) on "hmc-daemon-events".
         """
@@ -134,6 +136,7 @@ class DaemonLink:
         self._on_cancel = on_cancel
         self._on_lost = on_lost
         self._on_attached = on_attached
+        self._on_down = on_down
         self._lock = threading.Lock()  # guards everything listed in the module's concurrency note
         self._pending: dict[int, concurrent.futures.Future[daemon_pb2.Ack]] = {}
         self._ids = itertools.count(1)
@@ -413,6 +416,8 @@ class DaemonLink:
             future.set_result(daemon_pb2.Ack())  # done here; hmcd learns it on re-attach
         if was_up:
             log.warning("link to hmcd at %s lost: %s; re-attaching", self.address, error)
+            if self._on_down is not None:
+                self._guard(self._on_down, error)
             self._schedule(self._on_lost, error)
         elif str(error) != str(previous):  # a new reason (e.g. hmcd is back but refuses): worth a warning once
             log.warning("re-attaching to hmcd at %s failed: %s; still trying", self.address, error)

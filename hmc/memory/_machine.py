@@ -3,11 +3,12 @@ and the control plane, hmcd announces it), where its PCI devices sit, and which 
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from pathlib import Path
 
-__all__ = ["HOST_ID_ENV", "host_id", "pci_numa_node", "rdma_nics"]
+__all__ = ["HOST_ID_ENV", "clock_id", "host_id", "pci_numa_node", "rdma_nics"]
 
 HOST_ID_ENV = "HMC_HOST_ID"
 """Overrides the host id: agents that share a kernel but not /dev/shm or a PID namespace (containers) are told
@@ -18,10 +19,29 @@ def host_id(boot_id_path: str = "/proc/sys/kernel/random/boot_id") -> str:
     """$HMC_HOST_ID, else the kernel boot id: equal on two agents means the same physical host."""
     if override := os.environ.get(HOST_ID_ENV):
         return override
+    return _boot_id(boot_id_path)
+
+
+@functools.cache
+def _boot_id(path: str) -> str:
+    """The kernel boot id (the host name where it cannot be read), read once: a read of /proc costs ~30 us, and the
+    staged path asks on every transfer."""
     try:
-        return Path(boot_id_path).read_text().strip()
+        return Path(path).read_text().strip()
     except OSError:
         return socket.gethostname()
+
+
+@functools.cache
+def clock_id() -> str:
+    """The kernel boot id and this process's time namespace: equal on two processes means one CLOCK_MONOTONIC.
+    $HMC_HOST_ID does not change it: it names hosts, this a clock. Fixed for a process's life (a time namespace
+    entered later applies to its children only), so read once."""
+    try:
+        namespace = os.stat("/proc/self/ns/time").st_ino
+    except OSError:  # a kernel without time namespaces: one clock
+        namespace = 0
+    return f"{_boot_id('/proc/sys/kernel/random/boot_id')}/{namespace}"
 
 
 def pci_numa_node(bus_id: str) -> int:

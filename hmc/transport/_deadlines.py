@@ -3,10 +3,9 @@ makes of it.
 
 A DataWrite or DataRead carries what was left of its transfer's deadline when it was built (`expires_ms`), and the
 owner counts that from when it reads the frame: a frame that waited (in the sender's socket, or in a sender that was
-stopped after building it) gets its whole budget again. So to a peer on its own host, whose CLOCK_MONOTONIC is the
-same kernel's, the initiator also sends the deadline itself (`deadline_monotonic_s`), and the owner takes the earlier
-of the two. A peer can only shorten its own transfers with it; agents that share a host id must share the kernel's
-clock (one kernel, no time namespace between them), as they share /dev/shm.
+stopped after building it) gets its whole budget again. So to a peer whose CLOCK_MONOTONIC is its own (the same
+kernel and time namespace: `AgentInfo.clock_id`), the initiator also sends the deadline itself (`deadline_monotonic_s`),
+and the owner takes the earlier of the two. A peer can only shorten its own transfers with it.
 
 The owner remembers each transfer's deadline as first seen on a connection (`Expiry`, bounded), so a later frame
 of a transfer cannot extend it.
@@ -19,10 +18,10 @@ import time
 from typing import Any
 
 from hmc.errors import TimeoutError
-from hmc.memory._machine import host_id
+from hmc.memory._machine import clock_id
 from hmc.v1 import common_pb2
 
-__all__ = ["Expiry", "expires_ms", "on_this_host", "stamp"]
+__all__ = ["Expiry", "expires_ms", "shares_clock", "stamp"]
 
 _EXPECTED_MAX = 4096
 """Transfers a data connection remembers the deadline of; older entries past their deadline are forgotten (and, when
@@ -40,15 +39,16 @@ def expires_ms(deadline: float) -> int:
     return min(max(int(left * 1000), 1), 0xFFFFFFFF)
 
 
-def on_this_host(remote: common_pb2.BufferDescriptor) -> bool:
-    """Whether `remote`'s owner runs on this host (one kernel: its CLOCK_MONOTONIC is ours)."""
-    return bool(remote.owner.host_id) and remote.owner.host_id == host_id()
+def shares_clock(remote: common_pb2.BufferDescriptor) -> bool:
+    """Whether `remote`'s owner reads our CLOCK_MONOTONIC (its agent said so: `clock_id`)."""
+    return bool(remote.owner.clock_id) and remote.owner.clock_id == clock_id()
 
 
-def stamp(request: Any, deadline: float, same_host: bool) -> Any:
-    """Set a DataWrite's or DataRead's deadline fields (TimeoutError once `deadline` passed); returns it."""
+def stamp(request: Any, deadline: float, clocked: bool) -> Any:
+    """Set a DataWrite's or DataRead's deadline fields (TimeoutError once `deadline` passed; `clocked`: the owner
+    reads our clock, `shares_clock`); returns it."""
     request.expires_ms = expires_ms(deadline)
-    if same_host:
+    if clocked:
         request.deadline_monotonic_s = deadline
     return request
 

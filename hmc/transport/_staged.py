@@ -77,7 +77,7 @@ from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, 
 from hmc.transport._staged_shm import ShmStaging, same_host
 from hmc.transport._staged_streams import Chunk, DataStream, Transfer, request_frame, request_views, stream_error
 from hmc.transport._staged_tcp_ring import TcpRingStaging
-from hmc.transport._deadlines import on_this_host, stamp
+from hmc.transport._deadlines import shares_clock, stamp
 from hmc.transport._wire import FRAME_RANGES, FrameStream, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
@@ -140,7 +140,7 @@ class _RoundTrip:
         self.stream = stream
         self.frames: dict[tuple[str, bool], tuple[peer_pb2.PeerFrame, Any, common_pb2.RangeList, bool]] = {}
         """Per (remote buffer id, write): the frame, its request and its range list, proving the key on this connection,
-        and whether the owner is on this host (`_deadlines.stamp`)."""
+        and whether the owner reads our clock (`_deadlines.stamp`)."""
 
     def single(self, remote: common_pb2.BufferDescriptor, write: bool, offset: int, length: int, deadline: float) -> bytes:
         """The serialized request for one range at `offset` of `remote` (written or read), expiring at `deadline`."""
@@ -151,14 +151,14 @@ class _RoundTrip:
             frame = peer_pb2.PeerFrame()
             request = frame.write if write else frame.read
             request.buffer_id, request.key_proof = remote.id, self.stream.proof(remote.access_key, remote.registry_epoch)
-            cached = self.frames[(remote.id, write)] = (frame, request, request.ranges, on_this_host(remote))
-        frame, request, ranges, same_host = cached
+            cached = self.frames[(remote.id, write)] = (frame, request, request.ranges, shares_clock(remote))
+        frame, request, ranges, clocked = cached
         if write:
             ranges.dst_offsets = _I64.pack(offset)
         else:
             ranges.src_offsets = _I64.pack(offset)
         ranges.lengths = _I64.pack(length)
-        stamp(request, deadline, same_host)
+        stamp(request, deadline, clocked)
         return frame.SerializeToString()
 
 

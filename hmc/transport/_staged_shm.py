@@ -82,7 +82,7 @@ from hmc.transport import _gpu_batch
 from hmc.transport._base import InlineCopy, TransferOp, TransferRequest
 from hmc.transport._pinned import Pending, PinnedMapping, SlotCopier, StuckCopy
 from hmc.transport._staged_mailbox import MAILBOX_BYTES, SUPPORTED, Mailbox, encode_request, token_of
-from hmc.transport._deadlines import on_this_host, stamp
+from hmc.transport._deadlines import shares_clock, stamp
 from hmc.transport._wire import FrameStream, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
@@ -403,7 +403,7 @@ class ShmStaging:
             else:
                 wire.src_offsets = _I64.pack(remote_offset)
                 message = peer_pb2.DataRead(buffer_id=remote.id, ranges=wire, key_proof=proof)
-            self._hand_off(link, stream, stamp(message, deadline, on_this_host(remote)), 0, length, deadline)
+            self._hand_off(link, stream, stamp(message, deadline, shares_clock(remote)), 0, length, deadline)
             if write:
                 reply_of(stream, deadline, length)
             else:
@@ -471,7 +471,7 @@ class ShmStaging:
         stream, ring = link.stream, link.ring
         assert stream is not None and ring is not None
         remote, region, deadline, completion = request.remote, request.local.region, request.deadline, request.completion
-        same_host = on_this_host(remote)
+        clocked = shares_clock(remote)
         size, slots = self._layout(request)
         chunks = request.ranges.packed(size)
         queued: collections.deque[tuple[Pending, peer_pb2.DataWrite, int, int]] = collections.deque()  # copying into slots
@@ -499,7 +499,7 @@ class ShmStaging:
                         continue  # a reply came first: its slot takes the next chunk's copy before this one is handed off
                     wait, write, slot, nbytes = queued.popleft()
                     wait(deadline)
-                    self._hand_off(link, stream, stamp(write, deadline, same_host), slot, nbytes, deadline)  # stamped as it goes
+                    self._hand_off(link, stream, stamp(write, deadline, clocked), slot, nbytes, deadline)  # stamped as it goes
                     inflight.append(nbytes)
                 elif inflight:
                     reply_of(stream, deadline, inflight[0])
@@ -514,7 +514,7 @@ class ShmStaging:
         stream, ring = link.stream, link.ring
         assert stream is not None and ring is not None
         remote, region, deadline, completion = request.remote, request.local.region, request.deadline, request.completion
-        same_host = on_this_host(remote)
+        clocked = shares_clock(remote)
         size, slots = self._layout(request)
         chunks = request.ranges.swapped().packed(size)  # src: local destinations, dst: remote sources
 
@@ -524,7 +524,7 @@ class ShmStaging:
                 buffer_id=remote.id, key_proof=stream.proof(remote.access_key, remote.registry_epoch), ranges=_range_list(chunk.dst, chunk.lengths, "src_offsets"),
                 transfer_id=request.transfer_id,
             )
-            self._hand_off(link, stream, stamp(read, deadline, same_host), (index % slots) * size, chunk.total, deadline)
+            self._hand_off(link, stream, stamp(read, deadline, clocked), (index % slots) * size, chunk.total, deadline)
 
         asked = min(slots, len(chunks))
         for index in range(asked):

@@ -27,7 +27,7 @@ from typing import Any
 from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutError
 from hmc.transport._base import TransferOp, TransferRequest
 from hmc.transport._ranges import RangeList
-from hmc.transport._deadlines import on_this_host, stamp
+from hmc.transport._deadlines import shares_clock, stamp
 from hmc.transport._wire import FrameStream, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
@@ -111,10 +111,10 @@ def request_frame(request: TransferRequest, ranges: RangeList, stream: FrameStre
     if request.op is TransferOp.WRITE:
         wire = common_pb2.RangeList(dst_offsets=ranges.dst.tobytes(), lengths=lengths)
         write = peer_pb2.DataWrite(buffer_id=remote.id, key_proof=proof, ranges=wire, transfer_id=tid)
-        return peer_pb2.PeerFrame(write=stamp(write, request.deadline, on_this_host(remote)))
+        return peer_pb2.PeerFrame(write=stamp(write, request.deadline, shares_clock(remote)))
     wire = common_pb2.RangeList(src_offsets=ranges.src.tobytes(), lengths=lengths)
     read = peer_pb2.DataRead(buffer_id=remote.id, key_proof=proof, ranges=wire, transfer_id=tid)
-    return peer_pb2.PeerFrame(read=stamp(read, request.deadline, on_this_host(remote)))
+    return peer_pb2.PeerFrame(read=stamp(read, request.deadline, shares_clock(remote)))
 
 
 def stream_error(exc: HMCError) -> HMCError:

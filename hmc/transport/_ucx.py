@@ -55,7 +55,7 @@ from hmc.transport import _ucx_engine as engine
 from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport, kind_to_proto
 from hmc.transport._ranges import RangeList
 from hmc.transport._ucx_inline import CallersWorker
-from hmc.transport._ucx_lanes import STOP_WAIT_S, Grant, Lanes, lanes_on_one_host, may_use_sockets, memory_kind
+from hmc.transport._ucx_lanes import SETTLE_S, STOP_WAIT_S, Grant, Lanes, lanes_on_one_host, may_use_sockets, memory_kind
 from hmc.transport._ucx_mapped import PeerMemory
 from hmc.transport._ucx_push import PushCompletion, PushTargets, push_message, reply_error
 from hmc.v1 import common_pb2, peer_pb2
@@ -395,15 +395,16 @@ class UcxTransport(Transport):
                     completion.add_bytes(request.ranges.total)
                 completion.finish(error)
 
-        def stop() -> None:  # the owner's puts land in our memory until it replies (bounded by its deadline)
+        def stop() -> None:  # a cancel waits (bounded) for the reply: the owner's puts land in our memory until then
             cancelled[0] = True
-            ended.wait(STOP_WAIT_S)
+            if time.monotonic() < request.deadline:  # (at the deadline the handle ends; the memory stays counted)
+                ended.wait(STOP_WAIT_S)
 
         try:
             message = self._push_message(request.remote, request.ranges, request.local, mapping, request.deadline, request.transfer_id)
             completion.set_running()
             completion.on_cancel = stop
-            self._request_push(request.remote, message, request.deadline, replied)
+            self._request_push(request.remote, message, request.deadline + SETTLE_S + STOP_WAIT_S, replied)  # its reply comes once settled
         except HMCError:
             if not ended.is_set():  # never asked (a failed send reaches `replied` first)
                 self._release_memory(mapping)

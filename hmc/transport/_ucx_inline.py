@@ -98,8 +98,7 @@ class CallersWorker:
                     except HMCError:
                         grant.inline_kept = True  # what it posted may still run, with this key: in flight for good
                         landed = False
-                        with self._flights_lock:
-                            mapping.users += 1
+                        self._pin(mapping)
                         raise
                     return
             finally:
@@ -108,10 +107,17 @@ class CallersWorker:
             assert peers is not None  # only it maps
             if not peers.copy(device, op, local_base, local, mapped, remote, lengths, deadline):
                 landed = peers.settled(device, self._path)
+                if not landed:
+                    self._pin(mapping)
                 raise TimeoutError(f"{self._path} copy missed its deadline")
         finally:
             if landed:
                 self._release(grant)
+
+    def _pin(self, mapping: engine.Mapping) -> None:
+        """A copy through `mapping` may still run (UCX or the GPU cancels nothing): it stays counted on it for good."""
+        with self._flights_lock:
+            mapping.users += 1
 
     def _acquire(self, deadline: float) -> None:
         """Take the callers' worker's lock, waited for until `deadline` (TimeoutError: another caller holds it, a
@@ -185,7 +191,9 @@ class CallersWorker:
         mapped = grant.mapped.get(device.name)
         if mapped and self._peer_memory is not None:
             write, read = (
-                self._peer_memory.single(grant, device, base, op, enter=self._enter, leave=self._release, timeout_s=self._timeout_s, path=self._path)
+                self._peer_memory.single(
+                    grant, device, base, op, enter=self._enter, leave=self._release, pin=lambda: self._pin(mapping), timeout_s=self._timeout_s, path=self._path
+                )
                 for op in (TransferOp.WRITE, TransferOp.READ)
             )
         reads = local.size if mapped else self._inline_bytes

@@ -49,7 +49,7 @@ from hmc.transport._ranges import RangeList
 from hmc.transport._ucx_progress import Missed, Progress
 from hmc.v1 import common_pb2, peer_pb2
 
-__all__ = ["STOP_WAIT_S", "Grant", "Lanes", "connect", "lanes_on_one_host", "may_use_sockets", "memory_kind", "sockets_only"]
+__all__ = ["SETTLE_S", "STOP_WAIT_S", "Grant", "Lanes", "connect", "lanes_on_one_host", "may_use_sockets", "memory_kind", "sockets_only"]
 
 _WINDOW_BYTES = 64 << 20
 """Bytes of a part posted before its flush. Each flush costs a round of both progress threads (about 0.1 ms
@@ -72,6 +72,8 @@ semantics"), within the bound on a wait's overrun."""
 _LINGER_S = 60.0
 """How long a flush that missed its landing bound is watched on: past that, what it covered counts as in flight for
 good (a withdrawal of its grant or of its local memory then fails with DeviceError instead of returning)."""
+SETTLE_S = _LANDING_S + _LINGER_S
+"""How long past its deadline a transfer may stay in flight before it counts as in flight for good."""
 
 
 class Grant:
@@ -137,6 +139,15 @@ class Transfer:
         """Flushes that missed their landing bound and go on in UCX: until they end, `on_end` waits."""
         self.stuck = False
         """One of them never ended: the transfer stays in flight for good."""
+        self.settled = False
+        """`on_end` ran (once: a part reported at once for a dead peer may have a flush lingering after)."""
+
+    def _settles(self) -> bool:
+        """Under `lock`: whether nothing of it is in flight any more, the first time that holds."""
+        if self.settled or self.remaining or self.lingering or self.stuck:
+            return False
+        self.settled = True
+        return True
 
     def part_ended(self, error: BaseException | None) -> None:
         with self.lock:
@@ -145,7 +156,7 @@ class Transfer:
                 self.error = error
                 self.failed = True
             last = self.remaining == 0
-            settled = last and not self.lingering and not self.stuck
+            settled = self._settles()
         if settled:
             self._on_end()
         if last:
@@ -164,7 +175,7 @@ class Transfer:
         with self.lock:
             self.lingering -= 1
             self.stuck = self.stuck or isinstance(error, TimeoutError)
-            settled = not self.remaining and not self.lingering and not self.stuck
+            settled = self._settles()
         if settled:
             self._on_end()
 

@@ -89,11 +89,12 @@ class PeerMemory:
 
     def single(
         self, grant: Grant, device: Device, local_base: int, op: TransferOp, *, enter: Callable[[Grant], None], leave: Callable[[Grant], None],
-        timeout_s: float, path: str,
+        pin: Callable[[], None], timeout_s: float, path: str,
     ) -> Callable[[int, int, int], None]:  # fmt: skip
         """copy(local_offset, remote_offset, length): one range through the grant's mapping for `device`, waited for on
         the caller's thread, every name bound (nothing but `enter`/`leave`, the grant's count in flight, between the
-        call and the memcpy: a 4 KiB write's whole path, and a 1 GiB one's)."""
+        call and the memcpy: a 4 KiB write's whole path, and a 1 GiB one's); `pin`: a copy that may still run counts on
+        this end's memory for good."""
         if op is TransferOp.WRITE and grant.read_only:
             def refused(local: int, remote: int, length: int) -> None:
                 raise AccessDeniedError(f"buffer {grant.buffer_id} is read-only: its owner grants reads only")
@@ -112,6 +113,8 @@ class PeerMemory:
                     done = copy_now(mapped + remote, local_base + local, length, monotonic() + timeout_s)
                 if not done:
                     landed = self.settled(device, path)
+                    if not landed:
+                        pin()  # this end's memory too: the copy may still run
                     raise TimeoutError(f"{path} copy missed its deadline")
             finally:
                 if landed:
