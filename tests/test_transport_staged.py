@@ -289,6 +289,20 @@ def test_the_owners_record_of_deadlines_stays_bounded_and_keeps_recent_ones() ->
     assert expiry.deadline(long_id, 3_600_000) == expiry.deadline(long_id, 1)
 
 
+@pytest.mark.parametrize("stamped", [float("nan"), float("inf"), -float("inf"), -1.0, 1e308])
+def test_a_deadline_a_peer_stamps_can_only_shorten_its_own_transfer(stamped: float) -> None:
+    """A frame's `deadline_monotonic_s` is the peer's word: NaN, infinite, negative or huge never gives its transfer more
+    than its relative budget, and a past one (its own loss) ends only that transfer."""
+    from hmc.transport._deadlines import Expiry
+
+    expiry = Expiry(10.0)
+    before = time.monotonic()
+    deadline = expiry.deadline("t", 2000, stamped)
+    assert deadline <= time.monotonic() + 2.0
+    assert deadline >= before + 2.0 or stamped < before  # only a stamp in the past shortens it
+    assert expiry.deadline("other", 2000) >= before + 2.0  # another transfer is untouched
+
+
 def _threads(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 

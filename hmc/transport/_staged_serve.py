@@ -304,7 +304,6 @@ def _releaser(buffers: BufferTable, buffer_id: str, bounce: BounceSlots, slot: P
     return release
 
 
-
 _BOUNCED = frozenset({MemoryKind.DEVICE})
 """Memory a DataWrite or DataRead without a shared slot moves through a pinned bounce slot (host memory goes straight to the socket)."""
 _MAX_RANGE = 1 << 40

@@ -186,14 +186,14 @@ class DataStream:
 
     def _send(self, chunk: Chunk) -> HMCError | None:
         with self._order:
+            try:  # built right before its send (not under `_lock`, which the receiver takes): its deadline is what is left now
+                frame: peer_pb2.PeerFrame | None = chunk.frame(self._stream)
+            except TimeoutError:
+                frame = None
             with self._lock:
                 if chunk.transfer.aborted:  # ended meanwhile: never sent (an abort checks _sent under this lock)
                     return None
-                try:  # built right before its send, so its expires_ms is what is left of the deadline now
-                    frame = chunk.frame(self._stream)
-                except TimeoutError:
-                    frame = None
-                else:
+                if frame is not None:
                     chunk.sent_at = time.monotonic()
                     self._sent.append(chunk)
             if frame is not None:

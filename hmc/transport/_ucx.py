@@ -284,6 +284,7 @@ class UcxTransport(Transport):
     def _launch(self, request: TransferRequest, grant: Grant, mapping: engine.Mapping, settled: Callable[[], None] | None = None) -> None:
         """Hand the request to the lanes, the grant and this end's memory counting it until nothing of it is in flight
         (then `settled` runs)."""
+        lanes = self._running()  # (closed meanwhile: nothing counted that nothing would give back)
         with self._lock:
             grant.flights += 1
             mapping.users += 1
@@ -294,7 +295,7 @@ class UcxTransport(Transport):
                 settled()
 
         here = request.remote is not None and request.remote.owner.host_id == self._host_id  # a pushed read: the asker's host is not said
-        self._running().launch(request, grant, mapping, ended, most=self._local_lanes if here else 0)
+        lanes.launch(request, grant, mapping, ended, most=self._local_lanes if here else 0)
 
     def _callers(self) -> CallersWorker:
         """The callers' worker (once the path closed, closed: it refuses copies)."""
@@ -387,7 +388,7 @@ class UcxTransport(Transport):
 
         def replied(reply: peer_pb2.PeerReply | None, error: BaseException | None) -> None:
             if reply is not None or isinstance(error, BrokenResourceError):  # not a reply: the owner is gone
-                self._release_memory(mapping)
+                self._release(None, mapping)
             error = error if error is not None else reply_error(reply)
             ended.set()
             if not cancelled[0]:
@@ -407,7 +408,7 @@ class UcxTransport(Transport):
             self._request_push(request.remote, message, request.deadline + SETTLE_S + STOP_WAIT_S, replied)  # its reply comes once settled
         except HMCError:
             if not ended.is_set():  # never asked (a failed send reaches `replied` first)
-                self._release_memory(mapping)
+                self._release(None, mapping)
             raise
 
     def push(self, buffer: Any, request: peer_pb2.Push, ranges: RangeList, deadline: float, done: Callable[[BaseException | None], None]) -> None:
@@ -469,19 +470,14 @@ class UcxTransport(Transport):
             return None
         return inline.inline_copy(grant, mapping, local)
 
-    def _release(self, grant: Grant, mapping: engine.Mapping | None = None) -> None:
-        """A transfer of `grant` (through `mapping`, this end's memory) has nothing in flight any more (a withdrawal
-        waits for all of them)."""
+    def _release(self, grant: Grant | None, mapping: engine.Mapping | None = None) -> None:
+        """A transfer of `grant` (None: a read the owner pushed) through `mapping` (this end's memory) has nothing in
+        flight any more (a withdrawal waits for all of them)."""
         with self._lock:
-            grant.flights -= 1
+            if grant is not None:
+                grant.flights -= 1
             if mapping is not None:
                 mapping.users -= 1
-            self._drained.notify_all()
-
-    def _release_memory(self, mapping: engine.Mapping) -> None:
-        """A pushed read into `mapping` has nothing in flight any more."""
-        with self._lock:
-            mapping.users -= 1
             self._drained.notify_all()
 
     def withdraw(self, buffer_id: str) -> None:

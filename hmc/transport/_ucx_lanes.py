@@ -171,10 +171,10 @@ class Transfer:
 
     def lingered(self, error: BaseException | None) -> None:
         """A lingering flush ended (`error` None or its failure: nothing of it runs any more) or was given up on
-        (TimeoutError: it may run for good)."""
+        (Missed: it may run for good)."""
         with self.lock:
             self.lingering -= 1
-            self.stuck = self.stuck or isinstance(error, TimeoutError)
+            self.stuck = self.stuck or isinstance(error, Missed)
             settled = self._settles()
         if settled:
             self._on_end()

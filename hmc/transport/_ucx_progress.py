@@ -51,8 +51,9 @@ _JOIN_S = 5.0
 _CLOSE_MARGIN_S = 1.0
 """What the thread keeps, of the time `close` gives it, for destroying its worker after closing the endpoints."""
 
+
 class Missed(TimeoutError):
-    """A watched request missed its deadline and goes on in UCX (which cancels nothing): watched on for `then`."""
+    """A watched request missed its deadline: it goes on in UCX, which cancels nothing (watched on where `then` asks)."""
 
 
 Done = Callable[[BaseException | None], None]
@@ -120,11 +121,11 @@ class Progress:
         return value  # type: ignore[no-any-return]
 
     def watch(self, request: Request, deadline: float, done: Done, *, busy: bool = False, then: Done | None = None, linger: float = 0.0) -> None:
-        """Poll `request` until it ends or `deadline` passes (TimeoutError), then call `done` once; called on the
+        """Poll `request` until it ends or `deadline` passes (Missed), then call `done` once; called on the
         progress thread (from a command). `busy`: without sleeping meanwhile (a device copy ends without an event on
         the worker's file descriptor). `then`: UCX cancels nothing, so a request that missed `deadline` goes on; it
         stays watched up to `linger` seconds more, and `then` gets whether it ended (None, or its error) or may still
-        run (TimeoutError)."""
+        run (Missed: a request's own TimeoutError, UCS_ERR_TIMED_OUT, means it ended)."""
         heapq.heappush(self._watched, _Watch(request, deadline, done, busy, then, linger))
 
     def _run(self) -> None:
@@ -191,7 +192,7 @@ class Progress:
                     watch.done(Missed("the UCX operation missed its deadline"))
                     keep.append(_Watch(watch.request, now + watch.linger, watch.then, False))
                     continue
-                finished, error = True, TimeoutError("the UCX operation missed its deadline")
+                finished, error = True, Missed("the UCX operation missed its deadline")
             if finished:
                 watch.request.release()
                 watch.done(error)
