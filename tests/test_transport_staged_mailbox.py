@@ -326,7 +326,8 @@ def test_a_mailbox_named_anew_waits_for_the_copies_that_answer_in_the_old_one(mo
     """A queued copy taken from mailbox A answers in A. A frame naming mailbox B closed A at once, and the copy's reply
     then hit a released view: ValueError killed the completion thread, so later copies were never answered and the
     buffer stayed in use for good. The owner now drains its queue first. (In-process owner over a real socket pair;
-    the queued copy, a GPU copy in flight, is a stand-in that finishes once the owner has moved on to B.)"""
+    the mailbox request is queued behind a chunk of a longer transfer, whose copy, a GPU copy in flight, is a stand-in
+    that finishes once the owner has moved on to B.)"""
     import contextlib
     import secrets
     import socket
@@ -388,19 +389,20 @@ def test_a_mailbox_named_anew_waits_for_the_copies_that_answer_in_the_old_one(mo
     box_a.offer(token)
     box_b.offer(token)
 
-    def write_naming(mailbox: int) -> peer_pb2.PeerFrame:
-        ranges = common_pb2.RangeList(dst_offsets=struct.pack("<q", 0), lengths=struct.pack("<q", 16))
+    def write_naming(mailbox: int, length: int = 16) -> peer_pb2.PeerFrame:
+        ranges = common_pb2.RangeList(dst_offsets=struct.pack("<q", 0), lengths=struct.pack("<q", length))
         shm = peer_pb2.ShmSlot(segment=path, segment_bytes=size, offset=0, mailbox=mailbox)
         return peer_pb2.PeerFrame(request_id=1, write=peer_pb2.DataWrite(buffer_id="buf", key_proof=proof, ranges=ranges, shm=shm))
 
     try:
-        initiator.send(write_naming(slots), deadline=time.monotonic() + 5)  # names A: the owner attaches it
-        assert not initiator.recv(time.monotonic() + 5).reply.HasField("error") and box_a.ready(token)
-        seq = box_a.post(encode_request(True, "buf", proof, 0, 512 << 10), initiator, time.monotonic() + 5)  # queued
-        assert queued.wait(5)
+        # names A (the owner attaches it) with a chunk of a longer transfer: its copy is queued (and held)
+        initiator.send(write_naming(slots, 512 << 10), deadline=time.monotonic() + 5)
+        assert queued.wait(5) and box_a.ready(token)
+        seq = box_a.post(encode_request(True, "buf", proof, 0, 16), initiator, time.monotonic() + 5)  # queued behind it
         initiator.send(write_naming(slots + MAILBOX_BYTES), deadline=time.monotonic() + 5)  # names B
         box_a.answer(seq, initiator, time.monotonic() + 10)  # answered in A, done
-        assert not initiator.recv(time.monotonic() + 10).reply.HasField("error")  # and the frame naming B too
+        for _ in range(2):  # the held chunk's reply, then the frame naming B's
+            assert not initiator.recv(time.monotonic() + 10).reply.HasField("error")
     finally:
         initiator.close()
         server.join(30)

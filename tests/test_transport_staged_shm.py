@@ -40,7 +40,7 @@ from hmc.errors import (
 from hmc.testing import PeerProcess
 from hmc.transport._pinned import SlotCopier
 from hmc.transport._staged_owner import OwnerSegments
-from hmc.transport._staged_shm import SMALL_BYTES, _ring_dir
+from hmc.transport._staged_shm import SLOT_BYTES, SMALL_BYTES, _ring_dir
 from hmc.transport._wire import FrameStream, error_reply, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
@@ -109,8 +109,8 @@ def test_owner_queues_copies_and_replies_in_frame_order(monkeypatch: pytest.Monk
 
 
 def test_owner_answers_a_small_copy_on_the_reading_thread_unless_copies_are_queued(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A small chunk with nothing queued before it is waited for and answered by the caller's thread (no hand-off);
-    behind a queued copy it waits its turn, so replies keep frame order."""
+    """A small chunk, or a transfer's last, with nothing queued before it is waited for and answered by the caller's
+    thread (no hand-off); behind a queued copy it waits its turn, so replies keep frame order."""
     gate = threading.Event()
     waited_on: list[str] = []
 
@@ -137,24 +137,36 @@ def test_owner_answers_a_small_copy_on_the_reading_thread_unless_copies_are_queu
     owner.drain()
     assert [request_id for request_id, _ in stream.sent] == [1, 2, 3] and released == [1, 2, 3]
     assert waited_on[1:] == ["hmc-staged-shm-owner"] * 2
+    # a transfer's last chunk (nothing of it follows) is answered here whatever its size, unless copies are queued
+    owner.start(4, None, [0], [big], None, 0, total=big, to_slot=False, release=lambda: released.append(4), last=True)  # type: ignore[arg-type]
+    assert stream.sent[-1] == (4, 0) and released[-1] == 4 and waited_on[-1] == threading.current_thread().name
+    gate.clear()
+    owner.start(5, None, [0], [big], None, 1, total=big, to_slot=False, release=lambda: released.append(5))  # type: ignore[arg-type]
+    owner.start(6, None, [0], [big], None, 0, total=big, to_slot=False, release=lambda: released.append(6), last=True)  # type: ignore[arg-type]
+    assert stream.sent[-1] == (4, 0)  # 6 waits behind 5
+    gate.set()
+    owner.drain()
+    assert [request_id for request_id, _ in stream.sent][-2:] == [5, 6] and waited_on[-2:] == ["hmc-staged-shm-owner"] * 2
     owner.close()
 
 
 @pytest.mark.usefixtures("ring_only")
 def test_small_single_ranges_take_the_ring_fast_path_every_byte(config: Config, peer: PeerProcess, rng: np.random.Generator) -> None:
-    """After one transfer the pair's single small ranges run on the caller's thread through slot 0 (the agent's
-    inline route): odd sizes, unaligned offsets, the last byte, both directions; a refusal still arrives typed."""
-    size = (SMALL_BYTES * 2) + 5
+    """After one transfer the pair's single ranges of up to one slot run on the caller's thread through slot 0 (the
+    agent's inline route): odd sizes, unaligned offsets, the last byte, a whole slot, both directions; a refusal still
+    arrives typed."""
+    size = SLOT_BYTES + (SMALL_BYTES * 2) + 5
     remote = peer.register(size, fill=POISON)
     with Agent(config.replace(policy=STAGED), daemon=False) as a:
         data = rng.integers(0, 256, size, dtype=np.uint8)
         src = a.register(data)
         out = a.register(np.full(size, POISON ^ 0xFF, np.uint8))
         a.write(src, remote, 0, 0, 1).wait()
-        assert remote.id in src.inline_routes  # the fast path was learned
+        assert src.inline_routes[remote.id].max_bytes == SLOT_BYTES  # the fast path was learned, up to one slot
         expected = np.full(size, POISON, np.uint8)
         expected[0] = data[0]
-        for length, src_at, dst_at in ((1, 7, size - 1), (4093, 1, 3), (SMALL_BYTES, 5, size - SMALL_BYTES), (65536, 11, 4099)):
+        ranges = ((1, 7, size - 1), (4093, 1, 3), (SMALL_BYTES, 5, size - SMALL_BYTES), (65536, 11, 4099), (SLOT_BYTES, 13, size - SLOT_BYTES), ((3 << 20) + 7, 3, 17))
+        for length, src_at, dst_at in ranges:
             handle = a.write(src, remote, src_at, dst_at, length)
             assert handle.path == "staged" and handle.bytes_done == length
             expected[dst_at : dst_at + length] = data[src_at : src_at + length]
@@ -162,7 +174,7 @@ def test_small_single_ranges_take_the_ring_fast_path_every_byte(config: Config, 
         a.read(out, remote, 0, 0, 1).wait()
         wanted = np.full(size, POISON ^ 0xFF, np.uint8)
         wanted[0] = expected[0]
-        for length, remote_at, local_at in ((4093, size - 4093, 2), (SMALL_BYTES, 9, size - SMALL_BYTES - 1)):
+        for length, remote_at, local_at in ((4093, size - 4093, 2), (SMALL_BYTES, 9, size - SMALL_BYTES - 1), (SLOT_BYTES, 1, size - SLOT_BYTES - 3)):
             a.read(out, remote, remote_at, local_at, length).wait()
             wanted[local_at : local_at + length] = expected[remote_at : remote_at + length]
         assert remote.id in out.inline_routes and np.array_equal(out.numpy(), wanted)

@@ -137,12 +137,14 @@ class Pending:
         """True once the copy finished (DeviceError if it failed); no event is let go of."""
         return self._event is None or bool(self._lane.event_done(self._event))
 
-    def __call__(self, deadline: float) -> None:
+    def __call__(self, deadline: float, yield_s: float = 0.0) -> None:
+        """Wait for the copy, polling with yields for `yield_s` before napping (0 where other threads of the ring
+        wait for the GIL: the owner's reader, the initiator's pipeline)."""
         event, self._event = self._event, None
         if event is None:
             return
         try:
-            if not self._lane.event_wait(event, deadline, yield_s=0.0):  # napping: the owner's reader shares the GIL
+            if not self._lane.event_wait(event, deadline, yield_s=yield_s):
                 raise StuckCopy("a staging copy did not finish before the deadline")
         finally:
             self._lane.release_event(event)
@@ -293,8 +295,9 @@ class SlotCopier:
                 side = self._gpus[device.name] = _GpuSide(backend_for(device), device)
             return side
 
-    def copy(self, region: Any, offsets: Any, lengths: Any, slot: PinnedMapping, at: int, *, to_slot: bool, deadline: float) -> None:
-        self.start(region, offsets, lengths, slot, at, to_slot=to_slot, deadline=deadline)(deadline)
+    def copy(self, region: Any, offsets: Any, lengths: Any, slot: PinnedMapping, at: int, *, to_slot: bool, deadline: float, yield_s: float = 0.0) -> None:
+        """`start` and wait (see `Pending`: `yield_s`)."""
+        self.start(region, offsets, lengths, slot, at, to_slot=to_slot, deadline=deadline)(deadline, yield_s)
 
     def start(
         self, region: Any, offsets: Any, lengths: Any, slot: PinnedMapping, at: int, *, to_slot: bool, deadline: float

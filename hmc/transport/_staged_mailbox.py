@@ -33,6 +33,7 @@ meanwhile); the owner takes and answers on its connection's thread, or its compl
 
 from __future__ import annotations
 
+import os
 import platform
 import struct
 import time
@@ -151,15 +152,20 @@ class Mailbox:
             stream.send(peer_pb2.PeerFrame(posted=peer_pb2.Posted(seq=seq)), deadline=deadline)
         return seq
 
-    def answer(self, seq: int, stream: FrameStream, deadline: float) -> None:
-        """Wait for the reply to request `seq` (polled, then napping while the connection stays quiet); a refusal
-        raises its typed error, as does the connection ending first (BrokenResourceError, or the error the owner
-        ended it with), TimeoutError at `deadline`."""
+    def answer(self, seq: int, stream: FrameStream, deadline: float, *, yield_s: float = 0.0) -> None:
+        """Wait for the reply to request `seq` (polled, then for `yield_s` more polled with yields of the CPU and the
+        GIL, the time a longer copy takes, then napping while the connection stays quiet); a refusal raises its
+        typed error, as does the connection ending first (BrokenResourceError, or the error the owner ended it
+        with), TimeoutError at `deadline`."""
         words, at = self._words, self._reply_seq
         spin_until = time.monotonic() + _SPIN_S
+        yield_until = spin_until + yield_s
         while words[at] != seq:
             now = time.monotonic()
             if now < spin_until:
+                continue
+            if now < yield_until and now < deadline:
+                os.sched_yield()
                 continue
             if now > deadline:
                 raise TimeoutError("the owner did not answer a staged request in its mailbox before the deadline")

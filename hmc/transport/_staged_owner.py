@@ -3,8 +3,10 @@
 A slot's copy is queued on the GPU's stream as soon as its frame arrives, behind the copies of earlier
 frames, so the GPU never waits for a reply to go out or the next frame to be read; a completion
 thread per connection waits for the copies in frame order and sends the replies (the initiator
-matches replies by order). A small chunk (up to `SMALL_BYTES`) with nothing queued before it is
-answered by the thread that read its frame. Every copy is bounded by `_OWNER_COPY_S`.
+matches replies by order). A small chunk (up to `SMALL_BYTES`) or a transfer's last chunk (nothing of
+it follows: a single-range request from the mailbox, a frame marked `last`) with nothing queued before
+it is answered by the thread that read its frame: one thread hand-off less, which a transfer of one
+chunk otherwise pays on top of its two copies. Every copy is bounded by `_OWNER_COPY_S`.
 The connection's frames are read, checked and handed here by `_staged_serve`.
 """
 
@@ -161,11 +163,12 @@ class OwnerSegments:
         release: Callable[[], None],
         payload: memoryview | None = None,
         reply_to: ReplyTo | None = None,
+        last: bool = False,
     ) -> None:
         """Queue the copy between `slot` (from byte `at`) and the region's ranges (`total` bytes); its reply (followed by `payload`,
         the slot's bytes, when given) goes out once it finished (to `reply_to` when given), then `release()` runs.
-        A small copy with nothing queued before it is waited for and answered right here (no hand-off to the
-        completion thread)."""
+        A small copy, or the `last` of its transfer, with nothing queued before it is waited for and answered right
+        here (no hand-off to the completion thread: no frame of its transfer follows for this thread to read)."""
         if self._copier is None:
             self._copier = SlotCopier()
         try:
@@ -178,7 +181,7 @@ class OwnerSegments:
             release()
             self.reply(request_id, _OK, reply_to)
             return
-        if total <= SMALL_BYTES:
+        if total <= SMALL_BYTES or last:
             with self._cond:
                 idle = not self._queue  # only this thread queues: nothing can slip in before the reply below
             if idle:

@@ -121,7 +121,9 @@ class DataConnections:
             if request.HasField("shm"):
                 side = _Side(request.ranges, "dst_offsets" if kind == "write" else "src_offsets")
                 slot = segments.slot(request.shm, side.total)  # a malformed slot is a ProtocolError: the connection ends
-                self._slot_copy(stream, frame.request_id, request.buffer_id, request.key_proof, side, (slot, request.shm.offset), segments, write=kind == "write")
+                self._slot_copy(
+                    stream, frame.request_id, request.buffer_id, request.key_proof, side, (slot, request.shm.offset), segments, write=kind == "write", last=request.last
+                )
                 queued = True
                 continue
             if kind == "write":
@@ -145,15 +147,15 @@ class DataConnections:
         if request.length > room:
             raise ProtocolError("a mailbox request reaches past its ring's slots")
         side = _Side.single(request.offset, request.length)
-        self._slot_copy(stream, 0, request.buffer_id, request.key_proof, side, (ring, 0), segments, write=request.write, reply_to=reply_to)
+        self._slot_copy(stream, 0, request.buffer_id, request.key_proof, side, (ring, 0), segments, write=request.write, reply_to=reply_to, last=True)
 
     def _slot_copy(
         self, stream: FrameStream, request_id: int, buffer_id: str, key_proof: bytes, side: _Side, slot: tuple[PinnedMapping, int], segments: OwnerSegments,
-        *, write: bool, reply_to: ReplyTo | None = None,
+        *, write: bool, reply_to: ReplyTo | None = None, last: bool = False,
     ) -> None:
         """A staged chunk through a shared ring slot (mapping, from byte): queue the copy of the slot into the buffer
         (write) or the buffer into it; `segments` replies once it finished (in frame order, or to `reply_to`: a
-        request taken from the ring's mailbox), and releases the buffer then."""
+        request taken from the ring's mailbox), and releases the buffer then (`last`: its transfer's last chunk)."""
         try:
             buffer = self._buffers.acquire(buffer_id, prove=stream.proof, proof=key_proof, holder=stream)
         except HMCError as exc:
@@ -169,7 +171,7 @@ class DataConnections:
             return
         offsets, lengths = side.arrays()
         release = functools.partial(self._buffers.release, buffer.id, stream)
-        segments.start(request_id, buffer.region, offsets, lengths, *slot, total=side.total, to_slot=not write, release=release, reply_to=reply_to)
+        segments.start(request_id, buffer.region, offsets, lengths, *slot, total=side.total, to_slot=not write, release=release, reply_to=reply_to, last=last)
 
     def _receive_write(
         self, stream: FrameStream, request_id: int, request: peer_pb2.DataWrite, segments: OwnerSegments, bounce: BounceSlots,
@@ -216,7 +218,7 @@ class DataConnections:
             release()
             raise
         offsets, lengths = side.arrays()
-        segments.start(request_id, buffer.region, offsets, lengths, slot, 0, total=side.total, to_slot=False, release=release)
+        segments.start(request_id, buffer.region, offsets, lengths, slot, 0, total=side.total, to_slot=False, release=release, last=request.last)
         return None
 
     def _send_read(
@@ -240,7 +242,8 @@ class DataConnections:
             offsets, lengths = side.arrays()
             release = _releaser(self._buffers, buffer.id, bounce, slot, stream)
             segments.start(
-                frame.request_id, buffer.region, offsets, lengths, slot, 0, total=side.total, to_slot=True, release=release, payload=slot.view(0, side.total)
+                frame.request_id, buffer.region, offsets, lengths, slot, 0, total=side.total, to_slot=True, release=release, payload=slot.view(0, side.total),
+                last=frame.read.last,
             )
             return None
         try:

@@ -105,6 +105,11 @@ _NAP_S = 50e-6
 """How long a transfer with chunks in flight sleeps on its connection between looks at its oldest copy."""
 _POLL_S = 200e-6
 """How long a small transfer polls for its reply before it sleeps in the receive (a wake-up costs more)."""
+_SPIN_RATE = 20e9
+"""The least a slot's copy is expected to move, bytes a second (PCIe 4 and later): a wait for a copy of n bytes, or for
+the reply to a chunk of n bytes that is all this end waits for, polls for n / this more before sleeping (capped at
+`_SPIN_MAX_S`), since waking a thread costs tens to hundreds of microseconds on the project's VMs."""
+_SPIN_MAX_S = 1e-3
 Connect = Callable[[common_pb2.BufferDescriptor, float], FrameStream]
 
 
@@ -237,10 +242,16 @@ def frame_of(message: peer_pb2.DataWrite | peer_pb2.DataRead) -> peer_pb2.PeerFr
     return peer_pb2.PeerFrame(write=message) if isinstance(message, peer_pb2.DataWrite) else peer_pb2.PeerFrame(read=message)
 
 
+def copy_spin(nbytes: int) -> float:
+    """How long a wait for a copy of `nbytes` (or the reply to it) polls beyond the first microseconds (`_SPIN_RATE`)."""
+    return min(nbytes / _SPIN_RATE, _SPIN_MAX_S)
+
+
 def reply_of(stream: FrameStream, deadline: float, nbytes: int = 0) -> peer_pb2.PeerReply:
-    """The next reply on a data connection, to a chunk of `nbytes`; a refusal raises its typed error. A small
-    chunk's reply is microseconds away: it is polled for briefly before the receive sleeps."""
-    answer = stream.recv(deadline, spin_s=_POLL_S if nbytes and nbytes <= SMALL_BYTES else 0.0)
+    """The next reply on a data connection, to a chunk of `nbytes` (0: a reply known to be there, or not waited for
+    alone); a refusal raises its typed error. The reply is polled for a while before the receive sleeps: briefly for
+    a small chunk, about as long as its copy takes for a larger one (`copy_spin`)."""
+    answer = stream.recv(deadline, spin_s=min(_POLL_S + copy_spin(nbytes), _SPIN_MAX_S) if nbytes else 0.0)
     if answer.WhichOneof("kind") != "reply":
         raise ProtocolError(f"expected a reply on a data connection, got {answer.WhichOneof('kind')}")
     if stream.inline_bytes and stream.inline_bytes != answer.reply.payload_bytes:
@@ -265,6 +276,10 @@ class ShmStaging:
     """Whether many short ranges may travel in pairs of slots (`_layout`); the TCP ring's owner slots hold one."""
     _MAILBOX = SUPPORTED
     """Whether rings carry a mailbox page (`_staged_mailbox`): the owner maps the ring only on one host."""
+    _INLINE_BYTES = SLOT_BYTES
+    """The longest single range the agent's inline route moves on the caller's thread (`inline`), within one slot: a
+    range of one chunk gains nothing from the worker thread's pipeline and pays its hand-offs (2x-8x the copies' time
+    for 1 MiB; docs/decisions.md, "A range of one slot is one round trip")."""
 
     def __init__(self, connect: Connect, *, slots: int = 8, slot_bytes: int = SLOT_BYTES) -> None:
         self._connect = connect
@@ -379,7 +394,8 @@ class ShmStaging:
         def read(local_offset: int, remote_offset: int, length: int) -> None:
             run(False, local_offset, remote_offset, length)
 
-        return InlineCopy(write=write, read=read, local_size=local.size, remote_size=remote.size, max_bytes=SMALL_BYTES, waits=True)
+        longest = min(self._INLINE_BYTES, self._slot_bytes)
+        return InlineCopy(write=write, read=read, local_size=local.size, remote_size=remote.size, max_bytes=longest, waits=True)
 
     def _inline_locked(
         self, link: _Link, remote: common_pb2.BufferDescriptor, write: bool, region: Any, local_offset: int, remote_offset: int, length: int, deadline: float
@@ -389,27 +405,29 @@ class ShmStaging:
         self._prepare(link, remote, deadline)
         stream, ring = link.stream, link.ring
         assert stream is not None and ring is not None
+        spin = copy_spin(length)
         if write:
-            self._copier.copy(region, (local_offset,), (length,), ring, 0, to_slot=True, deadline=deadline)
+            self._copier.copy(region, (local_offset,), (length,), ring, 0, to_slot=True, deadline=deadline, yield_s=spin)
         proof = stream.proof(remote.access_key, remote.registry_epoch)
         mailbox = link.mailbox
         if mailbox is not None and mailbox.ready(token_of(stream)):
-            mailbox.answer(mailbox.post(encode_request(write, remote.id, proof, remote_offset, length), stream, deadline), stream, deadline)
+            seq = mailbox.post(encode_request(write, remote.id, proof, remote_offset, length), stream, deadline)
+            mailbox.answer(seq, stream, deadline, yield_s=spin)
         else:  # over the socket (naming the mailbox: the owner attaches it then)
             wire = common_pb2.RangeList(lengths=_I64.pack(length))
             if write:
                 wire.dst_offsets = _I64.pack(remote_offset)
-                message: peer_pb2.DataWrite | peer_pb2.DataRead = peer_pb2.DataWrite(buffer_id=remote.id, ranges=wire, key_proof=proof)
+                message: peer_pb2.DataWrite | peer_pb2.DataRead = peer_pb2.DataWrite(buffer_id=remote.id, ranges=wire, key_proof=proof, last=True)
             else:
                 wire.src_offsets = _I64.pack(remote_offset)
-                message = peer_pb2.DataRead(buffer_id=remote.id, ranges=wire, key_proof=proof)
+                message = peer_pb2.DataRead(buffer_id=remote.id, ranges=wire, key_proof=proof, last=True)
             self._hand_off(link, stream, stamp(message, deadline, shares_clock(remote)), 0, length, deadline)
             if write:
                 reply_of(stream, deadline, length)
             else:
                 self._answer(link, stream, 0, length, deadline)
         if not write:
-            self._copier.copy(region, (local_offset,), (length,), ring, 0, to_slot=False, deadline=deadline)
+            self._copier.copy(region, (local_offset,), (length,), ring, 0, to_slot=False, deadline=deadline, yield_s=spin)
 
     def _prepare(self, link: _Link, remote: common_pb2.BufferDescriptor, deadline: float) -> None:
         if link.ring is None:
@@ -490,7 +508,7 @@ class ShmStaging:
                     wait = self._copier.start(region, chunk.src, chunk.lengths, ring, slot, to_slot=True, deadline=deadline)
                     write = peer_pb2.DataWrite(
                         buffer_id=remote.id, key_proof=stream.proof(remote.access_key, remote.registry_epoch), ranges=_range_list(chunk.dst, chunk.lengths, "dst_offsets"),
-                        transfer_id=request.transfer_id,
+                        transfer_id=request.transfer_id, last=started == len(chunks) - 1,
                     )
                     queued.append((wait, write, slot, chunk.total))
                     started += 1
@@ -522,7 +540,7 @@ class ShmStaging:
             chunk = chunks[index]
             read = peer_pb2.DataRead(
                 buffer_id=remote.id, key_proof=stream.proof(remote.access_key, remote.registry_epoch), ranges=_range_list(chunk.dst, chunk.lengths, "src_offsets"),
-                transfer_id=request.transfer_id,
+                transfer_id=request.transfer_id, last=index == len(chunks) - 1,
             )
             self._hand_off(link, stream, stamp(read, deadline, clocked), (index % slots) * size, chunk.total, deadline)
 

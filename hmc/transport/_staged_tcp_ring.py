@@ -52,6 +52,7 @@ class TcpRingStaging(ShmStaging):
     _WORKER = "hmc-staged-tcp-ring"
     _PAIRED = False
     _MAILBOX = False
+    _INLINE_BYTES = SMALL_BYTES  # a slot's bytes cross the network: the pipeline's overlap is worth its hand-offs
 
     def _new_ring(self, size: int) -> tuple[PinnedMapping, str]:
         return PinnedMapping(None, size, create=True), ""
