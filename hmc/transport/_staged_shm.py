@@ -42,9 +42,10 @@ may still be copying into it; the next transfer makes a new one).
 
 Small transfers (up to `SMALL_BYTES`) run on the caller's thread when the peer's ring
 is free: one hand-off each way, the copy's event and the reply polled briefly before
-sleeping; the owner answers them from the thread that read the frame. A single small
-range (the agent's inline route) is handed off through the ring's mailbox page
-(`_staged_mailbox`: shared memory, no system call while the owner polls it).
+sleeping; the owner answers them from the thread that read the frame. A single range of
+up to one slot (the agent's inline route) is handed off through the ring's mailbox page
+(`_staged_mailbox`: shared memory, no system call while the owner polls it), and the owner
+answers it, as any transfer's last chunk, from the thread that read it.
 
 Concurrency: each peer's transfers run one after another under the peer's
 `_Link.lock`, which owns the peer's connection and ring (and keeps close from
@@ -242,7 +243,7 @@ def frame_of(message: peer_pb2.DataWrite | peer_pb2.DataRead) -> peer_pb2.PeerFr
     return peer_pb2.PeerFrame(write=message) if isinstance(message, peer_pb2.DataWrite) else peer_pb2.PeerFrame(read=message)
 
 
-def copy_spin(nbytes: int) -> float:
+def _copy_spin(nbytes: int) -> float:
     """How long a wait for a copy of `nbytes` (or the reply to it) polls beyond the first microseconds (`_SPIN_RATE`)."""
     return min(nbytes / _SPIN_RATE, _SPIN_MAX_S)
 
@@ -250,8 +251,8 @@ def copy_spin(nbytes: int) -> float:
 def reply_of(stream: FrameStream, deadline: float, nbytes: int = 0) -> peer_pb2.PeerReply:
     """The next reply on a data connection, to a chunk of `nbytes` (0: a reply known to be there, or not waited for
     alone); a refusal raises its typed error. The reply is polled for a while before the receive sleeps: briefly for
-    a small chunk, about as long as its copy takes for a larger one (`copy_spin`)."""
-    answer = stream.recv(deadline, spin_s=min(_POLL_S + copy_spin(nbytes), _SPIN_MAX_S) if nbytes else 0.0)
+    a small chunk, about as long as its copy takes for a larger one (`_copy_spin`)."""
+    answer = stream.recv(deadline, spin_s=min(_POLL_S + _copy_spin(nbytes), _SPIN_MAX_S) if nbytes else 0.0)
     if answer.WhichOneof("kind") != "reply":
         raise ProtocolError(f"expected a reply on a data connection, got {answer.WhichOneof('kind')}")
     if stream.inline_bytes and stream.inline_bytes != answer.reply.payload_bytes:
@@ -405,7 +406,7 @@ class ShmStaging:
         self._prepare(link, remote, deadline)
         stream, ring = link.stream, link.ring
         assert stream is not None and ring is not None
-        spin = copy_spin(length)
+        spin = _copy_spin(length)
         if write:
             self._copier.copy(region, (local_offset,), (length,), ring, 0, to_slot=True, deadline=deadline, yield_s=spin)
         proof = stream.proof(remote.access_key, remote.registry_epoch)
