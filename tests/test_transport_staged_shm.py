@@ -40,7 +40,7 @@ from hmc.errors import (
 from hmc.testing import PeerProcess
 from hmc.transport._pinned import SlotCopier
 from hmc.transport._staged_owner import OwnerSegments
-from hmc.transport._staged_shm import SLOT_BYTES, SMALL_BYTES, _ring_dir
+from hmc.transport._staged_shm import SLOT_BYTES, SMALL_BYTES, ShmStaging, _ring_dir
 from hmc.transport._wire import FrameStream, error_reply, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
@@ -53,13 +53,24 @@ def ring_only(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("ring_only")
-def test_ring_write_and_read_every_byte(config: Config, peer: PeerProcess, rng: np.random.Generator) -> None:
+def test_ring_write_and_read_every_byte(config: Config, peer: PeerProcess, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every byte both ways through a ring that wraps; each transfer marks its last chunk (and only that one) `last`."""
     size = (200 << 20) + 3  # 13 chunks for eight 16 MiB slots: the ring wraps
     remote = peer.register(size, fill=POISON)
     before = set(glob.glob("/dev/shm/hmc-staged-*"))
+    handed: list[tuple[str, bool]] = []
+    hand_off = ShmStaging._hand_off
+
+    def recorded(self: Any, link: Any, stream: Any, message: Any, *args: Any) -> None:
+        handed.append((type(message).__name__, message.last))
+        hand_off(self, link, stream, message, *args)
+
+    monkeypatch.setattr(ShmStaging, "_hand_off", recorded)
     with Agent(config.replace(policy=STAGED), daemon=False) as a:
         src, out, expected = write_read_every_byte(a, remote, size, rng)
         assert peer.contents(remote.id) == expected.tobytes()
+        last = [False] * 12 + [True]
+        assert handed == [("DataWrite", x) for x in last] + [("DataRead", x) for x in last]
         scattered_read_every_byte(a, out, remote, expected, rng)
         with pytest.raises(OutOfRangeError):
             a.write(src, grown(remote), 0, size, 16).wait()

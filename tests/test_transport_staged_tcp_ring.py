@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from hmc.memory._machine import HOST_ID_ENV, host_id
 from hmc.testing import PeerProcess
 from hmc.transport._pinned import PinnedMapping
 from hmc.transport._staged_owner import OwnerSegments
+from hmc.transport._staged_shm import SMALL_BYTES
 from hmc.transport._staged_tcp_ring import BounceSlots
 from hmc.v1 import peer_pb2
 from hmc.v1.common_pb2 import BufferDescriptor
@@ -72,13 +74,23 @@ def test_tcp_ring_to_another_host_every_byte(config: Config, other_host: PeerPro
 
 @pytest.mark.usefixtures("tcp_ring")
 def test_tcp_ring_owner_bounces_through_pinned_slots(config: Config, monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
-    """The owner's side (bounce slots, queued copies, read payloads sent from slots) with an owner in this process."""
+    """The owner's side (bounce slots, queued copies, read payloads sent from slots) with an owner in this process; the
+    owner hears which chunk of a transfer is its last (and may answer it from the connection's thread)."""
     monkeypatch.setattr(staged_serve, "_BOUNCED", frozenset({MemoryKind.DEVICE, MemoryKind.HOST}))
+    lasts: list[bool] = []
+    start = OwnerSegments.start
+
+    def recorded(self: Any, *args: Any, last: bool = False, **kwargs: Any) -> None:
+        lasts.append(last)
+        start(self, *args, last=last, **kwargs)
+
+    monkeypatch.setattr(OwnerSegments, "start", recorded)
     size = (50 << 20) + 7  # four slots, the last one short
     with Agent(config.replace(policy=STAGED), daemon=False) as owner, Agent(config.replace(policy=STAGED), daemon=False) as a:
         theirs = owner.register(np.full(size, POISON, np.uint8))
         _, out, expected = write_read_every_byte(a, theirs.descriptor, size, rng)
         assert np.array_equal(theirs.numpy(), expected)
+        assert lasts == [False, False, False, True] * 2  # the write's four chunks, then the read's
         scattered_read_every_byte(a, out, theirs.descriptor, expected, rng)
         with pytest.raises(OutOfRangeError):
             a.read(out, grown(theirs.descriptor), size, 0, 16).wait()
@@ -90,6 +102,7 @@ def test_tcp_ring_owner_bounces_through_pinned_slots(config: Config, monkeypatch
         assert np.array_equal(theirs.numpy(), expected), "a refused write changed the buffer"
         a.write(out, theirs.descriptor, 0, 0, 16).wait()
         assert np.array_equal(theirs.numpy()[:16], out.numpy()[:16])
+        assert out.inline_routes[theirs.descriptor.id].max_bytes == SMALL_BYTES  # between hosts: one slot is not one round trip
 
 
 def test_bounce_slots_are_reused_bounded_and_freed() -> None:

@@ -142,9 +142,10 @@ def spin_until(query: Callable[[], Any], deadline: float, runtime: Runtime, *, y
     timed sleep of about 55 us on the project's VMs (timer slack; measured on
     2x H200): the ipc path, whose caller waits for each batch or large copy,
     yields instead (2x H200: KV 64 KiB 283 -> 315 GB/s, 1 GiB 0.956x -> 0.988x
-    peer copy). The staged ring keeps napping, as before: its threads share the
-    GIL, and with yields it was no faster (1 GiB 0.82x pinned D2H, with naps 0.84x
-    on the same kind of host).
+    peer copy). The staged ring's pipeline keeps napping, as before: its threads
+    share the GIL, and with yields it was no faster (1 GiB 0.82x pinned D2H, with
+    naps 0.84x on the same kind of host); its single ranges on the caller's thread
+    yield for about their copy's time (`_staged_shm._copy_spin`).
     """
     not_ready = runtime.not_ready
     polls = 0

@@ -1,8 +1,8 @@
-"""The shared ring's mailbox: a small staged transfer's request and reply through shared memory, not the socket.
+"""The shared ring's mailbox: a single-range staged transfer's request and reply through shared memory, not the socket.
 
-A page at the end of the ring file (`MAILBOX_BYTES`; every ShmSlot names where it starts). A small
-single-range transfer (the agent's inline fast path) posts its request here instead of sending
-it, and the owner answers here. While the owner's connection thread waits for its next request it
+A page at the end of the ring file (`MAILBOX_BYTES`; every ShmSlot names where it starts). A
+single-range transfer of up to one slot (the agent's inline fast path) posts its request here
+instead of sending it, and the owner answers here. While the owner's connection thread waits for its next request it
 polls the mailbox along with the socket, and says so (`awake`): then a request costs no system call
 and no wake-up on either side (on one H100 host a socket round trip between two Python processes cost
 8-10 us, a mailbox one 2). When the owner is not polling, the initiator rings its doorbell: a Posted
@@ -28,7 +28,8 @@ such a request waits at most that long. Architectures with weaker orderings keep
 (`SUPPORTED`).
 
 Concurrency: the initiator posts under its link's lock (one request at a time, none on the socket
-meanwhile); the owner takes and answers on its connection's thread, or its completion thread.
+meanwhile); the owner takes and answers on its connection's thread, or (behind copies queued before
+the request) its completion thread.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ MAILBOX_BYTES = 8192
 RECHECK_S = 1e-3
 """How long the owner waits on its socket before it looks at the mailbox a last time and sleeps."""
 _SPIN_S = 200e-6
-"""How long the initiator polls for its reply before napping between looks (a small copy answers well within it)."""
+"""How long the initiator polls for its reply before it yields (`answer`'s `yield_s`, a longer copy's time) and then
+naps between looks (a small copy answers well within it)."""
 _NAP_S = 50e-6
 _AWAKE = 0  # word: the owner polls the mailbox (owner writes)
 _OFFERED = 1  # word: the token of the connection the initiator uses the page with (initiator writes)

@@ -21,7 +21,8 @@ deadline, breaking the connection.
 Concurrency: `serve` runs on the connection's thread (the listener's "hmc-peer-<addr>"), which reads
 every frame and receives or sends host memory's payloads; the connection's `OwnerSegments`
 completion thread ("hmc-staged-shm-owner") answers device memory's copies, then gives their bounce
-slots back and releases their buffers. A connection's segments, bounce slots and record of deadlines
+slots back and releases their buffers (the connection's thread does that itself for a small chunk, or a
+transfer's last, with nothing queued before it). A connection's segments, bounce slots and record of deadlines
 belong to its `serve` call; `DataConnections` itself holds only the buffer table (which has its own
 lock) and the default budget, so one serves every connection of a listener.
 """

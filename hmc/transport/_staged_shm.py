@@ -45,7 +45,8 @@ is free: one hand-off each way, the copy's event and the reply polled briefly be
 sleeping; the owner answers them from the thread that read the frame. A single range of
 up to one slot (the agent's inline route) is handed off through the ring's mailbox page
 (`_staged_mailbox`: shared memory, no system call while the owner polls it), and the owner
-answers it, as any transfer's last chunk, from the thread that read it.
+answers it, as any transfer's last chunk, from the thread that read it when nothing is queued
+before it.
 
 Concurrency: each peer's transfers run one after another under the peer's
 `_Link.lock`, which owns the peer's connection and ring (and keeps close from
@@ -248,11 +249,10 @@ def _copy_spin(nbytes: int) -> float:
     return min(nbytes / _SPIN_RATE, _SPIN_MAX_S)
 
 
-def reply_of(stream: FrameStream, deadline: float, nbytes: int = 0) -> peer_pb2.PeerReply:
-    """The next reply on a data connection, to a chunk of `nbytes` (0: a reply known to be there, or not waited for
-    alone); a refusal raises its typed error. The reply is polled for a while before the receive sleeps: briefly for
-    a small chunk, about as long as its copy takes for a larger one (`_copy_spin`)."""
-    answer = stream.recv(deadline, spin_s=min(_POLL_S + _copy_spin(nbytes), _SPIN_MAX_S) if nbytes else 0.0)
+def reply_of(stream: FrameStream, deadline: float, spin_s: float = 0.0) -> peer_pb2.PeerReply:
+    """The next reply on a data connection (polled for `spin_s` before the receive sleeps: `ShmStaging._reply_spin`);
+    a refusal raises its typed error."""
+    answer = stream.recv(deadline, spin_s=spin_s)
     if answer.WhichOneof("kind") != "reply":
         raise ProtocolError(f"expected a reply on a data connection, got {answer.WhichOneof('kind')}")
     if stream.inline_bytes and stream.inline_bytes != answer.reply.payload_bytes:
@@ -365,8 +365,9 @@ class ShmStaging:
         request.completion.finish()
 
     def inline(self, local: Any, remote: common_pb2.BufferDescriptor, stall_s: float) -> InlineCopy:
-        """One small range through slot 0 of the peer's ring on the caller's thread, the agent's fast path (within
-        `stall_s`): the copy polled on the spot, one hand-off, the reply polled briefly before sleeping."""
+        """One range of up to `_INLINE_BYTES` through slot 0 of the peer's ring on the caller's thread, the agent's fast
+        path (within `stall_s`): the copy waited for on the spot, one hand-off, the reply polled for about as long as
+        the owner's copy takes (`_copy_spin`) before sleeping."""
         owner, region = remote.owner, local.region
 
         def run(write: bool, local_offset: int, remote_offset: int, length: int) -> None:
@@ -424,7 +425,7 @@ class ShmStaging:
                 message = peer_pb2.DataRead(buffer_id=remote.id, ranges=wire, key_proof=proof, last=True)
             self._hand_off(link, stream, stamp(message, deadline, shares_clock(remote)), 0, length, deadline)
             if write:
-                reply_of(stream, deadline, length)
+                reply_of(stream, deadline, self._reply_spin(length))
             else:
                 self._answer(link, stream, 0, length, deadline)
         if not write:
@@ -472,7 +473,12 @@ class ShmStaging:
 
     def _answer(self, link: _Link, stream: FrameStream, at: int, nbytes: int, deadline: float) -> None:
         """Take the owner's reply to the oldest chunk handed off (a read's `nbytes` are in its slot then)."""
-        reply_of(stream, deadline, nbytes)
+        reply_of(stream, deadline, self._reply_spin(nbytes))
+
+    def _reply_spin(self, nbytes: int) -> float:
+        """How long a wait for the reply to a chunk of `nbytes`, all this end waits for, polls before it sleeps: about
+        as long as the owner's copy of it takes (`_copy_spin`, plus `_POLL_S`)."""
+        return min(_POLL_S + _copy_spin(nbytes), _SPIN_MAX_S)
 
     def _layout(self, request: TransferRequest) -> tuple[int, int]:
         """(chunk size, chunks in flight): one slot per chunk, all slots in flight; pairs of slots for many short
@@ -521,7 +527,7 @@ class ShmStaging:
                     self._hand_off(link, stream, stamp(write, deadline, clocked), slot, nbytes, deadline)  # stamped as it goes
                     inflight.append(nbytes)
                 elif inflight:
-                    reply_of(stream, deadline, inflight[0])
+                    reply_of(stream, deadline, self._reply_spin(inflight[0]))
                     completion.add_bytes(inflight.popleft())
         finally:
             while queued:  # never leave a queued copy running into a ring the next transfer reuses

@@ -22,7 +22,8 @@ drained. Slots are made on first use (up to `_OWNER_SLOTS`) and freed when the
 connection ends.
 
 Concurrency: `BounceSlots._cond` guards the free list; the connection's thread takes
-slots, its OwnerSegments completion thread gives them back.
+slots, its OwnerSegments completion thread gives them back (or the connection's thread,
+when it answered the chunk itself: a small one, or a transfer's last, with nothing queued before it).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import numpy as np
 
 from hmc.errors import ProtocolError, TimeoutError
 from hmc.transport._pinned import PinnedMapping
-from hmc.transport._staged_shm import SLOT_BYTES, SMALL_BYTES, ShmStaging, _Link, frame_of, reply_of
+from hmc.transport._staged_shm import _POLL_S, SLOT_BYTES, SMALL_BYTES, ShmStaging, _Link, frame_of, reply_of
 from hmc.transport._wire import FrameStream
 from hmc.v1 import peer_pb2
 
@@ -53,6 +54,10 @@ class TcpRingStaging(ShmStaging):
     _PAIRED = False
     _MAILBOX = False
     _INLINE_BYTES = SMALL_BYTES  # a slot's bytes cross the network: the pipeline's overlap is worth its hand-offs
+
+    def _reply_spin(self, nbytes: int) -> float:
+        """A reply that waits on the network polls only for a small chunk (a larger one's bytes take milliseconds)."""
+        return _POLL_S if 0 < nbytes <= SMALL_BYTES else 0.0
 
     def _new_ring(self, size: int) -> tuple[PinnedMapping, str]:
         return PinnedMapping(None, size, create=True), ""
@@ -73,7 +78,7 @@ class TcpRingStaging(ShmStaging):
     def _answer(self, link: _Link, stream: FrameStream, at: int, nbytes: int, deadline: float) -> None:
         """Take the owner's reply to the oldest read asked for and receive its `nbytes` into the slot."""
         assert link.ring is not None
-        reply = reply_of(stream, deadline, nbytes)
+        reply = reply_of(stream, deadline, self._reply_spin(nbytes))
         if reply.payload_bytes != nbytes:
             raise ProtocolError(f"peer announced {reply.payload_bytes} bytes for a {nbytes}-byte read")
         stream.recv_into([link.ring.view(at, nbytes)], deadline)
