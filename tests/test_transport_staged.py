@@ -244,7 +244,7 @@ def test_a_reply_with_bytes_nobody_asked_for_breaks_the_round_trip(expect_payloa
     try:  # the ring's reply: a write's reply must carry no bytes
         ring_owner.send(peer_pb2.PeerFrame(reply=peer_pb2.PeerReply()), [memoryview(np.ones(16, np.uint8))], time.monotonic() + 5)
         with pytest.raises(ProtocolError):
-            reply_of(ring, time.monotonic() + 5, 4096)
+            reply_of(ring, time.monotonic() + 5)
     finally:
         ring.close()
         ring_owner.close()

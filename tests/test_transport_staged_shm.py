@@ -40,7 +40,8 @@ from hmc.errors import (
 from hmc.testing import PeerProcess
 from hmc.transport._pinned import SlotCopier
 from hmc.transport._staged_owner import OwnerSegments
-from hmc.transport._staged_shm import SLOT_BYTES, SMALL_BYTES, ShmStaging, _ring_dir
+from hmc.transport._staged_rings import _ring_dir
+from hmc.transport._staged_shm import SLOT_BYTES, SMALL_BYTES, ShmStaging
 from hmc.transport._wire import FrameStream, error_reply, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 

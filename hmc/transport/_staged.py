@@ -74,7 +74,8 @@ from typing import Any
 from hmc.errors import HMCError, ProtocolError, TimeoutError
 from hmc.memory import DeviceKind, MemoryKind
 from hmc.transport._base import Capabilities, InlineCopy, PathName, TransferOp, TransferRequest, Transport
-from hmc.transport._staged_shm import ShmStaging, same_host
+from hmc.transport._staged_rings import same_host
+from hmc.transport._staged_shm import ShmStaging
 from hmc.transport._staged_streams import Chunk, DataStream, Transfer, request_frame, request_views, stream_error
 from hmc.transport._staged_tcp_ring import TcpRingStaging
 from hmc.transport._deadlines import shares_clock, stamp

@@ -24,7 +24,8 @@ from typing import Any
 from hmc.errors import HMCError, ProtocolError, TimeoutError
 from hmc.transport._pinned import PinnedMapping, SlotCopier, no_wait
 from hmc.transport._staged_mailbox import MAILBOX_BYTES, SUPPORTED, Mailbox, token_of
-from hmc.transport._staged_shm import RING_NAME, SMALL_BYTES, ring_dirs
+from hmc.transport._staged_rings import RING_NAME, ring_dirs
+from hmc.transport._staged_shm import SMALL_BYTES
 from hmc.transport._wire import OK_FRAME, FrameStream, error_reply
 from hmc.v1 import peer_pb2
 

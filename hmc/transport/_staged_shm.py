@@ -61,17 +61,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import logging
 import os
 import queue
-import re
 import struct
-import tempfile
 import threading
 import time
 import traceback
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -79,22 +75,18 @@ import numpy as np
 
 from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutError, UnsupportedError
 from hmc.memory import DeviceKind
-from hmc.memory._machine import host_id
 from hmc.transport import _gpu_batch
 from hmc.transport._base import InlineCopy, TransferOp, TransferRequest
 from hmc.transport._pinned import Pending, PinnedMapping, SlotCopier, StuckCopy
 from hmc.transport._staged_mailbox import MAILBOX_BYTES, SUPPORTED, Mailbox, encode_request, token_of
+from hmc.transport._staged_rings import ring_path
 from hmc.transport._deadlines import shares_clock, stamp
 from hmc.transport._wire import FrameStream, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
-__all__ = ["RING_NAME", "SLOT_BYTES", "SMALL_BYTES", "ShmStaging", "frame_of", "reply_of", "ring_dirs", "same_host", "shm_available"]
+__all__ = ["SLOT_BYTES", "SMALL_BYTES", "ShmStaging", "frame_of", "reply_of"]
 
 _log = logging.getLogger(__name__)
-_SHM_DIR = "/dev/shm"
-_PREFIX = "hmc-staged-"
-RING_NAME = re.compile(r"hmc-staged-[0-9a-f]{32}")
-"""The names ring files have (the owner maps no other file)."""
 SLOT_BYTES = 16 << 20
 """A ring slot: the most one chunk of a staged device-memory transfer holds."""
 SMALL_BYTES = 256 << 10
@@ -113,38 +105,6 @@ the reply to a chunk of n bytes that is all this end waits for, polls for n / th
 `_SPIN_MAX_S`), since waking a thread costs tens to hundreds of microseconds on the project's VMs."""
 _SPIN_MAX_S = 1e-3
 Connect = Callable[[common_pb2.BufferDescriptor, float], FrameStream]
-
-
-def ring_dirs() -> tuple[str, ...]:
-    """Where rings may live: /dev/shm, else (a container's small /dev/shm) the temporary directory."""
-    return (_SHM_DIR, tempfile.gettempdir())
-
-
-def _ring_dir(size: int) -> str:
-    """The first ring directory with room for `size` bytes (twice over: two agents may hold rings)."""
-    for directory in ring_dirs():
-        try:
-            stat = os.statvfs(directory)
-        except OSError:
-            continue
-        if os.access(directory, os.W_OK) and stat.f_bavail * stat.f_frsize >= 2 * size:
-            return directory
-    raise UnsupportedError(f"no room for a {size >> 20} MiB staging ring in {' or '.join(ring_dirs())}")
-
-
-def shm_available() -> bool:
-    return any(os.path.isdir(d) and os.access(d, os.W_OK) for d in ring_dirs())
-
-
-@functools.cache
-def _ring_host() -> str:
-    """This host's id where a shared ring can be made here, else "" (asked once: every transfer checks it)."""
-    return host_id() if shm_available() else ""
-
-
-def same_host(agent: common_pb2.AgentInfo) -> bool:
-    """True when `agent` runs on this host and a shared ring can be made here."""
-    return bool(agent.host_id) and agent.host_id == _ring_host()
 
 
 # -- initiator side -------------------------------------------------------------
@@ -448,7 +408,7 @@ class ShmStaging:
 
     def _new_ring(self, size: int) -> tuple[PinnedMapping, str]:
         """A ring the owner maps too: a new file in the ring directory, and its path (named in every hand-off)."""
-        name = os.path.join(_ring_dir(size), f"{_PREFIX}{uuid.uuid4().hex}")
+        name = ring_path(size)
         try:
             return PinnedMapping(name, size, create=True), name
         except BaseException as exc:
