@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import signal
 import time
 from collections.abc import Iterator
 
@@ -14,7 +15,7 @@ from control_fixtures import DaemonSet, FakeAgent, Hmcd, daemon_set, wait_until
 
 from hmc.config import Config
 from hmc.control import Client
-from hmc.errors import AccessDeniedError, ArgumentError, BrokenResourceError, CancelledError, NoPathError, OutOfRangeError, ProtocolError, TimeoutError, UnknownBufferError
+from hmc.errors import AccessDeniedError, ArgumentError, BrokenResourceError, CancelledError, NoPathError, OutOfRangeError, ProtocolError, TimeoutError, UnavailableError, UnknownBufferError
 from hmc.transport._ranges import RangeList
 from hmc.v1 import common_pb2, daemon_pb2
 
@@ -177,6 +178,31 @@ def test_stopping_hmcd_tells_executors_to_stop_before_it_fails_their_transfers(d
         assert f"transfer {second.transfer_id} ended TRANSFER_STATE_FAILED: hmcd stopped (its executor had not confirmed" in log
     finally:
         for agent in (confirming, silent, dst_agent):
+            agent.close()
+
+
+def test_a_stopping_hmcd_starts_no_new_transfer(daemons: DaemonSet) -> None:
+    """A submit that arrives while hmcd stops (its executors told to cancel, the stop's grace running) is refused
+    UNAVAILABLE and instructs nobody: close() has already failed the transfers it knew of, and one started now would
+    run on after hmcd said it stopped."""
+    stopping = daemons.start("xstopsub")
+    silent, later, dst_agent = FakeAgent(stopping.config()), FakeAgent(stopping.config()), FakeAgent(stopping.config())
+    try:
+        with stopping.client() as client:
+            dst_agent.register("n-dst", size=8192)
+            silent.register("n-src1", size=4096)
+            later.register("n-src2", size=4096)
+            first = client.submit("n-src1", "n-dst", 0, 0, 4096, timeout=30.0)
+            wait_until(lambda: silent.instructions, what="the first instruction")
+            stopping.process.send_signal(signal.SIGTERM)
+            wait_until(lambda: silent.cancels == [first.transfer_id], what="the stop's cancel")  # within the stop's grace now
+            with pytest.raises(UnavailableError, match="stopping"):
+                client.submit("n-src2", "n-dst", 0, 4096, 4096, timeout=30.0)
+        stopping.stop()
+        assert later.instructions == []
+    finally:
+        stopping.stop()
+        for agent in (silent, later, dst_agent):
             agent.close()
 
 

@@ -99,6 +99,9 @@ class TransferTable:
     # -- submit -------------------------------------------------------------------
 
     async def submit(self, request: daemon_pb2.SubmitTransferRequest, call_timeout: float) -> daemon_pb2.TransferStatus:
+        """Start a transfer (instruct its executor, or forward it to the hmcd owning its source); refused once hmcd
+        is stopping, also when the stop began while the buffers were being resolved."""
+        self._refuse_if_closing()
         describe_ref(request.src), describe_ref(request.dst)
         ranges = RangeList.from_proto(request.ranges)
         if not len(ranges):
@@ -125,6 +128,7 @@ class TransferTable:
             op, local, remote = common_pb2.TRANSFER_OP_WRITE, src, dst
         else:  # src lives under a peer (never with local_only, which resolved src here)
             assert src_peer is not None
+            self._refuse_if_closing()
             return await self._forward(_forwarded(request, transfer_id, dst), src_peer, status, call_timeout)
 
         session = self._registry.owner(local.id)
@@ -136,12 +140,17 @@ class TransferTable:
         if session.process is not None or session.reads_daemon_clock:  # one clock with hmcd, or an agent that reads it on its own
             instruction.deadline_monotonic_s = time.monotonic() + timeout_s
         status.executor_agent = session.agent_id
+        self._refuse_if_closing()  # close() has told the executors it knows of to stop: none may start now
         if not session.send(daemon_pb2.DaemonMessage(instruction=instruction)):
             raise BusyResourceError(f"agent {session.agent_id!r} has too many queued instructions")
         record = _Transfer(status=status, executor=session)
         self._track(record, timeout_s)
         log.debug("transfer %s: %s executes %s of %d bytes over %s", transfer_id, session.agent_id, common_pb2.TransferOp.Name(op), ranges.total, choice.path.value)
         return _copy(status)
+
+    def _refuse_if_closing(self) -> None:
+        if self._closing:
+            raise UnavailableError("hmcd is stopping: it starts no new transfers")
 
     async def _forward(self, request: daemon_pb2.SubmitTransferRequest, peer: Peer, status: daemon_pb2.TransferStatus, call_timeout: float) -> daemon_pb2.TransferStatus:
         reply = await peer.submit(request, call_timeout)
