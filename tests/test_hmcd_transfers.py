@@ -159,50 +159,33 @@ def test_a_cancel_the_executor_does_not_confirm_leaves_the_transfer_running(hmcd
 
 def test_stopping_hmcd_tells_executors_to_stop_before_it_fails_their_transfers(daemons: DaemonSet) -> None:
     """SIGTERM: each executor is told to cancel and given the stop's grace to confirm; only then does the transfer
-    fail (UNAVAILABLE either way), so hmcd's verdict does not come while the executor still writes."""
+    fail (UNAVAILABLE either way), so hmcd's verdict does not come while the executor still writes. A submit that
+    arrives meanwhile is refused UNAVAILABLE and instructs nobody (one started then would run on after hmcd stopped)."""
     stopping = daemons.start("xstop")
     confirming, silent = FakeAgent(stopping.config(), confirm_cancels=True), FakeAgent(stopping.config())
-    dst_agent = FakeAgent(stopping.config())
+    dst_agent, later = FakeAgent(stopping.config()), FakeAgent(stopping.config())
     try:
         with stopping.client() as client:
             dst_agent.register("s-dst", size=8192)
             confirming.register("s-src1", size=4096)
             silent.register("s-src2", size=4096)
+            later.register("s-src3", size=4096)
             first = client.submit("s-src1", "s-dst", 0, 0, 4096, timeout=30.0)
             second = client.submit("s-src2", "s-dst", 0, 4096, 4096, timeout=30.0)
             wait_until(lambda: confirming.instructions and silent.instructions, what="instructions")
+            stopping.process.send_signal(signal.SIGTERM)
+            wait_until(lambda: silent.cancels == [second.transfer_id], what="the stop's cancels")  # its grace runs now
+            with pytest.raises(UnavailableError, match="stopping"):
+                client.submit("s-src3", "s-dst", 0, 0, 4096, timeout=30.0)
         stopping.stop()
         assert confirming.cancels == [first.transfer_id] and silent.cancels == [second.transfer_id]
+        assert later.instructions == []
         log = stopping.log_text()
         assert f"transfer {first.transfer_id} ended TRANSFER_STATE_FAILED: hmcd stopped (the executor stopped the transfer)" in log
         assert f"transfer {second.transfer_id} ended TRANSFER_STATE_FAILED: hmcd stopped (its executor had not confirmed" in log
     finally:
-        for agent in (confirming, silent, dst_agent):
-            agent.close()
-
-
-def test_a_stopping_hmcd_starts_no_new_transfer(daemons: DaemonSet) -> None:
-    """A submit that arrives while hmcd stops (its executors told to cancel, the stop's grace running) is refused
-    UNAVAILABLE and instructs nobody: close() has already failed the transfers it knew of, and one started now would
-    run on after hmcd said it stopped."""
-    stopping = daemons.start("xstopsub")
-    silent, later, dst_agent = FakeAgent(stopping.config()), FakeAgent(stopping.config()), FakeAgent(stopping.config())
-    try:
-        with stopping.client() as client:
-            dst_agent.register("n-dst", size=8192)
-            silent.register("n-src1", size=4096)
-            later.register("n-src2", size=4096)
-            first = client.submit("n-src1", "n-dst", 0, 0, 4096, timeout=30.0)
-            wait_until(lambda: silent.instructions, what="the first instruction")
-            stopping.process.send_signal(signal.SIGTERM)
-            wait_until(lambda: silent.cancels == [first.transfer_id], what="the stop's cancel")  # within the stop's grace now
-            with pytest.raises(UnavailableError, match="stopping"):
-                client.submit("n-src2", "n-dst", 0, 4096, 4096, timeout=30.0)
         stopping.stop()
-        assert later.instructions == []
-    finally:
-        stopping.stop()
-        for agent in (silent, later, dst_agent):
+        for agent in (confirming, silent, dst_agent, later):
             agent.close()
 
 

@@ -263,3 +263,36 @@ def test_a_pushed_read_that_timed_out_lets_go_of_its_memory_once_the_owner_repli
     _until(lambda: mapping.users == 0, "the owner's late reply lets go of the memory")
     asker.unregister(local)
     assert bool(np.all((sink == POISON) | (sink == 7)))
+
+
+def test_a_frozen_holder_leaves_the_other_holders_of_a_withdrawn_buffer_confirmed(
+    make_agent: Callable[..., Agent], make_peer: Callable[..., PeerProcess]
+) -> None:
+    """A withdrawal asks every holder at once, each with the whole deadline. Asked one after the other, a frozen
+    holder used up the deadline and every holder asked after it timed out too: counted as unconfirmed, its control
+    channel cut, so it took the live owner for gone. Now only the frozen one is unconfirmed."""
+    owner = make_agent(("ucx",), ucx_transports="tcp", timeout_s=1.0)  # the withdrawal's grace: min(timeout_s, 5 s)
+    owner._server._opened = _InOpeningOrder()  # type: ignore[attr-defined]  # the frozen holder is the first one asked
+    holders = [make_peer(("ucx",), ucx_transports="tcp") for _ in range(3)]
+    x = owner.register(np.full(4096, POISON, np.uint8))
+    for value, holder in enumerate(holders, start=1):
+        local = holder.register(4096, fill=value)
+        assert holder.transfer("write", local.id, x.descriptor, 0, 0, 4096) == "ucx"  # each holds a grant of x now
+    with holders[0].stalled(), pytest.raises(DeviceError, match="did not confirm") as refused:
+        owner.unregister(x.id)
+    assert str(refused.value).count("hmc-peer-") == 1, str(refused.value)
+
+
+class _InOpeningOrder(dict):  # type: ignore[type-arg]
+    """The agent server's holders of each buffer, kept in the order they opened it (its own are sets)."""
+
+    def setdefault(self, key: object, default: object = None) -> _Holders:
+        return super().setdefault(key, _Holders())  # type: ignore[no-any-return]
+
+
+class _Holders(dict):  # type: ignore[type-arg]
+    def add(self, channel: object) -> None:
+        self[channel] = None
+
+    def discard(self, channel: object) -> None:
+        self.pop(channel, None)

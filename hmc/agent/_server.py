@@ -52,7 +52,7 @@ from collections.abc import Callable
 from hmc.agent._buffers import BufferTable, ConnBuffer
 from hmc.agent._transfer import Notification, NotificationInbox
 from hmc.errors import AccessDeniedError, DeviceError, HMCError, ProtocolError, TimeoutError, UnknownBufferError
-from hmc.transport._channel import DEFERRED, Channel
+from hmc.transport._channel import DEFERRED, Channel, request_each
 from hmc.transport._ranges import RangeList
 from hmc.transport._staged_serve import DataConnections
 from hmc.transport._handshake import accept_handshake, tune_socket
@@ -274,19 +274,19 @@ class PeerServer:
         their puts); "" when all did. A peer that is gone, or one that refused otherwise, holds nothing any more."""
         with self._lock:
             holders = self._opened.pop(buffer_id, set())
-        frame = peer_pb2.PeerFrame(withdrawn=peer_pb2.Withdrawn(buffer_id=buffer_id))
+        asks = [(channel, peer_pb2.PeerFrame(withdrawn=peer_pb2.Withdrawn(buffer_id=buffer_id))) for channel in holders]
         unconfirmed = []
-        for channel in holders:
-            try:
-                channel.request(frame, deadline)
-            except DeviceError as exc:  # it answered: its transfers may still land (its channel stays: it holds other grants)
-                _log.warning("withdrawn %s: %s cannot confirm it (%s)", buffer_id, channel.name, exc)
-                unconfirmed.append(f"{channel.name} ({exc})")
-            except HMCError as exc:  # cut it: a peer whose channel breaks drops every grant it holds from this agent
-                _log.info("withdrawn %s not acknowledged by %s (%s): connection cut", buffer_id, channel.name, exc)
+        for (channel, _), outcome in zip(asks, request_each(asks, deadline)):  # all asked at once, each with the whole deadline
+            if isinstance(outcome, DeviceError):  # it answered: its transfers may still land (its channel stays: it holds other grants)
+                _log.warning("withdrawn %s: %s cannot confirm it (%s)", buffer_id, channel.name, outcome)
+                unconfirmed.append(f"{channel.name} ({outcome})")
+            elif isinstance(outcome, HMCError):  # cut it: a peer whose channel breaks drops every grant it holds from this agent
+                _log.info("withdrawn %s not acknowledged by %s (%s): connection cut", buffer_id, channel.name, outcome)
                 channel.stream.abort()
-                if isinstance(exc, TimeoutError):
-                    unconfirmed.append(f"{channel.name} ({exc})")
+                if isinstance(outcome, TimeoutError):
+                    unconfirmed.append(f"{channel.name} ({outcome})")
+            elif isinstance(outcome, BaseException):
+                raise outcome
         return ", ".join(unconfirmed)
 
     def cut(self, buffer_id: str) -> int:

@@ -7,7 +7,7 @@ waiting caller. When the connection breaks, every pending request fails with
 BrokenResourceError and `on_close` runs once; requests whose deadline passes
 fail with TimeoutError (checked every `_TICK_S`).
 
-Concurrency: `request()`, `request_async()` and `reply()` may be called from any
+Concurrency: `request()`, `request_async()`, `request_each()` and `reply()` may be called from any
 thread. The handler and every async callback run on the reader thread: they must
 be quick and must never wait on this channel; a handler with a long job returns
 `DEFERRED` and answers with `reply()` when it is done.
@@ -20,13 +20,13 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hmc.errors import BrokenResourceError, HMCError, ProtocolError, TimeoutError
 from hmc.transport._wire import FrameStream, error_reply, raise_for_reply
 from hmc.v1 import peer_pb2
 
-__all__ = ["DEFERRED", "Channel", "ReplyCallback"]
+__all__ = ["DEFERRED", "Channel", "ReplyCallback", "request_each"]
 
 _log = logging.getLogger(__name__)
 _TICK_S = 0.25
@@ -178,3 +178,46 @@ class Channel:
         self.stream.shutdown()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+
+def request_each(requests: Sequence[tuple[Channel, peer_pb2.PeerFrame]], deadline: float) -> list[peer_pb2.PeerReply | BaseException]:
+    """Send every request on its channel at once, then wait until `deadline` for all the replies: for each, in order,
+    its reply or the error it met (a refusal's typed error, the channel's end, TimeoutError). Each request has the
+    whole of the deadline: one peer that does not answer costs the others nothing."""
+    done = threading.Condition()
+    outcomes: list[peer_pb2.PeerReply | BaseException | None] = [None] * len(requests)
+
+    def finisher(index: int) -> ReplyCallback:
+        def finish(reply: peer_pb2.PeerReply | None, error: BaseException | None) -> None:
+            with done:
+                outcomes[index] = error if error is not None else reply
+                done.notify_all()
+
+        return finish
+
+    for index, (channel, frame) in enumerate(requests):
+        try:
+            channel.request_async(frame, deadline, finisher(index))
+        except HMCError as exc:
+            with done:
+                outcomes[index] = exc
+    with done:
+        done.wait_for(lambda: None not in outcomes, max(deadline - time.monotonic(), 0.0))
+        late = [index for index, outcome in enumerate(outcomes) if outcome is None]
+    for index in late:
+        channel, frame = requests[index]
+        if channel._take(frame.request_id) is not None:
+            with done:
+                outcomes[index] = TimeoutError(f"no reply from {channel.stream.peer} before the deadline")
+    with done:  # the rest were taken by their channel (a reply, its expiry, its end) just now: their callbacks run
+        done.wait_for(lambda: None not in outcomes)
+    results: list[peer_pb2.PeerReply | BaseException] = []
+    for outcome in outcomes:
+        assert outcome is not None
+        if isinstance(outcome, peer_pb2.PeerReply):
+            try:
+                raise_for_reply(outcome)
+            except HMCError as exc:
+                outcome = exc
+        results.append(outcome)
+    return results
