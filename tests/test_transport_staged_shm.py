@@ -213,6 +213,36 @@ def test_the_ring_fast_path_fails_typed_when_the_owner_dies(config: Config, make
         assert not src.inline_routes  # the failed route is forgotten: the next call takes the slow path again
 
 
+@pytest.mark.usefixtures("ring_only")
+@pytest.mark.parametrize("mailbox", [True, False], ids=["mailbox", "socket"])
+def test_a_one_slot_range_fails_typed_and_at_once_when_its_owner_dies_mid_copy(
+    config: Config, make_peer: Any, monkeypatch: pytest.MonkeyPatch, mailbox: bool
+) -> None:
+    """A range of a whole slot on the caller's thread, its owner frozen and then killed: the write fails typed when
+    the owner dies, not at its deadline (30 s), through the mailbox or (where there is none) the socket."""
+    monkeypatch.setattr(ShmStaging, "_MAILBOX", mailbox)
+    doomed = make_peer()
+    remote = doomed.register(SLOT_BYTES, fill=POISON)
+    with Agent(config.replace(policy=STAGED, timeout_s=30.0), daemon=False) as a:
+        src = a.register(np.full(SLOT_BYTES, 7, np.uint8))
+        a.write(src, remote, 0, 0, 4096).wait()
+        assert src.inline_routes[remote.id].max_bytes == SLOT_BYTES
+        failed: list[BaseException] = []
+
+        def write() -> None:
+            try:
+                a.write(src, remote, 0, 0, SLOT_BYTES).wait()
+            except HMCError as exc:
+                failed.append(exc)
+
+        writer = threading.Thread(target=write)
+        with doomed.stalled():
+            writer.start()
+            doomed.kill()
+        writer.join(10.0)
+        assert not writer.is_alive() and len(failed) == 1, "the write waited for its deadline, not for its owner's end"
+
+
 @contextlib.contextmanager
 def _hostile_ring(size: int) -> Iterator[tuple[str, int]]:
     """A ring file an initiator of this host made (its path, and its descriptor, to resize it), removed afterwards."""
