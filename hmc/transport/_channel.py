@@ -15,7 +15,6 @@ be quick and must never wait on this channel; a handler with a long job returns
 
 from __future__ import annotations
 
-import _thread
 import itertools
 import logging
 import threading
@@ -78,25 +77,10 @@ class Channel:
 
     def request(self, frame: peer_pb2.PeerFrame, deadline: float) -> peer_pb2.PeerReply:
         """Send a request and wait for its reply (typed error if the reply carries one)."""
-        latch = _thread.allocate_lock()
-        latch.acquire()
-        outcome: list[peer_pb2.PeerReply | BaseException | None] = [None]
-
-        def done(reply: peer_pb2.PeerReply | None, error: BaseException | None) -> None:
-            outcome[0] = error if error is not None else reply
-            latch.release()
-
-        self.request_async(frame, deadline, done)
-        if not latch.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
-            if self._take(frame.request_id) is not None:
-                raise TimeoutError(f"no reply from {self.stream.peer} before the deadline")
-            latch.acquire()
-        result = outcome[0]
-        if isinstance(result, BaseException):
-            raise result
-        assert result is not None
-        raise_for_reply(result)
-        return result
+        (outcome,) = request_each([(self, frame)], deadline)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     def _take(self, request_id: int) -> ReplyCallback | None:
         with self._lock:
