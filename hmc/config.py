@@ -17,6 +17,7 @@ TOML layout (every key optional; each key has exactly one home)::
     tls_cert = "" / tls_key = "" / tls_ca = ""   # HMC_TLS_CERT, HMC_TLS_KEY, HMC_TLS_CA
     peer_max_connections = 1024         # HMC_PEER_MAX_CONNECTIONS
     keepalive_s = 5.0                   # HMC_KEEPALIVE_S
+    notify_inbox_bytes = 67108864       # HMC_NOTIFY_INBOX_BYTES
     [transfer]
     timeout_s = 30.0                    # HMC_TIMEOUT_S
     streams = 4                         # HMC_STAGED_STREAMS
@@ -44,7 +45,7 @@ TOML layout (every key optional; each key has exactly one home)::
 Validation (pydantic models; the environment is read by pydantic-settings): types are strict
 in the file and in `Config(...)` (`timeout_s = "30"` is refused), environment strings are
 parsed; values are range-checked (seconds finite, > 0 and <= 1e6; 1..64 staged streams and
-ipc threads; 1..64 UCX workers; chunks >= 4096 bytes; 1..65536 peer connections); unknown keys are refused in
+ipc threads; 1..64 UCX workers; chunks >= 4096 bytes; 1..65536 peer connections; 1 MiB..1 TiB of notifications); unknown keys are refused in
 every table, unknown `HMC_*` variables are left alone (other parts read a few, e.g.
 HMC_HOST_ID). Every refusal is an `ArgumentError` naming the key (`transfer.streams`,
 `HMC_TIMEOUT_S`); no pydantic error leaves this module.
@@ -228,6 +229,9 @@ class Config(_Frozen):
     """Inbound connections an agent's peer port serves at once; further ones are refused until one closes."""
     keepalive_s: Seconds = 5.0
     """Idle peer connections are probed this often (TCP keepalive), so a silent peer is detected."""
+    notify_inbox_bytes: Annotated[int, Field(ge=1 << 20, le=1 << 40)] = 64 << 20
+    """Notification payload an agent holds for `notifications()` to drain: a notification beyond it is refused (its
+    sender's transfer fails BUSY; the data has landed), so an owner that stops draining cannot run out of memory."""
     directory: DirectoryKind = "static"
     """How nodes find each other: `static` (static_peers) or `etcd` (a cluster on etcd_endpoints)."""
     etcd_endpoints: Annotated[tuple[NonEmpty, ...], Field(strict=False)] = ()

@@ -9,7 +9,7 @@ import pytest
 
 from hmc.agent import Notification, TransferHandle, TransferState
 from hmc.agent._transfer import NotificationInbox
-from hmc.errors import ArgumentError, BrokenResourceError, CancelledError, TimeoutError
+from hmc.errors import ArgumentError, BrokenResourceError, BusyResourceError, CancelledError, TimeoutError
 from hmc.v1 import common_pb2
 
 
@@ -87,12 +87,27 @@ def test_transfer_ids_are_unique_and_stable() -> None:
 
 
 def test_inbox_delivers_each_transfer_once_and_drains() -> None:
-    inbox = NotificationInbox(remember=4)
+    inbox = NotificationInbox(1 << 20, remember=4)
     note = Notification("b", "t1", b"p", "a")
     assert inbox.deliver(note) and not inbox.deliver(note)
     assert inbox.drain(0) == [note] and inbox.drain(0) == []
     threading.Timer(0.05, inbox.deliver, args=(Notification("b", "t2", b"", "a"),)).start()
     assert [n.transfer_id for n in inbox.drain(5.0)] == ["t2"]
+
+
+def test_a_full_inbox_refuses_a_notification_typed_and_takes_it_once_drained() -> None:
+    inbox = NotificationInbox(10, remember=3)
+    assert inbox.deliver(Notification("b", "t1", b"123456", "a"))
+    with pytest.raises(BusyResourceError, match="6 bytes"):  # 6 + 5 bytes > 10
+        inbox.deliver(Notification("b", "t2", b"abcde", "a"))
+    assert inbox.deliver(Notification("b", "t3", b"wxyz", "a"))  # 6 + 4 fits exactly
+    assert [n.transfer_id for n in inbox.drain(0)] == ["t1", "t3"]
+    assert inbox.deliver(Notification("b", "t2", b"abcde", "a"))  # nothing was remembered of the refused one
+    assert not inbox.deliver(Notification("b", "t1", b"", "a"))  # delivered ones still are
+    assert inbox.deliver(Notification("b", "t4", b"", "a")) and inbox.deliver(Notification("b", "t5", b"", "a"))
+    with pytest.raises(BusyResourceError, match="3 notifications"):  # empty ones count too: at most `remember` held
+        inbox.deliver(Notification("b", "t6", b"", "a"))
+    assert [n.payload for n in inbox.drain(0)] == [b"abcde", b"", b""]
 
 
 def test_wait_and_done_complete_a_driven_transfer_on_the_callers_thread() -> None:

@@ -1,4 +1,4 @@
-"""The agent's peer listener under hostile or broken input: typed replies, that connection only."""
+"""The agent's peer listener under hostile or broken input: typed replies, that connection only; bounded notifications."""
 
 from __future__ import annotations
 
@@ -11,16 +11,19 @@ import numpy as np
 import pytest
 
 from hmc.agent import Agent, ConnBuffer
+from hmc.config import Config
 from hmc.errors import (
     AccessDeniedError,
     BrokenResourceError,
+    BusyResourceError,
     OutOfRangeError,
     ProtocolError,
     UnknownBufferError,
     VersionMismatchError,
     error_from_code,
 )
-from hmc.transport._ranges import RangeList
+from hmc.testing import PeerProcess
+from hmc.transport._ranges import MAX_NOTIFY_BYTES, MAX_TRANSFER_ID, RangeList
 from hmc.transport._handshake import connect, handshake
 from hmc.transport._wire import FrameStream
 from hmc.v1 import common_pb2, peer_pb2
@@ -173,3 +176,51 @@ def test_peer_dying_mid_payload_leaves_the_agent_serving(agent: Agent, target: C
     stream.send(_write_frame(stream, target.descriptor, [0], [60000]), [memoryview(b"\x02" * 100)])
     stream.close()
     _agent_still_serves(agent, target, make_agent)
+
+
+def test_a_notification_too_large_or_with_a_long_transfer_id_is_refused_and_never_delivered(agent: Agent, target: ConnBuffer, make_agent: object) -> None:
+    """A peer that skips the sender's checks (`check_notify`) is refused by the owner, on that request only."""
+    control = _open(agent, CONTROL, target.descriptor)
+
+    def notify(request_id: int, payload: bytes, transfer_id: str) -> BaseException | None:
+        proof = control.proof(target.descriptor.access_key)
+        control.send(peer_pb2.PeerFrame(request_id=request_id, notify=peer_pb2.Notify(buffer_id=target.id, key_proof=proof, transfer_id=transfer_id, payload=payload)))
+        return _reply_error(control)
+
+    assert isinstance(notify(1, b"\x07" * (MAX_NOTIFY_BYTES + 1), "t-big"), ProtocolError)
+    assert isinstance(notify(2, b"\x07", "t" * (MAX_TRANSFER_ID + 1)), ProtocolError)
+    assert agent.notifications(0) == []
+    largest = bytes(range(256)) * (MAX_NOTIFY_BYTES // 256)
+    assert notify(3, largest, "t" * MAX_TRANSFER_ID) is None  # the same connection goes on; the largest of each passes
+    [delivered] = agent.notifications(0)
+    assert (delivered.payload, delivered.transfer_id, delivered.sender_agent) == (largest, "t" * MAX_TRANSFER_ID, "raw-test-peer")
+    control.close()
+    _agent_still_serves(agent, target, make_agent)
+
+
+def test_an_owner_that_does_not_drain_refuses_notifications_past_its_inbox_and_takes_them_again_once_drained(
+    config: Config, rng: np.random.Generator
+) -> None:
+    """A real peer process sends; the owner holds at most `notify_inbox_bytes`: the sender's transfer fails BUSY (its
+    data landed: the notification is what was refused), and once drained the same notification is taken."""
+    size = 1 << 16
+    with Agent(config.replace(notify_inbox_bytes=1 << 20), daemon=False) as owner:
+        peer = PeerProcess(config)
+        try:
+            target = owner.register(np.full(size, POISON, np.uint8))
+            data = rng.integers(0, 256, size, dtype=np.uint8)
+            source = peer.register(size)
+            peer.fill(source.id, data.tobytes())
+            notes = [rng.integers(0, 256, MAX_NOTIFY_BYTES // 2, dtype=np.uint8).tobytes() for _ in range(3)]
+            peer.transfer("write", source.id, target.descriptor, 0, 0, 4096, notify=notes[0])
+            peer.transfer("write", source.id, target.descriptor, 4096, 4096, 4096, notify=notes[1])  # exactly full
+            with pytest.raises(BusyResourceError, match="undrained"):
+                peer.transfer("write", source.id, target.descriptor, 8192, 8192, 4096, notify=notes[2])
+            expected = np.full(size, POISON, np.uint8)
+            expected[:12288] = data[:12288]  # the refused notification's data landed before it was sent
+            assert np.array_equal(target.numpy(), expected)
+            assert [n.payload for n in owner.notifications(0)] == notes[:2]
+            peer.transfer("write", source.id, target.descriptor, 8192, 8192, 4096, notify=notes[2])
+            assert [n.payload for n in owner.notifications(5.0)] == notes[2:]
+        finally:
+            peer.close()

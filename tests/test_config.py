@@ -88,6 +88,7 @@ def test_environment_strings_are_parsed() -> None:
         ({"HMC_IPC_THREADS": "65"}, "HMC_IPC_THREADS"),
         ({"HMC_PEER_MAX_CONNECTIONS": "0"}, "HMC_PEER_MAX_CONNECTIONS"),
         ({"HMC_PEER_MAX_CONNECTIONS": "65537"}, "HMC_PEER_MAX_CONNECTIONS"),
+        ({"HMC_NOTIFY_INBOX_BYTES": "1048575"}, "HMC_NOTIFY_INBOX_BYTES"),  # below one notification's 1 MiB
         ({"HMC_METRICS": "maybe"}, "HMC_METRICS"),
         ({"HMC_NODE": ""}, "HMC_NODE"),
         ({"HMC_PATHS_DENY": "teleport"}, "HMC_PATHS_DENY"),

@@ -16,7 +16,7 @@ from control_fixtures import DaemonSet, FakeAgent, Hmcd, daemon_set, wait_until
 from hmc.config import Config
 from hmc.control import Client
 from hmc.errors import AccessDeniedError, ArgumentError, BrokenResourceError, CancelledError, NoPathError, OutOfRangeError, ProtocolError, TimeoutError, UnavailableError, UnknownBufferError
-from hmc.transport._ranges import RangeList
+from hmc.transport._ranges import MAX_NOTIFY_BYTES, MAX_TRANSFER_ID, RangeList
 from hmc.v1 import common_pb2, daemon_pb2
 
 FINAL = (common_pb2.TRANSFER_STATE_DONE, common_pb2.TRANSFER_STATE_FAILED, common_pb2.TRANSFER_STATE_CANCELLED)
@@ -210,6 +210,20 @@ def test_bad_submissions_are_refused_up_front(client: Client, pair: tuple[FakeAg
     with pytest.raises(ArgumentError, match="no transfer"):
         client.wait("not-a-transfer", timeout=1.0)
     assert not src_agent.instructions
+    with pytest.raises(ArgumentError, match="notify of 1048577 bytes"):  # the client's own check
+        client.submit("b-src", "b-dst", 0, 0, 8, notify=b"n" * (MAX_NOTIFY_BYTES + 1))
+    ranges = common_pb2.RangeList(src_offsets=bytes(8), dst_offsets=bytes(8), lengths=(8).to_bytes(8, "little"))
+    for oversized in ({"notification": b"n" * (MAX_NOTIFY_BYTES + 1)}, {"transfer_id": "t" * (MAX_TRANSFER_ID + 1)}):  # past the client: hmcd checks
+        request = daemon_pb2.SubmitTransferRequest(src=daemon_pb2.BufferRef(name="b-src"), dst=daemon_pb2.BufferRef(name="b-dst"), ranges=ranges, **oversized)
+        with pytest.raises(ArgumentError, match="at most"):
+            client._call(client._transfers.Submit, request)  # noqa: SLF001 - a raw request on purpose
+    assert not src_agent.instructions
+    request.transfer_id = "t" * MAX_TRANSFER_ID  # the longest id passes
+    client._call(client._transfers.Submit, request)  # noqa: SLF001
+    wait_until(lambda: src_agent.instructions, what="instruction")
+    assert [i.transfer_id for i in src_agent.instructions] == [request.transfer_id]
+    src_agent.link.report(daemon_pb2.TransferReport(transfer_id=request.transfer_id, state=common_pb2.TRANSFER_STATE_DONE, bytes_done=8, path="ipc"))
+    assert client.wait(request.transfer_id, timeout=5.0).state == common_pb2.TRANSFER_STATE_DONE
 
 
 def test_no_path_is_refused(hmcd: Hmcd, client: Client) -> None:

@@ -106,7 +106,7 @@ class Agent:
         self._closed = False
         self._link: DaemonLink | None = None
         self._buffers = BufferTable(self._registry_epochs)
-        self._inbox = NotificationInbox()
+        self._inbox = NotificationInbox(self.config.notify_inbox_bytes)
         self._instructions = Instructions(
             lambda op, local, remote, ranges, notify, timeout, tid: self._submit(op, local, remote, ranges, notify, timeout, None, tid),
             self._buffers,

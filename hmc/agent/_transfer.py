@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from hmc.errors import CancelledError, HMCError, TimeoutError
+from hmc.errors import BusyResourceError, CancelledError, HMCError, TimeoutError
 from hmc.transport._ranges import check_timeout
 from hmc.v1 import common_pb2
 
@@ -88,19 +88,33 @@ class Notification:
 
 
 class NotificationInbox:
-    """The owner's queue of notifications, deduplicated by transfer id (exactly once)."""
+    """The owner's queue of notifications, deduplicated by transfer id (exactly once), holding at most `max_bytes`
+    of payload and `remember` notifications undrained: beyond that a notification is refused (BusyResourceError, its
+    sender's transfer fails with it) rather than held, so an owner that stops draining cannot run out of memory."""
 
-    def __init__(self, remember: int = 1 << 16) -> None:
+    def __init__(self, max_bytes: int, remember: int = 1 << 16) -> None:
         self._queue: queue.SimpleQueue[Notification] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards _seen
+        self._lock = threading.Lock()  # guards _seen and _held
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._remember = remember
+        self._max_bytes = max_bytes
+        self._held = 0
+        self._queued = 0
 
     def deliver(self, notification: Notification) -> bool:
-        """Queue it unless this transfer id was delivered before; True when queued."""
+        """Queue it unless this transfer id was delivered before; True when queued. BusyResourceError when it does not
+        fit (nothing is remembered of it: the same transfer id may be delivered later)."""
+        size = len(notification.payload)
         with self._lock:
             if notification.transfer_id in self._seen:
                 return False
+            if self._held + size > self._max_bytes or self._queued >= self._remember:
+                raise BusyResourceError(
+                    f"the owner holds {self._queued} notifications ({self._held} bytes) undrained: no room for {size} more bytes"
+                    f" (at most {self._remember} and notify_inbox_bytes = {self._max_bytes})"
+                )
+            self._held += size
+            self._queued += 1
             self._seen[notification.transfer_id] = None
             if len(self._seen) > self._remember:
                 self._seen.popitem(last=False)
@@ -116,6 +130,10 @@ class NotificationInbox:
                 out.append(self._queue.get_nowait())
         except queue.Empty:
             pass
+        if out:
+            with self._lock:
+                self._held -= sum(len(n.payload) for n in out)
+                self._queued -= len(out)
         return out
 
 

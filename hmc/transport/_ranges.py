@@ -33,7 +33,7 @@ import numpy as np
 from hmc.errors import ArgumentError, OutOfRangeError, ProtocolError
 from hmc.v1 import common_pb2
 
-__all__ = ["MAX_TIMEOUT_S", "RangeList", "check_notify", "check_timeout", "end_to_end", "iovec_rows"]
+__all__ = ["MAX_NOTIFY_BYTES", "MAX_TIMEOUT_S", "MAX_TRANSFER_ID", "RangeList", "check_notify", "check_timeout", "end_to_end", "iovec_rows"]
 
 _I64 = np.dtype("<i8")
 _I64_MAX = int(np.iinfo(np.int64).max)
@@ -93,6 +93,12 @@ class _Facts:
 
 MAX_TIMEOUT_S = 1e6
 """The longest timeout a transfer or a wait takes (11.6 days): deadlines stay exact, computable numbers."""
+MAX_NOTIFY_BYTES = 1 << 20
+"""The largest notification a transfer may carry: owners refuse larger ones, so a peer cannot fill their memory
+with one (what they hold undrained in all is bounded by `Config.notify_inbox_bytes`)."""
+MAX_TRANSFER_ID = 256
+"""The longest transfer id a notification or an hmcd submit carries (an agent's: 12 hex digits and a count; hmcd's:
+32 hex digits): owners keep recent ids to deliver each notification once."""
 
 
 def check_timeout(timeout: object, name: str = "timeout") -> float:
@@ -112,10 +118,16 @@ def check_timeout(timeout: object, name: str = "timeout") -> float:
 
 
 def check_notify(notify: object) -> bytes | None:
-    """A transfer's notification: None or bytes-like (as bytes); ArgumentError otherwise (a str is not encoded here)."""
-    if notify is not None and not isinstance(notify, (bytes, bytearray, memoryview)):
+    """A transfer's notification: None or bytes-like of at most MAX_NOTIFY_BYTES (as bytes); ArgumentError otherwise
+    (a str is not encoded here; an oversized one is refused before it is copied)."""
+    if notify is None:
+        return None
+    if not isinstance(notify, (bytes, bytearray, memoryview)):
         raise ArgumentError(f"notify must be bytes, got {type(notify).__name__}")
-    return None if notify is None else bytes(notify)
+    size = memoryview(notify).nbytes
+    if size > MAX_NOTIFY_BYTES:
+        raise ArgumentError(f"notify of {size} bytes exceeds the {MAX_NOTIFY_BYTES} a notification may carry")
+    return bytes(notify)
 
 
 def _check_few(offsets: list[int], lengths: list[int], size: int, name: str) -> None:

@@ -26,7 +26,7 @@ from hmc.config import Config
 from hmc.control import Client
 from hmc.errors import ArgumentError, OutOfRangeError
 from hmc.testing import PeerProcess
-from hmc.transport._ranges import RangeList
+from hmc.transport._ranges import MAX_NOTIFY_BYTES, RangeList
 from hmc.v1 import common_pb2, daemon_pb2
 
 SIZE = 64 << 10
@@ -85,6 +85,7 @@ CASES = [
     Case("dst-overlap-in-a-block-batch", {"a": np.arange(12) * BLOCK, "b": np.array([2, 5, 3, 9, 7, 4, 11, 6, 8, 10, 12, 5]) * BLOCK, "n": BLOCK}),
     Case("dst-overlap-in-a-mixed-batch", {"a": np.arange(10) * BLOCK, "b": np.array([9, 1, 3, 5, 7, 2, 11, 13, 15, 12]) * BLOCK, "n": np.array([BLOCK] * 5 + [BLOCK + 1] + [BLOCK] * 4)}),
     Case("notify-str", {"notify": "done"}),
+    Case("notify-over-1MiB", {"notify": memoryview(bytes(MAX_NOTIFY_BYTES + 1))}),
     Case("local-none", {"local": None}),
     Case("remote-none", {"remote": None}),
     Case("remote-bytes", {"remote": b"descriptor"}),
