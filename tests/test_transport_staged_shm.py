@@ -38,7 +38,7 @@ from hmc.errors import (
     ProtocolError,
 )
 from hmc.testing import PeerProcess
-from hmc.transport._pinned import SlotCopier
+from hmc.transport._pinned import SlotCopier, StuckCopy
 from hmc.transport._staged_owner import OwnerSegments
 from hmc.transport._staged_rings import _ring_dir
 from hmc.transport._staged_shm import SLOT_BYTES, SMALL_BYTES, ShmStaging
@@ -160,6 +160,75 @@ def test_owner_answers_a_small_copy_on_the_reading_thread_unless_copies_are_queu
     owner.drain()
     assert [request_id for request_id, _ in stream.sent][-2:] == [5, 6] and waited_on[-2:] == ["hmc-staged-shm-owner"] * 2
     owner.close()
+
+
+class _Ring:
+    """A stand-in mapped ring: records whether the owner unpinned and unmapped it."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("queued", [True, False], ids=["queued", "on-the-reading-thread"])
+def test_a_stuck_copy_keeps_what_it_touches_and_fails_the_copies_behind_it_at_once(monkeypatch: pytest.MonkeyPatch, queued: bool) -> None:
+    """A copy past its bound may still run (a hung GPU): its chunk is answered TIMEOUT, but its buffer stays held and
+    its rings pinned; a copy queued behind it on the stream fails at once, not after a bound of its own, and
+    keeps its buffer too; the connection then takes no new copy (refused, nothing held)."""
+    waited: list[int] = []
+
+    def start(self: Any, region: Any, offsets: Any, lengths: Any, slot: Any, at: int, *, to_slot: bool, deadline: float) -> Any:
+        def wait(deadline: float) -> None:
+            waited.append(at)
+            if at == 0:  # the hung copy: its bound passed (the copier's own wait says so; no clock runs here)
+                raise StuckCopy("a staging copy did not finish before the deadline")
+
+        return wait
+
+    monkeypatch.setattr(SlotCopier, "start", start)
+    stream = _Replies()
+    owner = OwnerSegments(stream)  # type: ignore[arg-type]
+    ring = _Ring()
+    owner._mappings["ring"] = ring  # type: ignore[assignment]  # a ring it mapped
+    released: list[int] = []
+    size = SMALL_BYTES + 1 if queued else 4096  # a big one goes to the completion thread; a small one is answered here
+    owner.start(1, None, [0], [size], None, 0, total=size, to_slot=False, release=lambda: released.append(1))  # type: ignore[arg-type]
+    if queued:
+        owner.start(2, None, [0], [size], None, 1, total=size, to_slot=False, release=lambda: released.append(2))  # type: ignore[arg-type]
+    owner.drain()
+    timeout = int(common_pb2.ERROR_CODE_TIMEOUT)
+    assert stream.sent == ([(1, timeout), (2, timeout)] if queued else [(1, timeout)])
+    assert waited == [0] and released == []  # the copy behind was never waited for; nothing was let go of
+    owner.start(3, None, [0], [4096], None, 1, total=4096, to_slot=False, release=lambda: released.append(3))  # type: ignore[arg-type]
+    assert stream.sent[-1] == (3, int(common_pb2.ERROR_CODE_DEVICE)) and released == [3] and waited == [0]
+    owner.close()
+    assert not ring.closed
+
+
+def test_a_failed_copy_that_is_not_stuck_lets_go_of_its_buffer_and_ring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The contrast: a copy that failed (it will not run) releases its buffer, and the ring is unmapped at close."""
+
+    def start(self: Any, region: Any, offsets: Any, lengths: Any, slot: Any, at: int, *, to_slot: bool, deadline: float) -> Any:
+        def wait(deadline: float) -> None:
+            raise DeviceError("the copy failed")
+
+        return wait
+
+    monkeypatch.setattr(SlotCopier, "start", start)
+    stream = _Replies()
+    owner = OwnerSegments(stream)  # type: ignore[arg-type]
+    ring = _Ring()
+    owner._mappings["ring"] = ring  # type: ignore[assignment]
+    released: list[int] = []
+    for request_id in (1, 2):
+        owner.start(request_id, None, [0], [SMALL_BYTES + 1], None, 0, total=SMALL_BYTES + 1, to_slot=False, release=lambda i=request_id: released.append(i))  # type: ignore[arg-type,misc]
+    owner.drain()
+    device = int(common_pb2.ERROR_CODE_DEVICE)
+    assert stream.sent == [(1, device), (2, device)] and released == [1, 2]
+    owner.close()
+    assert ring.closed
 
 
 @pytest.mark.usefixtures("ring_only")

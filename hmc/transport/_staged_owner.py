@@ -8,12 +8,16 @@ it follows: a single-range request from the mailbox, a frame marked `last`) with
 it is answered by the thread that read its frame: one thread hand-off less, which a transfer of one
 chunk otherwise pays on top of its two copies. Every copy is bounded by `_OWNER_COPY_S`.
 The connection's frames are read, checked and handed here by `_staged_serve`.
+
+A copy that misses its bound (`StuckCopy`: a hung GPU) may still run: its chunk is answered with the error, but
+the buffer it touches stays held (the owner's `unregister` then says its memory must be kept) and the rings stay
+pinned (never unpinned or unmapped here), as the initiator abandons its ring; the copies queued behind it on the
+same stream fail at once the same way, and the connection takes no new copy.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import os
 import threading
@@ -21,8 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hmc.errors import HMCError, ProtocolError, TimeoutError
-from hmc.transport._pinned import PinnedMapping, SlotCopier, no_wait
+from hmc.errors import DeviceError, HMCError, ProtocolError, TimeoutError
+from hmc.transport._pinned import PinnedMapping, SlotCopier, StuckCopy, no_wait
 from hmc.transport._staged_mailbox import MAILBOX_BYTES, SUPPORTED, Mailbox, token_of
 from hmc.transport._staged_rings import RING_NAME, ring_dirs
 from hmc.transport._staged_shm import SMALL_BYTES
@@ -57,7 +61,7 @@ class _Queued:
         request_id: int,
         wait: Callable[[float], None],
         reply: peer_pb2.PeerReply | None,
-        release: Callable[[], None] | None,
+        release: Callable[[], None],
         payload: memoryview | None = None,
         reply_to: ReplyTo | None = None,
     ) -> None:
@@ -89,6 +93,8 @@ class OwnerSegments:
         self._queue: collections.deque[_Queued] = collections.deque()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._stuck = False
+        """A copy missed its bound: the GPU stream behind it is blocked, and what its copies touch is kept."""
         self.mailbox: Mailbox | None = None
         """The mailbox of the ring last named with one (`_staged_mailbox`): polled by the connection's thread."""
         self._mailbox_at: tuple[str, int] = ("", 0)
@@ -173,9 +179,12 @@ class OwnerSegments:
         if self._copier is None:
             self._copier = SlotCopier()
         try:
+            if self._stuck:
+                raise DeviceError("a staging copy is stuck on this connection's GPU stream: it takes no more")
             wait = self._copier.start(region, offsets, lengths, slot, at, to_slot=to_slot, deadline=time.monotonic() + _OWNER_COPY_S)
         except HMCError as exc:
-            release()
+            if not self._stuck_by(exc):
+                release()
             self.reply(request_id, error_reply(exc), reply_to)
             return
         if wait is no_wait and payload is None:
@@ -186,29 +195,54 @@ class OwnerSegments:
             with self._cond:
                 idle = not self._queue  # only this thread queues: nothing can slip in before the reply below
             if idle:
-                try:
-                    wait(time.monotonic() + _OWNER_COPY_S)
-                    reply, out = _payload_reply(payload)
-                except Exception as exc:  # noqa: BLE001 - a driver failure still answers its chunk
-                    reply, out = error_reply(exc), None
-                try:
-                    self._send(request_id, reply, out, reply_to)
-                finally:
-                    release()
+                self._answer(_Queued(request_id, wait, None, release, payload, reply_to))
                 return
         try:
             self._push(_Queued(request_id, wait, None, release, payload, reply_to))
         except HMCError:
-            with contextlib.suppress(HMCError):  # the copy was queued: let it end before the slot and buffer go
-                wait(time.monotonic() + _OWNER_COPY_S)
+            try:  # the copy was queued: let it end before the slot and buffer go
+                self._wait(wait, time.monotonic() + _OWNER_COPY_S)
+            except HMCError as exc:
+                if self._stuck_by(exc):
+                    raise
             release()
             raise
+
+    def _wait(self, wait: Callable[[float], None], deadline: float) -> None:
+        """Wait for a queued copy; StuckCopy at once behind one that is stuck (the stream runs in order)."""
+        if self._stuck:
+            raise StuckCopy("queued behind a staging copy that is stuck on the GPU")
+        wait(deadline)
+
+    def _answer(self, item: _Queued) -> None:
+        """Wait for a queued copy, send its reply, then let go of what it touched, unless the copy may still run."""
+        keep = False
+        try:
+            self._wait(item.wait, item.deadline)
+            reply, payload = _payload_reply(item.payload)
+        except Exception as exc:  # noqa: BLE001 - a driver failure still answers its chunk
+            keep = self._stuck_by(exc)
+            reply, payload = error_reply(exc), None
+        try:
+            self._send(item.request_id, reply, payload, item.reply_to)
+        finally:
+            if not keep:
+                item.release()
+
+    def _stuck_by(self, exc: BaseException) -> bool:
+        """True when `exc` says a copy may still run (StuckCopy): the connection is stuck from then on."""
+        if not isinstance(exc, StuckCopy):
+            return False
+        if not self._stuck:
+            _log.warning("a staging copy is stuck on the GPU: the buffers of its connection stay held, its rings pinned")
+        self._stuck = True
+        return True
 
     def reply(self, request_id: int, reply: peer_pb2.PeerReply, reply_to: ReplyTo | None = None) -> None:
         """Send `reply` (to `reply_to` when given) after the replies of the copies queued before it."""
         with self._cond:
             if self._queue:
-                self._push_locked(_Queued(request_id, no_wait, reply, None, reply_to=reply_to))
+                self._push_locked(_Queued(request_id, no_wait, reply, _keep, reply_to=reply_to))
                 return
         self._send(request_id, reply, reply_to=reply_to)
 
@@ -233,18 +267,10 @@ class OwnerSegments:
                 if not self._queue:
                     return
                 item = self._queue[0]
-            reply, payload = item.reply, None
-            if reply is None:
-                try:
-                    item.wait(item.deadline)
-                    reply, payload = _payload_reply(item.payload)
-                except Exception as exc:  # noqa: BLE001 - a driver failure still answers its chunk
-                    reply = error_reply(exc)
-            try:
-                self._send(item.request_id, reply, payload, item.reply_to)
-            finally:
-                if item.release is not None:
-                    item.release()
+            if item.reply is None:
+                self._answer(item)
+            else:
+                self._send(item.request_id, item.reply, reply_to=item.reply_to)
             with self._cond:
                 self._queue.popleft()
                 self._cond.notify_all()
@@ -279,10 +305,15 @@ class OwnerSegments:
             thread.join(_OWNER_COPY_S + _JOIN_S)
         self._forget_mailbox()
         for mapping in self._mappings.values():
-            mapping.close()
+            if not self._stuck:  # a stuck copy may still reach a ring: it stays pinned (its mapping goes with its object)
+                mapping.close()
         self._mappings.clear()
         if self._copier is not None:
-            self._copier.close()
+            self._copier.close()  # leaves what a stuck copy still uses allocated
+
+
+def _keep() -> None:
+    """The `release` of a reply that holds nothing."""
 
 
 def _payload_reply(payload: memoryview | None) -> tuple[peer_pb2.PeerReply, memoryview | None]:
