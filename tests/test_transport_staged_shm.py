@@ -8,12 +8,14 @@ against a real owner process. tests/gpu/test_cuda_staged.py runs it with CUDA me
 from __future__ import annotations
 
 import contextlib
+import gc
 import glob
 import os
 import struct
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,10 +40,10 @@ from hmc.errors import (
     ProtocolError,
 )
 from hmc.testing import PeerProcess
-from hmc.transport._pinned import SlotCopier, StuckCopy
+from hmc.transport._pinned import _ABANDONED, PinnedMapping, SlotCopier, StuckCopy
 from hmc.transport._staged_owner import OwnerSegments
 from hmc.transport._staged_rings import _ring_dir
-from hmc.transport._staged_shm import SLOT_BYTES, SMALL_BYTES, ShmStaging
+from hmc.transport._staged_shm import SLOT_BYTES, SMALL_BYTES, ShmStaging, _Link
 from hmc.transport._wire import FrameStream, error_reply, raise_for_reply
 from hmc.v1 import common_pb2, peer_pb2
 
@@ -163,13 +165,18 @@ def test_owner_answers_a_small_copy_on_the_reading_thread_unless_copies_are_queu
 
 
 class _Ring:
-    """A stand-in mapped ring: records whether the owner unpinned and unmapped it."""
+    """A stand-in mapped ring: records whether the owner unpinned and unmapped it, or kept it for good."""
+
+    size = 8 * SLOT_BYTES
 
     def __init__(self) -> None:
-        self.closed = False
+        self.closed = self.abandoned = False
 
     def close(self) -> None:
         self.closed = True
+
+    def abandon(self) -> None:
+        self.abandoned = True
 
 
 @pytest.mark.parametrize("queued", [True, False], ids=["queued", "on-the-reading-thread"])
@@ -204,7 +211,7 @@ def test_a_stuck_copy_keeps_what_it_touches_and_fails_the_copies_behind_it_at_on
     owner.start(3, None, [0], [4096], None, 1, total=4096, to_slot=False, release=lambda: released.append(3))  # type: ignore[arg-type]
     assert stream.sent[-1] == (3, int(common_pb2.ERROR_CODE_DEVICE)) and released == [3] and waited == [0]
     owner.close()
-    assert not ring.closed
+    assert ring.abandoned and not ring.closed
 
 
 def test_a_failed_copy_that_is_not_stuck_lets_go_of_its_buffer_and_ring(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -228,7 +235,31 @@ def test_a_failed_copy_that_is_not_stuck_lets_go_of_its_buffer_and_ring(monkeypa
     device = int(common_pb2.ERROR_CODE_DEVICE)
     assert stream.sent == [(1, device), (2, device)] and released == [1, 2]
     owner.close()
-    assert ring.closed
+    assert ring.closed and not ring.abandoned
+
+
+@pytest.mark.parametrize("stuck", [True, False])
+def test_the_initiator_abandons_a_ring_a_stuck_copy_may_touch_and_closes_any_other(tmp_path: Any, stuck: bool) -> None:
+    """After a failed transfer the initiator drops its ring (its file goes, a new ring is made next time); one a stuck
+    GPU copy may still touch is kept mapped and pinned for good: collected, its addresses would come back while
+    still registered with the GPU runtime, and a new ring mapped there would fail to register."""
+    link, ring = _Link(), _Ring()
+    link.ring = ring  # type: ignore[assignment]
+    link.name = str(tmp_path / "ring")
+    open(link.name, "wb").close()
+    link.stuck = stuck
+    link.drop()
+    assert (ring.abandoned, ring.closed) == (stuck, not stuck)
+    assert link.ring is None and not link.stuck and not os.path.exists(tmp_path / "ring")
+
+
+def test_an_abandoned_mapping_is_never_collected() -> None:
+    mapping = PinnedMapping(None, 1 << 16, create=True)
+    mapping.abandon()
+    kept = weakref.ref(mapping)
+    del mapping
+    gc.collect()
+    assert kept() is not None and kept() in _ABANDONED
 
 
 @pytest.mark.usefixtures("ring_only")

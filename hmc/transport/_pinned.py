@@ -66,6 +66,10 @@ def _check_theirs(fd: int, path: str, size: int) -> None:
         raise ProtocolError(f"shared ring {name} is smaller than announced")
 
 
+_ABANDONED: list[PinnedMapping] = []
+"""Mappings a stuck GPU copy may still touch (`PinnedMapping.abandon`): never unmapped, never unpinned."""
+
+
 class PinnedMapping:
     """A /dev/shm file (`path`), or private memory (`path` None), mapped here and pinned for the GPUs present."""
 
@@ -101,6 +105,13 @@ class PinnedMapping:
     def device_address(self, runtime: Any) -> int:
         """Where the GPUs of `runtime` (a backend's) reach the mapping."""
         return self._pointers.get(id(runtime), self.address)
+
+    def abandon(self) -> None:
+        """Keep the mapping, and its pinning, for the life of the process: a GPU copy that missed its deadline
+        (`StuckCopy`) may still touch it. Not closing is not enough: once collected, the mapping's addresses go
+        back to the process while the runtime still holds them registered, and the next ring mapped there fails
+        to register."""
+        _ABANDONED.append(self)
 
     def close(self) -> None:
         runtimes, self._pinned_by = self._pinned_by, []

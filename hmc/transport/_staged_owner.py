@@ -44,6 +44,9 @@ _MAX_SEGMENTS = 4
 """Segments one owner connection keeps mapped (an initiator uses one per connection)."""
 _JOIN_S = 2.0
 _OK = peer_pb2.PeerReply()
+_STUCK_HOLDS: list[Callable[[], None]] = []
+"""The releases of copies that missed their bound and may still run, never called: the buffers they touch stay held,
+their bounce slots referenced (so never unmapped or unpinned), for the life of the process."""
 ReplyTo = Callable[[peer_pb2.PeerReply], None]
 """Where a request's reply goes when not on the connection: its mailbox (`_staged_mailbox.Mailbox.replier`)."""
 
@@ -183,8 +186,7 @@ class OwnerSegments:
                 raise DeviceError("a staging copy is stuck on this connection's GPU stream: it takes no more")
             wait = self._copier.start(region, offsets, lengths, slot, at, to_slot=to_slot, deadline=time.monotonic() + _OWNER_COPY_S)
         except HMCError as exc:
-            if not self._stuck_by(exc):
-                release()
+            self._let_go(exc, release)
             self.reply(request_id, error_reply(exc), reply_to)
             return
         if wait is no_wait and payload is None:
@@ -203,8 +205,8 @@ class OwnerSegments:
             try:  # the copy was queued: let it end before the slot and buffer go
                 self._wait(wait, time.monotonic() + _OWNER_COPY_S)
             except HMCError as exc:
-                if self._stuck_by(exc):
-                    raise
+                self._let_go(exc, release)
+                raise
             release()
             raise
 
@@ -216,27 +218,27 @@ class OwnerSegments:
 
     def _answer(self, item: _Queued) -> None:
         """Wait for a queued copy, send its reply, then let go of what it touched, unless the copy may still run."""
-        keep = False
+        failed: BaseException | None = None
         try:
             self._wait(item.wait, item.deadline)
             reply, payload = _payload_reply(item.payload)
         except Exception as exc:  # noqa: BLE001 - a driver failure still answers its chunk
-            keep = self._stuck_by(exc)
-            reply, payload = error_reply(exc), None
+            failed, reply, payload = exc, error_reply(exc), None
         try:
             self._send(item.request_id, reply, payload, item.reply_to)
         finally:
-            if not keep:
-                item.release()
+            self._let_go(failed, item.release)
 
-    def _stuck_by(self, exc: BaseException) -> bool:
-        """True when `exc` says a copy may still run (StuckCopy): the connection is stuck from then on."""
-        if not isinstance(exc, StuckCopy):
-            return False
+    def _let_go(self, failed: BaseException | None, release: Callable[[], None]) -> None:
+        """Release what a copy touched (its buffer, a bounce slot) once it ended, or `failed`, unless it may still run
+        (StuckCopy): then the connection is stuck, and what it touched is kept for good (`_STUCK_HOLDS`)."""
+        if not isinstance(failed, StuckCopy):
+            release()
+            return
         if not self._stuck:
             _log.warning("a staging copy is stuck on the GPU: the buffers of its connection stay held, its rings pinned")
         self._stuck = True
-        return True
+        _STUCK_HOLDS.append(release)
 
     def reply(self, request_id: int, reply: peer_pb2.PeerReply, reply_to: ReplyTo | None = None) -> None:
         """Send `reply` (to `reply_to` when given) after the replies of the copies queued before it."""
@@ -305,7 +307,9 @@ class OwnerSegments:
             thread.join(_OWNER_COPY_S + _JOIN_S)
         self._forget_mailbox()
         for mapping in self._mappings.values():
-            if not self._stuck:  # a stuck copy may still reach a ring: it stays pinned (its mapping goes with its object)
+            if self._stuck:  # a stuck copy may still reach a ring: it stays mapped and pinned
+                mapping.abandon()
+            else:
                 mapping.close()
         self._mappings.clear()
         if self._copier is not None:

@@ -142,6 +142,7 @@ class _Link:
         if self.ring is not None:
             if self.stuck:
                 _log.warning("a staging copy is stuck on the GPU: its %d MiB ring is abandoned", self.ring.size >> 20)
+                self.ring.abandon()
             else:
                 self.ring.close()
             self.ring = None

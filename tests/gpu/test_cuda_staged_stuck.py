@@ -42,12 +42,16 @@ class _Gate:
         self.cu, self.check = cu, check
         self._memory = mmap.mmap(-1, mmap.PAGESIZE)
         self._word = np.frombuffer(self._memory, np.uint32, count=1)
-        self._host = self._word.ctypes.data
-        check(cu.cuMemHostRegister(self._host, mmap.PAGESIZE, cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP))
-        self._device = int(check(cu.cuMemHostGetDevicePointer(self._host, 0)))
+        self._device = 0
 
     def hold(self, stream: Any) -> None:
-        self.check(self.cu.cuStreamWaitValue32(stream, self._device, 1, self.cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))
+        """Make `stream` wait for the word (its device's context current)."""
+        cu, check = self.cu, self.check
+        if not self._device:
+            host = self._word.ctypes.data
+            check(cu.cuMemHostRegister(host, mmap.PAGESIZE, cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP))
+            self._device = int(check(cu.cuMemHostGetDevicePointer(host, 0)))
+        check(cu.cuStreamWaitValue32(stream, self._device, 1, cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))
 
     def open(self) -> None:
         self._word[0] = 1
@@ -72,7 +76,7 @@ def test_staged_a_copy_stuck_on_the_owners_gpu_keeps_its_buffer_and_ring_until_i
             gpu = self._gpu(region.device)  # the owner's own streams, made to hang
             with gpu.backend.runtime.use(gpu.device.index):
                 for lane in (gpu.lane, gpu.kernels, gpu.small):
-                    gate.hold(lane.native)
+                    gate.hold(lane.stream.native)
             held.append(gpu)
         return start(self, region, offsets, lengths, slot, at, to_slot=to_slot, deadline=deadline)
 
