@@ -179,18 +179,16 @@ class _Ring:
         self.abandoned = True
 
 
-@pytest.mark.parametrize("queued", [True, False], ids=["queued", "on-the-reading-thread"])
-def test_a_stuck_copy_keeps_what_it_touches_and_fails_the_copies_behind_it_at_once(monkeypatch: pytest.MonkeyPatch, queued: bool) -> None:
-    """A copy past its bound may still run (a hung GPU): its chunk is answered TIMEOUT, but its buffer stays held and
-    its rings pinned; a copy queued behind it on the stream fails at once, not after a bound of its own, and
-    keeps its buffer too; the connection then takes no new copy (refused, nothing held)."""
+def _owner_whose_copies_at_0_fail(monkeypatch: pytest.MonkeyPatch, error: Exception) -> tuple[_Replies, OwnerSegments, _Ring, list[int]]:
+    """An owner with one ring mapped, whose copies at slot offset 0 fail with `error` when waited for (the others
+    finish), and the offsets of the copies waited for."""
     waited: list[int] = []
 
     def start(self: Any, region: Any, offsets: Any, lengths: Any, slot: Any, at: int, *, to_slot: bool, deadline: float) -> Any:
         def wait(deadline: float) -> None:
             waited.append(at)
-            if at == 0:  # the hung copy: its bound passed (the copier's own wait says so; no clock runs here)
-                raise StuckCopy("a staging copy did not finish before the deadline")
+            if at == 0:
+                raise error
 
         return wait
 
@@ -199,6 +197,16 @@ def test_a_stuck_copy_keeps_what_it_touches_and_fails_the_copies_behind_it_at_on
     owner = OwnerSegments(stream)  # type: ignore[arg-type]
     ring = _Ring()
     owner._mappings["ring"] = ring  # type: ignore[assignment]  # a ring it mapped
+    return stream, owner, ring, waited
+
+
+@pytest.mark.parametrize("queued", [True, False], ids=["queued", "on-the-reading-thread"])
+def test_a_stuck_copy_keeps_what_it_touches_and_fails_the_copies_behind_it_at_once(monkeypatch: pytest.MonkeyPatch, queued: bool) -> None:
+    """A copy past its bound may still run (a hung GPU): its chunk is answered TIMEOUT, but its buffer stays held and
+    its rings pinned; a copy queued behind it on the stream fails at once, not after a bound of its own, and
+    keeps its buffer too; the connection then takes no new copy (refused, nothing held)."""
+    stuck = StuckCopy("a staging copy did not finish before the deadline")  # what the copier's wait says at its bound
+    stream, owner, ring, waited = _owner_whose_copies_at_0_fail(monkeypatch, stuck)
     released: list[int] = []
     size = SMALL_BYTES + 1 if queued else 4096  # a big one goes to the completion thread; a small one is answered here
     owner.start(1, None, [0], [size], None, 0, total=size, to_slot=False, release=lambda: released.append(1))  # type: ignore[arg-type]
@@ -216,24 +224,13 @@ def test_a_stuck_copy_keeps_what_it_touches_and_fails_the_copies_behind_it_at_on
 
 def test_a_failed_copy_that_is_not_stuck_lets_go_of_its_buffer_and_ring(monkeypatch: pytest.MonkeyPatch) -> None:
     """The contrast: a copy that failed (it will not run) releases its buffer, and the ring is unmapped at close."""
-
-    def start(self: Any, region: Any, offsets: Any, lengths: Any, slot: Any, at: int, *, to_slot: bool, deadline: float) -> Any:
-        def wait(deadline: float) -> None:
-            raise DeviceError("the copy failed")
-
-        return wait
-
-    monkeypatch.setattr(SlotCopier, "start", start)
-    stream = _Replies()
-    owner = OwnerSegments(stream)  # type: ignore[arg-type]
-    ring = _Ring()
-    owner._mappings["ring"] = ring  # type: ignore[assignment]
+    stream, owner, ring, waited = _owner_whose_copies_at_0_fail(monkeypatch, DeviceError("the copy failed"))
     released: list[int] = []
     for request_id in (1, 2):
         owner.start(request_id, None, [0], [SMALL_BYTES + 1], None, 0, total=SMALL_BYTES + 1, to_slot=False, release=lambda i=request_id: released.append(i))  # type: ignore[arg-type,misc]
     owner.drain()
     device = int(common_pb2.ERROR_CODE_DEVICE)
-    assert stream.sent == [(1, device), (2, device)] and released == [1, 2]
+    assert stream.sent == [(1, device), (2, device)] and released == [1, 2] and waited == [0, 0]
     owner.close()
     assert ring.closed and not ring.abandoned
 
