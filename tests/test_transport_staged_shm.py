@@ -40,6 +40,7 @@ from hmc.errors import (
     ProtocolError,
 )
 from hmc.testing import PeerProcess
+from hmc.transport import _staged_owner
 from hmc.transport._pinned import _ABANDONED, PinnedMapping, SlotCopier, StuckCopy
 from hmc.transport._staged_owner import OwnerSegments
 from hmc.transport._staged_rings import _ring_dir
@@ -179,16 +180,23 @@ class _Ring:
         self.abandoned = True
 
 
-def _owner_whose_copies_at_0_fail(monkeypatch: pytest.MonkeyPatch, error: Exception) -> tuple[_Replies, OwnerSegments, _Ring, list[int]]:
-    """An owner with one ring mapped, whose copies at slot offset 0 fail with `error` when waited for (the others
-    finish), and the offsets of the copies waited for."""
-    waited: list[int] = []
+def _owner_whose_copies_at_0_fail(
+    monkeypatch: pytest.MonkeyPatch, error: Exception, failing: threading.Event
+) -> tuple[_Replies, OwnerSegments, _Ring, list[tuple[int, bool]]]:
+    """An owner with one ring mapped, whose copies at slot offset 0 fail with `error` when waited for (once `failing`
+    is set), those at 1 run behind them on their stream (a wait whose deadline passed says StuckCopy: one look, not
+    done) and the others finished; and the copies waited for: (offset, whether it was only a look)."""
+    waited: list[tuple[int, bool]] = []
 
     def start(self: Any, region: Any, offsets: Any, lengths: Any, slot: Any, at: int, *, to_slot: bool, deadline: float) -> Any:
         def wait(deadline: float) -> None:
-            waited.append(at)
+            look = deadline <= time.monotonic()
+            waited.append((at, look))
             if at == 0:
+                failing.wait(5.0)
                 raise error
+            if at == 1 and look:
+                raise StuckCopy("a staging copy did not finish before the deadline")
 
         return wait
 
@@ -203,34 +211,79 @@ def _owner_whose_copies_at_0_fail(monkeypatch: pytest.MonkeyPatch, error: Except
 @pytest.mark.parametrize("queued", [True, False], ids=["queued", "on-the-reading-thread"])
 def test_a_stuck_copy_keeps_what_it_touches_and_fails_the_copies_behind_it_at_once(monkeypatch: pytest.MonkeyPatch, queued: bool) -> None:
     """A copy past its bound may still run (a hung GPU): its chunk is answered TIMEOUT, but its buffer stays held and
-    its rings pinned; a copy queued behind it on the stream fails at once, not after a bound of its own, and
-    keeps its buffer too; the connection then takes no new copy (refused, nothing held)."""
+    its rings pinned; a copy queued behind it on the stream fails at once (one look), not after a bound of its own,
+    and keeps its buffer too, while one that finished (another stream's) is answered and let go of; the connection
+    then takes no new copy (refused, nothing held)."""
     stuck = StuckCopy("a staging copy did not finish before the deadline")  # what the copier's wait says at its bound
-    stream, owner, ring, waited = _owner_whose_copies_at_0_fail(monkeypatch, stuck)
+    failing = threading.Event()  # queued: the first copy's wait ends once all three were handed over
+    stream, owner, ring, waited = _owner_whose_copies_at_0_fail(monkeypatch, stuck, failing)
+    if not queued:
+        failing.set()
     released: list[int] = []
     size = SMALL_BYTES + 1 if queued else 4096  # a big one goes to the completion thread; a small one is answered here
     owner.start(1, None, [0], [size], None, 0, total=size, to_slot=False, release=lambda: released.append(1))  # type: ignore[arg-type]
     if queued:
         owner.start(2, None, [0], [size], None, 1, total=size, to_slot=False, release=lambda: released.append(2))  # type: ignore[arg-type]
+        owner.start(4, None, [0], [size], None, 2, total=size, to_slot=False, release=lambda: released.append(4))  # type: ignore[arg-type]
+        failing.set()
     owner.drain()
     timeout = int(common_pb2.ERROR_CODE_TIMEOUT)
-    assert stream.sent == ([(1, timeout), (2, timeout)] if queued else [(1, timeout)])
-    assert waited == [0] and released == []  # the copy behind was never waited for; nothing was let go of
+    assert stream.sent == ([(1, timeout), (2, timeout), (4, 0)] if queued else [(1, timeout)])
+    assert waited == ([(0, False), (1, True), (2, True)] if queued else [(0, False)])  # after the stuck one: looks
+    assert released == ([4] if queued else [])  # only the copy that finished let go of its buffer
     owner.start(3, None, [0], [4096], None, 1, total=4096, to_slot=False, release=lambda: released.append(3))  # type: ignore[arg-type]
-    assert stream.sent[-1] == (3, int(common_pb2.ERROR_CODE_DEVICE)) and released == [3] and waited == [0]
+    assert stream.sent[-1] == (3, int(common_pb2.ERROR_CODE_DEVICE)) and released[-1] == 3 and len(waited) == (3 if queued else 1)
     owner.close()
     assert ring.abandoned and not ring.closed
 
 
+def test_a_ring_dropped_while_its_connection_is_stuck_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replacing or evicting a ring (`_unmap`) once a copy is stuck keeps it too, as closing the connection does."""
+    failing = threading.Event()
+    failing.set()
+    stream, owner, ring, _ = _owner_whose_copies_at_0_fail(monkeypatch, StuckCopy("stuck"), failing)
+    owner.start(1, None, [0], [4096], None, 0, total=4096, to_slot=False, release=lambda: None)  # type: ignore[arg-type]
+    owner._unmap("ring")
+    assert ring.abandoned and not ring.closed and "ring" not in owner._mappings
+    owner.close()
+
+
+@pytest.mark.parametrize("ending", ["unmap", "close"])
+def test_copies_still_queued_past_the_owners_bounds_keep_the_ring(monkeypatch: pytest.MonkeyPatch, ending: str) -> None:
+    """A drain (before a ring is replaced) or a close that times out with a copy still queued cannot know that copy
+    will not run: the ring is kept for good, and at close the copier is left as it is, not freed."""
+    monkeypatch.setattr(_staged_owner, "_OWNER_COPY_S", 0.05)
+    monkeypatch.setattr(_staged_owner, "_JOIN_S", 0.05)
+    failing = threading.Event()  # the queued copy's wait ends only once the test is over
+    stream, owner, ring, _ = _owner_whose_copies_at_0_fail(monkeypatch, DeviceError("late"), failing)
+    closed: list[bool] = []
+    monkeypatch.setattr(SlotCopier, "close", lambda self: closed.append(True))
+    owner.start(1, None, [0], [SMALL_BYTES + 1], None, 0, total=SMALL_BYTES + 1, to_slot=False, release=lambda: None)  # type: ignore[arg-type]
+    try:
+        if ending == "unmap":
+            with pytest.raises(TimeoutError):
+                owner._unmap("ring")
+            assert "ring" not in owner._mappings
+        else:
+            owner.close()
+            assert closed == []
+        assert ring.abandoned and not ring.closed
+    finally:
+        failing.set()
+    owner.close()
+
+
 def test_a_failed_copy_that_is_not_stuck_lets_go_of_its_buffer_and_ring(monkeypatch: pytest.MonkeyPatch) -> None:
     """The contrast: a copy that failed (it will not run) releases its buffer, and the ring is unmapped at close."""
-    stream, owner, ring, waited = _owner_whose_copies_at_0_fail(monkeypatch, DeviceError("the copy failed"))
+    failing = threading.Event()
+    failing.set()
+    stream, owner, ring, waited = _owner_whose_copies_at_0_fail(monkeypatch, DeviceError("the copy failed"), failing)
     released: list[int] = []
     for request_id in (1, 2):
         owner.start(request_id, None, [0], [SMALL_BYTES + 1], None, 0, total=SMALL_BYTES + 1, to_slot=False, release=lambda i=request_id: released.append(i))  # type: ignore[arg-type,misc]
     owner.drain()
     device = int(common_pb2.ERROR_CODE_DEVICE)
-    assert stream.sent == [(1, device), (2, device)] and released == [1, 2] and waited == [0, 0]
+    assert stream.sent == [(1, device), (2, device)] and released == [1, 2] and waited == [(0, False), (0, False)]
     owner.close()
     assert ring.closed and not ring.abandoned
 

@@ -11,8 +11,9 @@ The connection's frames are read, checked and handed here by `_staged_serve`.
 
 A copy that misses its bound (`StuckCopy`: a hung GPU) may still run: its chunk is answered with the error, but
 the buffer it touches stays held (the owner's `unregister` then says its memory must be kept) and the rings stay
-pinned (never unpinned or unmapped here), as the initiator abandons its ring; the copies queued behind it on the
-same stream fail at once the same way, and the connection takes no new copy.
+pinned (never unpinned or unmapped here), as the initiator abandons its ring; the copies queued after it are looked
+at once (those behind it on its stream fail the same way), and the connection takes no new copy. A drain or a close
+that times out with copies still queued keeps the rings the same way, as nothing then says those copies will not run.
 """
 
 from __future__ import annotations
@@ -127,25 +128,39 @@ class OwnerSegments:
         directory, name = os.path.split(shm.segment)
         if not RING_NAME.fullmatch(name) or directory not in ring_dirs():
             raise ProtocolError(f"{shm.segment!r} is not a staging ring")
+        self._unmap(shm.segment)  # first: a new mapping would be lost (collected while pinned) were this to fail
         try:
             mapping = PinnedMapping(shm.segment, shm.segment_bytes, create=False)
         except (OSError, ValueError) as exc:  # ValueError: mmap of an empty file, or of one shrunk since its size was checked
             raise ProtocolError(f"cannot map staging ring {shm.segment}: {exc}") from exc
-        self._unmap(shm.segment)
         self._mappings[shm.segment] = mapping
         while len(self._mappings) > _MAX_SEGMENTS:
             self._unmap(next(iter(self._mappings)))
         return mapping
 
     def _unmap(self, segment: str) -> None:
-        """Unmap a ring and its mailbox, once no copy queued may touch them (a queued copy may answer in the mailbox)."""
-        old = self._mappings.pop(segment, None)
+        """Unmap a ring and its mailbox, once no copy queued may touch them (a queued copy may answer in the mailbox);
+        one a copy may still touch (stuck, or still queued at the drain's deadline) is kept for good instead."""
+        old = self._mappings.get(segment)
         if old is not None or self._mailbox_at[0] == segment:
-            self.drain()
+            try:
+                self.drain()
+            except TimeoutError:
+                if old is not None:
+                    self._stuck = True  # the copies still queued may run on: nothing of this connection is let go of
+                    self._let_go_of(self._mappings.pop(segment))
+                raise
         if self._mailbox_at[0] == segment:
             self._forget_mailbox()
         if old is not None:
-            old.close()
+            self._let_go_of(self._mappings.pop(segment))
+
+    def _let_go_of(self, ring: PinnedMapping) -> None:
+        """Unpin and unmap a ring no copy uses any more; keep it for good once a copy is stuck (it may reach it)."""
+        if self._stuck:
+            ring.abandon()
+        else:
+            ring.close()
 
     def mailbox_ring(self) -> tuple[PinnedMapping, int]:
         """The ring whose mailbox is attached and the bytes before its page (its slots), for a request taken there."""
@@ -211,10 +226,9 @@ class OwnerSegments:
             raise
 
     def _wait(self, wait: Callable[[float], None], deadline: float) -> None:
-        """Wait for a queued copy; StuckCopy at once behind one that is stuck (the stream runs in order)."""
-        if self._stuck:
-            raise StuckCopy("queued behind a staging copy that is stuck on the GPU")
-        wait(deadline)
+        """Wait for a queued copy; once one is stuck, only look (StuckCopy at once unless it already finished: one
+        queued behind the stuck copy cannot have, one queued before it on another stream may)."""
+        wait(time.monotonic() if self._stuck else deadline)
 
     def _answer(self, item: _Queued) -> None:
         """Wait for a queued copy, send its reply, then let go of what it touched, unless the copy may still run."""
@@ -305,14 +319,13 @@ class OwnerSegments:
             thread = self._thread
         if thread is not None:
             thread.join(_OWNER_COPY_S + _JOIN_S)
+            if thread.is_alive():  # still answering (a reply that does not go out): its copies may still run
+                self._stuck = True
         self._forget_mailbox()
         for mapping in self._mappings.values():
-            if self._stuck:  # a stuck copy may still reach a ring: it stays mapped and pinned
-                mapping.abandon()
-            else:
-                mapping.close()
+            self._let_go_of(mapping)
         self._mappings.clear()
-        if self._copier is not None:
+        if self._copier is not None and not (thread is not None and thread.is_alive()):
             self._copier.close()  # leaves what a stuck copy still uses allocated
 
 
