@@ -29,6 +29,7 @@ from staged_support import (
     write_read_every_byte,
 )
 
+import hmc.agent._agent as agent_module
 import hmc.transport._staged as staged
 from hmc.agent import Agent
 from hmc.config import Config, PathPolicy
@@ -271,6 +272,44 @@ def test_copies_still_queued_past_the_owners_bounds_keep_the_ring(monkeypatch: p
     finally:
         failing.set()
     owner.close()
+
+
+@pytest.mark.usefixtures("ring_only")
+def test_a_copy_stuck_on_the_owner_fails_its_write_keeps_its_buffer_and_the_pair_moves_on(
+    make_agent: Callable[..., Agent], rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """End to end between two agents over their sockets, host memory through the ring, the owner's first copy made
+    to say what a hung GPU's says at its bound (StuckCopy): the write fails TIMEOUT with nothing landed, the
+    owner's `unregister` raises DeviceError (a copy may still land: keep the memory), and the next write, to
+    another buffer, goes through a fresh ring and connection (tests/gpu/test_cuda_staged_stuck.py: a real hang)."""
+    start = SlotCopier.start
+    stuck: list[bool] = []
+
+    def stuck_once(self: SlotCopier, region: Any, offsets: Any, lengths: Any, slot: Any, at: int, *, to_slot: bool, deadline: float) -> Any:
+        if to_slot or stuck:  # the initiator's copies, and the owner's after its first
+            return start(self, region, offsets, lengths, slot, at, to_slot=to_slot, deadline=deadline)
+        stuck.append(True)
+
+        def never(deadline: float) -> None:
+            raise StuckCopy("a staging copy did not finish before the deadline")
+
+        return never
+
+    monkeypatch.setattr(SlotCopier, "start", stuck_once)
+    monkeypatch.setattr(agent_module, "_UNREGISTER_GRACE_S", 0.5)
+    owner, initiator = make_agent(STAGED.allow, timeout_s=0.5), make_agent(STAGED.allow)
+    size = (1 << 20) + 3
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    source = initiator.register(data.copy())
+    target = owner.register(np.full(size, POISON, np.uint8))
+    with pytest.raises(TimeoutError):
+        initiator.write(source, target.descriptor, 0, 0, size, timeout=10.0).wait()
+    assert stuck and np.all(target.numpy() == POISON)
+    with pytest.raises(DeviceError, match="still run"):
+        owner.unregister(target)
+    fresh = owner.register(np.full(size, POISON, np.uint8))
+    initiator.write(source, fresh.descriptor, 0, 0, size, timeout=10.0).wait()
+    assert np.array_equal(fresh.numpy(), data)
 
 
 def test_a_failed_copy_that_is_not_stuck_lets_go_of_its_buffer_and_ring(monkeypatch: pytest.MonkeyPatch) -> None:
