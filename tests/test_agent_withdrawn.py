@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from hmc.agent import Agent
-from hmc.errors import BufferWithdrawnError, HMCError, StaleDescriptorError
+from hmc.agent._withdrawals import RemoteWithdrawals
+from hmc.errors import BufferWithdrawnError, HMCError, StaleDescriptorError, UnknownBufferError
 from hmc.v1 import common_pb2, daemon_pb2
 
 EPOCH = 1_000
@@ -75,3 +76,39 @@ def test_a_buffer_its_owner_withdrew_stays_withdrawn(pair: tuple) -> None:
     assert {outcome(e) for e in (0, EPOCH, 2 * EPOCH, 3 * EPOCH)} == {"withdrawn"}
     initiator._on_hmcd_event(_event(daemon_pb2.EVENT_KIND_BUFFER_ADDED, buffer, 3 * EPOCH))  # never undoes the owner's word
     assert outcome(3 * EPOCH) == "withdrawn" and np.all(target == POISON)
+
+
+def test_the_withdrawals_remembered_are_bounded_and_a_forgotten_one_is_refused_by_its_owner(
+    make_agent: Callable[..., Agent], rng: np.random.Generator
+) -> None:
+    """hmcd relays every withdrawal of the cluster, so an agent remembers the most recent ones only; a descriptor of a
+    buffer it forgot is still refused, typed, by the buffer's owner, and nothing lands."""
+    initiator, owner = make_agent(), make_agent()
+    initiator._withdrawn_remote = RemoteWithdrawals(remember=4)
+    source = initiator.register(rng.integers(0, 256, 4096, dtype=np.uint8))
+    target = np.full(4096, POISON, dtype=np.uint8)
+    gone = owner.register(target)
+    descriptor = gone.descriptor
+    owner.unregister(gone)
+    initiator._remote_withdrawn(owner.id, gone.id)  # as hmcd relays it
+    with pytest.raises(BufferWithdrawnError, match="withdrawn by its owner"):  # refused here, before any path runs
+        initiator.write(source, descriptor, 0, 0, 4096)
+    for n in range(4):  # four later withdrawals elsewhere in the cluster push it out
+        initiator._remote_withdrawn("elsewhere", f"other-{n}")
+    with pytest.raises(UnknownBufferError) as refused:  # its owner refuses it (BufferWithdrawnError is one)
+        initiator.write(source, descriptor, 0, 0, 4096).wait(5.0)
+    assert "by its owner" not in str(refused.value)  # the owner's word ("was withdrawn"), not this agent's record's
+    assert np.all(target == POISON)
+
+
+def test_the_record_forgets_the_withdrawal_seen_longest_ago() -> None:
+    record = RemoteWithdrawals(remember=2)
+    a, b, c = (common_pb2.BufferDescriptor(id=name) for name in "abc")
+    record.withdrawn("a")
+    record.withdrawn("b")
+    record.withdrawn("a")  # seen again: the most recent
+    record.withdrawn("c")  # b goes
+    for kept in (a, c):
+        with pytest.raises(BufferWithdrawnError):
+            record.check(kept)
+    record.check(b)

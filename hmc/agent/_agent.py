@@ -41,6 +41,7 @@ from hmc.agent._routes import Route
 from hmc.agent._server import PeerServer
 from hmc.agent._transports import default_transports, withdraw_everywhere
 from hmc.agent._transfer import FINAL_STATES, Notification, NotificationInbox, NotifyStep, TransferHandle, TransferState
+from hmc.agent._withdrawals import RemoteWithdrawals
 from hmc.config import Config, PathPolicy
 from hmc.control._agent_link import DaemonLink
 from hmc.control._inventory import apply_vendor_override, device_to_proto
@@ -53,7 +54,6 @@ from hmc.errors import (
     DeviceError,
     HMCError,
     NoPathError,
-    StaleDescriptorError,
     UnavailableError,
     UnknownBufferError,
     UnsupportedError,
@@ -74,7 +74,6 @@ _UNREGISTER_GRACE_S = 5.0
 """How long unregister() lets transfers into a buffer finish before it cuts their connections."""
 
 _DESCRIPTOR = common_pb2.BufferDescriptor
-_FOREVER = 1 << 63
 _LEARNING = frozenset({TransferState.PENDING, TransferState.RUNNING, TransferState.DONE})
 """A single range's states after post() in which the pair's fast path may be learned: a transport offers one only
 once the pair is set up (a grant, a mapping), which post() did on the caller's thread; a 1 GiB ipc write still
@@ -98,11 +97,9 @@ class Agent:
         self.config = config or Config.load()
         self.id = secrets.token_hex(8)
         self.info = common_pb2.AgentInfo(id=self.id)  # completed below, once the listener has its port
-        self._lock = threading.Lock()  # guards _paths, _withdrawn_remote and local buffers' `outgoing`
+        self._lock = threading.Lock()  # guards _paths and local buffers' `outgoing`
         self._paths: dict[tuple[str, str, str, str | None], PathChoice] = {}
-        self._withdrawn_remote: dict[str, tuple[int, int]] = {}
-        """Remote buffer id -> (the newest registry epoch it was withdrawn at (_FOREVER: by its owner), the epoch
-        it was registered again at since (0: not))."""
+        self._withdrawn_remote = RemoteWithdrawals()
         self._closed = False
         self._link: DaemonLink | None = None
         self._buffers = BufferTable(self._registry_epochs)
@@ -413,18 +410,9 @@ class Agent:
         if local.descriptor.owner.id != self.id:
             raise ArgumentError(f"{local!r} belongs to another agent; pass it as the remote side")
         self._buffers.get(local.id)
-        with self._lock:
-            withdrawn, back_at = self._withdrawn_remote.get(descriptor.id, (-1, 0))
-        epoch = descriptor.registry_epoch
-        if withdrawn == _FOREVER or (descriptor.owner.id == self.id and self._buffers.withdrawn(descriptor.id)):
+        if descriptor.owner.id == self.id and self._buffers.withdrawn(descriptor.id):
             raise BufferWithdrawnError(f"buffer {descriptor.id} was withdrawn by its owner")
-        if 0 < epoch < back_at:
-            raise StaleDescriptorError(
-                f"stale descriptor: buffer {descriptor.id} was served by registry epoch {epoch} of node {descriptor.owner.node!r}, "
-                f"and is registered again at epoch {back_at}: look it up again"
-            )
-        if (epoch and epoch <= withdrawn) or (not epoch and withdrawn >= 0 and not back_at):  # epoch 0: no hmcd served it
-            raise BufferWithdrawnError(f"buffer {descriptor.id} left the directory with its node (it may come back: look it up again)")
+        self._withdrawn_remote.check(descriptor)
 
     def _own_path(self, local: ConnBuffer, descriptor: common_pb2.BufferDescriptor) -> PathName | None:
         """The path the pair negotiates without `path=` (None when policy leaves it none)."""
@@ -506,19 +494,14 @@ class Agent:
     def _remote_withdrawn(self, agent_id: str, buffer_id: str, epoch: int = 0) -> None:
         """A remote buffer was withdrawn: by its owner (epoch 0: for good), or at `epoch` of its node's registry
         (after its hmcd started again: a descriptor of a later epoch is good)."""
-        with self._lock:
-            withdrawn, back_at = self._withdrawn_remote.get(buffer_id, (-1, 0))
-            self._withdrawn_remote[buffer_id] = (max(epoch or _FOREVER, withdrawn), back_at)
+        self._withdrawn_remote.withdrawn(buffer_id, epoch)
         self._drop_routes(buffer_id)
         withdraw_everywhere(self._transports.values(), buffer_id)  # DeviceError: transfers of it may still land
 
     def _remote_added(self, buffer_id: str, epoch: int) -> None:
         """A remote buffer is registered again at `epoch` (its node left the directory and came back): that epoch
         is good again, older ones stay refused; one its owner withdrew for good stays withdrawn."""
-        with self._lock:
-            entry = self._withdrawn_remote.get(buffer_id)
-            if entry is not None and entry[0] != _FOREVER and epoch > 0:
-                self._withdrawn_remote[buffer_id] = (min(entry[0], epoch - 1), max(entry[1], epoch))
+        self._withdrawn_remote.added(buffer_id, epoch)
 
     def _peer_lost(self, agent: common_pb2.AgentInfo) -> None:
         for buffer in self._buffers.values():
