@@ -53,7 +53,7 @@ from hmc.agent._buffers import BufferTable, ConnBuffer
 from hmc.agent._transfer import Notification, NotificationInbox
 from hmc.errors import AccessDeniedError, DeviceError, HMCError, ProtocolError, TimeoutError, UnknownBufferError
 from hmc.transport._channel import DEFERRED, Channel, request_each
-from hmc.transport._ranges import MAX_NOTIFY_BYTES, MAX_TRANSFER_ID, RangeList
+from hmc.transport._ranges import RangeList, past_notify_bounds
 from hmc.transport._staged_serve import DataConnections
 from hmc.transport._handshake import accept_handshake, tune_socket
 from hmc.transport._wire import HELLO_FRAME, FrameStream, error_reply
@@ -260,11 +260,8 @@ class PeerServer:
 
     def _notify(self, request: peer_pb2.Notify, sender: str, stream: FrameStream) -> peer_pb2.PeerReply:
         self._buffers.get(request.buffer_id, prove=stream.proof, proof=request.key_proof)
-        if len(request.payload) > MAX_NOTIFY_BYTES or len(request.transfer_id) > MAX_TRANSFER_ID:
-            raise ProtocolError(
-                f"a notification of {len(request.payload)} bytes (at most {MAX_NOTIFY_BYTES}) for a transfer id of"
-                f" {len(request.transfer_id)} characters (at most {MAX_TRANSFER_ID})"
-            )
+        if past := past_notify_bounds(request.payload, request.transfer_id):
+            raise ProtocolError(past)
         self._inbox.deliver(Notification(request.buffer_id, request.transfer_id, request.payload, sender))
         return peer_pb2.PeerReply()
 

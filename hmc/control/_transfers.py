@@ -46,7 +46,7 @@ from hmc.errors import (
     UnavailableError,
 )
 from hmc.transport._negotiate import PathChoice
-from hmc.transport._ranges import MAX_NOTIFY_BYTES, MAX_TRANSFER_ID, RangeList, check_timeout
+from hmc.transport._ranges import RangeList, check_timeout, past_notify_bounds
 from hmc.v1 import common_pb2, daemon_pb2
 
 __all__ = ["Resolver", "TransferTable"]
@@ -107,8 +107,8 @@ class TransferTable:
         if not len(ranges):
             raise ArgumentError("transfer has no ranges")
         timeout_s = check_timeout(request.timeout_s or self._config.timeout_s, "timeout_s")
-        if len(request.notification) > MAX_NOTIFY_BYTES or len(request.transfer_id) > MAX_TRANSFER_ID:
-            raise ArgumentError(f"a notification of at most {MAX_NOTIFY_BYTES} bytes and a transfer id of at most {MAX_TRANSFER_ID} characters")
+        if past := past_notify_bounds(request.notification, request.transfer_id):
+            raise ArgumentError(past)
         src, src_peer = await self._resolve(request.src, request.local_only, call_timeout)
         if request.local_only and request.HasField("dst_descriptor"):
             dst = self._registry.current(request.dst_descriptor)  # resolved by the forwarding hmcd; a stale one of this node is refused

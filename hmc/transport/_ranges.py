@@ -33,7 +33,7 @@ import numpy as np
 from hmc.errors import ArgumentError, OutOfRangeError, ProtocolError
 from hmc.v1 import common_pb2
 
-__all__ = ["MAX_NOTIFY_BYTES", "MAX_TIMEOUT_S", "MAX_TRANSFER_ID", "RangeList", "check_notify", "check_timeout", "end_to_end", "iovec_rows"]
+__all__ = ["MAX_NOTIFY_BYTES", "MAX_TIMEOUT_S", "MAX_TRANSFER_ID", "RangeList", "check_notify", "check_timeout", "end_to_end", "iovec_rows", "past_notify_bounds"]
 
 _I64 = np.dtype("<i8")
 _I64_MAX = int(np.iinfo(np.int64).max)
@@ -128,6 +128,17 @@ def check_notify(notify: object) -> bytes | None:
     if size > MAX_NOTIFY_BYTES:
         raise ArgumentError(f"notify of {size} bytes exceeds the {MAX_NOTIFY_BYTES} a notification may carry")
     return bytes(notify)
+
+
+def past_notify_bounds(payload: bytes, transfer_id: str) -> str:
+    """What a notification that reached an owner or hmcd (past a sender's `check_notify`) has beyond its bounds, or ""
+    when nothing: each refuses it with its own error."""
+    if len(payload) <= MAX_NOTIFY_BYTES and len(transfer_id) <= MAX_TRANSFER_ID:
+        return ""
+    return (
+        f"a notification of {len(payload)} bytes (at most {MAX_NOTIFY_BYTES}) for a transfer id of"
+        f" {len(transfer_id)} characters (at most {MAX_TRANSFER_ID})"
+    )
 
 
 def _check_few(offsets: list[int], lengths: list[int], size: int, name: str) -> None:
