@@ -11,6 +11,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,6 +61,34 @@ def test_tcp_needs_the_token(hmcd: Hmcd) -> None:
         client.buffers()
     with hmcd.client(tcp=True, token="wrong") as client, pytest.raises(AuthenticationError):
         list(client.events(timeout=1.0))
+
+
+def test_a_call_without_the_token_is_refused_at_its_headers_before_any_request_arrives(hmcd: Hmcd) -> None:
+    """Refused before hmcd reads a byte of the request: a client without the token must not make hmcd receive and hold
+    a message of up to 64 MiB on each of its streams. The request never comes here; a refusal that waited for it
+    would end at the call's deadline instead."""
+    never = threading.Event()
+
+    def no_request() -> Iterator[daemon_pb2.NodeInfoRequest]:
+        never.wait(30)
+        yield from ()
+
+    try:
+        with grpc.insecure_channel(hmcd.tcp_address) as channel:
+            for method, reply in (
+                ("/hmc.v1.NodeService/GetNodeInfo", daemon_pb2.NodeInfo),
+                ("/hmc.v1.RegistryService/ListBuffers", daemon_pb2.ListBuffersResponse),
+            ):
+                call = channel.stream_unary(method, request_serializer=daemon_pb2.NodeInfoRequest.SerializeToString, response_deserializer=reply.FromString)
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(no_request(), timeout=20)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, method
+            watch = channel.stream_stream("/hmc.v1.EventService/Watch", request_serializer=daemon_pb2.NodeInfoRequest.SerializeToString, response_deserializer=daemon_pb2.Event.FromString)
+            with pytest.raises(grpc.RpcError) as refused:
+                next(watch(no_request(), timeout=20))
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        never.set()
 
 
 def test_health_is_grpc_health_v1_and_needs_no_token_on_tcp(hmcd: Hmcd) -> None:

@@ -133,20 +133,21 @@ async def _abort_unauthenticated(context: grpc.aio.ServicerContext, message: str
 
 
 def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that ends the call UNAUTHENTICATED."""
+    """A handler that ends the call UNAUTHENTICATED as soon as its headers are in, whatever its shape.
 
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+    It takes the request as a stream and never reads it: a unary handler would first receive the whole request
+    (up to `MAX_MESSAGE_BYTES`), so a client without the token could make hmcd hold a large message per stream."""
+
+    async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
         await _abort_unauthenticated(context, message)
 
-    async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def refuse_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
         await _abort_unauthenticated(context, message)
         yield  # pragma: no cover - makes this an async generator
 
-    for attr in ("unary_unary", "stream_unary", "unary_stream", "stream_stream"):
-        if getattr(handler, attr) is not None:
-            streaming = attr.endswith("_stream")
-            return handler._replace(**{attr: refuse_stream if streaming else refuse})
-    return handler
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse_stream, handler.request_deserializer, handler.response_serializer)
+    return grpc.stream_unary_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
 
 
 # -- TLS ------------------------------------------------------------------------------
