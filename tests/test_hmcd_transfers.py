@@ -189,6 +189,33 @@ def test_stopping_hmcd_tells_executors_to_stop_before_it_fails_their_transfers(d
             agent.close()
 
 
+def test_a_wait_after_hmcd_restarted_says_the_transfer_was_lost_with_it_not_that_the_id_is_bad(daemons: DaemonSet) -> None:
+    """hmcd is SIGKILLed after accepting a transfer: the restarted hmcd cannot know its outcome, and says so with
+    BrokenResourceError (retry the ranges), not ArgumentError, which tells the caller its id was never valid."""
+    first = daemons.start("xlost")
+    src_agent, dst_agent = FakeAgent(first.config()), FakeAgent(first.config())
+    try:
+        src_agent.register("l-src", size=4096)
+        dst_agent.register("l-dst", size=4096)
+        with first.client() as client:
+            accepted = client.submit("l-src", "l-dst", 0, 0, 4096, timeout=30.0)
+        wait_until(lambda: src_agent.instructions, what="the instruction")
+        first.process.send_signal(signal.SIGKILL)
+        first.process.wait(timeout=10)
+        second = daemons.restart(first)
+        with second.client() as client:
+            for ask in (client.status, client.wait, client.cancel):
+                with pytest.raises(BrokenResourceError, match=f"transfer {accepted.transfer_id} was accepted by hmcd on node xlost before it restarted"):
+                    ask(accepted.transfer_id)
+            epoch, _, rest = accepted.transfer_id.partition("-")
+            for never_given in (f"{int(epoch, 16) + 10**9:x}-{rest}", "made-up", f"{epoch}-{rest[:-1]}"):
+                with pytest.raises(ArgumentError, match="unknown or long finished"):
+                    client.status(never_given)
+    finally:
+        src_agent.close()
+        dst_agent.close()
+
+
 def test_deadlines(client: Client, pair: tuple[FakeAgent, FakeAgent]) -> None:
     status = submit_4k(client, pair, "d", 0.2)
     with pytest.raises(TimeoutError, match="still"):

@@ -58,6 +58,19 @@ Choose = Callable[[common_pb2.BufferDescriptor, common_pb2.BufferDescriptor], Pa
 """(ref, local_only, timeout) -> (descriptor, peer that has it or None when local); raises UnknownBufferError."""
 
 _FINAL = frozenset({common_pb2.TRANSFER_STATE_DONE, common_pb2.TRANSFER_STATE_FAILED, common_pb2.TRANSFER_STATE_CANCELLED})
+
+
+def _minted_epoch(transfer_id: str) -> int | None:
+    """The registry epoch of the hmcd that minted `transfer_id` ("<epoch hex>-<uuid hex>"), None for any other id: an
+    hmcd that restarted tells a Wait for a transfer of its earlier life from an id it never gave out."""
+    epoch, dash, rest = transfer_id.partition("-")
+    if not dash or len(rest) != 32 or not 0 < len(epoch) <= 16:
+        return None
+    try:
+        int(rest, 16)
+        return int(epoch, 16)
+    except ValueError:
+        return None
 _CANCEL_MARGIN_S = 0.2
 """A Cancel call answers this long before its deadline when the executor has not confirmed yet."""
 
@@ -117,7 +130,7 @@ class TransferTable:
         ranges.check(src.size, dst.size)
         ranges.check_disjoint_dst()
         choice = self._choose(src, dst)
-        transfer_id = request.transfer_id or uuid.uuid4().hex
+        transfer_id = request.transfer_id or f"{self._registry.epoch:x}-{uuid.uuid4().hex}"
         if transfer_id in self._active or transfer_id in self._finished:
             raise ArgumentError(f"transfer id {transfer_id!r} is already in use")
         status = daemon_pb2.TransferStatus(transfer_id=transfer_id, state=common_pb2.TRANSFER_STATE_PENDING, bytes_total=ranges.total, path=choice.path.value)
@@ -232,6 +245,13 @@ class TransferTable:
             raise ArgumentError("transfer id is empty")
         record = self._active.get(transfer_id) or self._finished.get(transfer_id)
         if record is None:
+            epoch = _minted_epoch(transfer_id)
+            if epoch is not None and epoch < self._registry.epoch:
+                raise BrokenResourceError(
+                    f"transfer {transfer_id} was accepted by hmcd on node {self._config.node} before it restarted (registry epoch {epoch}, "
+                    f"now {self._registry.epoch}): its executor cancelled it on losing hmcd, or it had ended; its outcome is unknown. "
+                    "Its destination ranges hold old bytes, new bytes or a mix; retrying the same ranges is safe"
+                )
             raise ArgumentError(f"no transfer {transfer_id!r} on node {self._config.node} (unknown or long finished)")
         return record
 
