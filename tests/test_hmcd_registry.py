@@ -16,7 +16,7 @@ from control_fixtures import DaemonSet, FakeAgent, Hmcd, agent_info, daemon_set,
 
 from hmc.config import Config
 from hmc.control import DaemonLink
-from hmc.errors import ArgumentError, BufferWithdrawnError, BusyResourceError, ClosedResourceError, StaleDescriptorError, UnavailableError, UnknownBufferError
+from hmc.errors import ArgumentError, BufferWithdrawnError, BusyResourceError, ClosedResourceError, StaleDescriptorError, TimeoutError, UnavailableError, UnknownBufferError
 from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
 
@@ -205,6 +205,27 @@ def test_link_reattaches_and_registers_again_after_hmcd_restarts(daemons: Daemon
             assert client.node_info().agents == 1
     finally:
         link.close()
+
+
+def test_a_register_that_timed_out_on_a_stalled_hmcd_is_withdrawn_when_hmcd_runs_again(daemons: DaemonSet) -> None:
+    """hmcd stalls (SIGSTOP: a pause, a frozen VM) while an agent registers: the agent is told TimeoutError and keeps
+    nothing, so hmcd must not serve the buffer once it runs again, nor keep its name from the agent's next try."""
+    stalling = daemons.start("stall")
+    agent = FakeAgent(stalling.config(timeout_s=1.0))
+    try:
+        os.kill(stalling.process.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(TimeoutError, match="did not acknowledge"):
+                agent.register("ghost")
+        finally:
+            os.kill(stalling.process.pid, signal.SIGCONT)
+        with stalling.client() as client:
+            wait_until(lambda: agent.link.broken is None and client.node_info().agents == 1, what="hmcd to run again")
+            wait_until(lambda: not client.buffers(local_only=True), what="the timed-out registration withdrawn")
+            again = agent.register("ghost")
+            assert client.lookup("ghost").id == again.id
+    finally:
+        agent.close()
 
 
 def test_a_name_is_busy_for_other_agents_while_its_holder_lives(hmcd: Hmcd, agent: FakeAgent) -> None:

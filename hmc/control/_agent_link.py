@@ -198,10 +198,14 @@ class DaemonLink:
             self._stream.requests.put(Message(register=daemon_pb2.RegisterBuffer(request_id=request_id, descriptor=descriptor)))
         try:
             self._acknowledged(future, request_id)
-        except HMCError:
+        except HMCError as exc:
             with self._lock:
                 if self._published.get(descriptor.id) is descriptor:
                     del self._published[descriptor.id]
+                if isinstance(exc, TimeoutError) and not self._closed and self._down is None:
+                    # The register is still queued (or being served) on the stream: withdraw it behind it, or a stalled
+                    # hmcd would serve a buffer this agent was told it failed to register. Its ack is not waited for.
+                    self._stream.requests.put(Message(unregister=daemon_pb2.UnregisterBuffer(request_id=self._expect()[1], buffer_id=descriptor.id)))
             raise
 
     def unregister(self, buffer_id: str) -> None:
