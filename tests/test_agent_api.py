@@ -13,6 +13,7 @@ import hmc.memory as memory
 from hmc.agent import Agent, ConnBuffer
 from hmc.agent._events import AgentEvent, AgentEventKind, EventInbox
 from hmc.config import Config
+from hmc.control._registry import MAX_NAME_BYTES
 from hmc.errors import ArgumentError, ClosedResourceError, OutOfRangeError, UnavailableError, UnknownBufferError
 from hmc.transport._ranges import RangeList
 from hmc.transport._wire import PROTOCOL_VERSION
@@ -48,6 +49,15 @@ def test_names_are_unique_per_agent_and_ids_are_not_reused(agent: Agent) -> None
     assert second.id != first.id
     with pytest.raises(UnknownBufferError):
         agent.unregister("no-such-buffer")
+
+
+@pytest.mark.parametrize("name", [5, b"kv", "n" * (MAX_NAME_BYTES + 1), "é" * (MAX_NAME_BYTES // 2 + 1), "kv\ud800"], ids=["int", "bytes", "long", "long-utf8", "surrogate"])
+def test_a_name_that_is_not_short_text_is_refused_before_anything_is_registered(agent: Agent, name: Any) -> None:
+    before = len(agent.buffers())
+    with pytest.raises(ArgumentError, match="buffer name"):
+        agent.register(bytearray(8), name=name)
+    assert len(agent.buffers()) == before
+    assert agent.register(bytearray(8), name="é" * (MAX_NAME_BYTES // 2)).name  # the longest, in UTF-8 bytes
 
 
 def test_vendor_override_is_published(config: Config) -> None:

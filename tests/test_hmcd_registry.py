@@ -16,6 +16,7 @@ from control_fixtures import DaemonSet, FakeAgent, Hmcd, agent_info, daemon_set,
 
 from hmc.config import Config
 from hmc.control import DaemonLink
+from hmc.control._registry import MAX_NAME_BYTES
 from hmc.errors import ArgumentError, BufferWithdrawnError, BusyResourceError, ClosedResourceError, StaleDescriptorError, TimeoutError, UnavailableError, UnknownBufferError
 from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
@@ -67,6 +68,10 @@ def test_registration_refusals_are_typed(agent: FakeAgent, hmcd: Hmcd) -> None:
         agent.link.register(descriptor("empty", size=0))
     with pytest.raises(ArgumentError, match="no id"):
         agent.link.register(descriptor("noid").__class__(name="noid", size=8))
+    for long in (descriptor("n" * (MAX_NAME_BYTES + 1)), descriptor("fine").__class__(id="i" * (MAX_NAME_BYTES + 1), name="long-id", size=8)):
+        with pytest.raises(ArgumentError, match=f"bytes long; at most {MAX_NAME_BYTES}"):  # its error, not BUSY: the message stays short
+            agent.link.register(long)
+    assert agent.register("é" * (MAX_NAME_BYTES // 2)).name  # the longest name, counted in UTF-8 bytes, passes
     stolen = descriptor("stolen")
     stolen.owner.id = "someone-else"
     with pytest.raises(ArgumentError, match="someone-else"):

@@ -15,6 +15,7 @@ from control_fixtures import DaemonSet, FakeAgent, Hmcd, daemon_set, wait_until
 
 from hmc.config import Config
 from hmc.control import Client
+from hmc.control._registry import MAX_NAME_BYTES
 from hmc.errors import AccessDeniedError, ArgumentError, BrokenResourceError, CancelledError, NoPathError, OutOfRangeError, ProtocolError, TimeoutError, UnavailableError, UnknownBufferError
 from hmc.transport._ranges import MAX_NOTIFY_BYTES, MAX_TRANSFER_ID, RangeList
 from hmc.v1 import common_pb2, daemon_pb2
@@ -236,6 +237,15 @@ def test_bad_submissions_are_refused_up_front(client: Client, pair: tuple[FakeAg
         client.submit("b-src", "b-dst", [], [], [])
     with pytest.raises(ArgumentError, match="no transfer"):
         client.wait("not-a-transfer", timeout=1.0)
+    many = np.zeros((64 << 20) // 24 + 1, dtype=np.int64)  # past hmcd's 64 MiB message: gRPC's refusal would read as BUSY
+    with pytest.raises(ArgumentError, match="submit fewer ranges at once"):
+        client.submit("b-src", "b-dst", many, many, many + 1)
+    long = "n" * (MAX_NAME_BYTES + 1)
+    for refused in (lambda: client.submit(long, "b-dst", 0, 0, 8), lambda: client.lookup(long), lambda: client.path("b-src", long)):
+        with pytest.raises(ArgumentError, match=f"at most {MAX_NAME_BYTES}"):
+            refused()
+    with pytest.raises(ArgumentError, match=f"at most {MAX_NAME_BYTES}"):  # past the client: hmcd answers its own error, not BUSY
+        client._call(client._registry.LookupBuffer, daemon_pb2.LookupBufferRequest(ref=daemon_pb2.BufferRef(name="n" * (2 << 20))))  # noqa: SLF001
     assert not src_agent.instructions
     with pytest.raises(ArgumentError, match="notify of 1048577 bytes"):  # the client's own check
         client.submit("b-src", "b-dst", 0, 0, 8, notify=b"n" * (MAX_NOTIFY_BYTES + 1))

@@ -45,6 +45,7 @@ from hmc.agent._withdrawals import RemoteWithdrawals
 from hmc.config import Config, PathPolicy
 from hmc.control._agent_link import DaemonLink
 from hmc.control._inventory import apply_vendor_override, device_to_proto
+from hmc.control._registry import check_name
 from hmc.memory._machine import clock_id, host_id
 from hmc.errors import (
     AccessDeniedError,
@@ -178,6 +179,8 @@ class Agent:
     def register(self, memory: Any, *, name: str | None = None) -> ConnBuffer:
         """Make memory (a MemoryRegion or anything hmc.memory.register accepts) reachable by peers."""
         self._check_open()
+        if name is not None and name != "":
+            check_name(name)
         region = memory if isinstance(memory, MemoryRegion) else register_memory(memory)
         region.check_alive()
         if name and any(b.name == name for b in self._buffers.values()):

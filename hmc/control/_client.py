@@ -29,8 +29,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hmc.config import Config
-from hmc.control._auth import CHANNEL_OPTIONS, bearer_metadata, check_socket_dir, open_channel, socket_path
+from hmc.control._auth import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, bearer_metadata, check_socket_dir, open_channel, socket_path
 from hmc.control._errors import error_from_proto, rpc_errors, translate_rpc_error
+from hmc.control._registry import describe_ref
 from hmc.errors import ArgumentError, ClosedResourceError, HMCError, TimeoutError
 from hmc.transport._negotiate import PathChoice
 from hmc.transport._ranges import MAX_TIMEOUT_S, RangeList, check_notify, check_timeout
@@ -74,9 +75,9 @@ def _ref(ref: str | daemon_pb2.BufferRef | common_pb2.BufferDescriptor) -> daemo
     if isinstance(ref, common_pb2.BufferDescriptor):
         return daemon_pb2.BufferRef(id=ref.id)
     ref = _text(ref, "a buffer reference (a name or 'id:<id>')")
-    if ref.startswith("id:"):
-        return daemon_pb2.BufferRef(id=ref[3:])
-    return daemon_pb2.BufferRef(name=ref)
+    built = daemon_pb2.BufferRef(id=ref[3:]) if ref.startswith("id:") else daemon_pb2.BufferRef(name=ref)
+    describe_ref(built)
+    return built
 
 
 class EventStream:
@@ -206,6 +207,8 @@ class Client:
         request = daemon_pb2.SubmitTransferRequest(
             src=_ref(src), dst=_ref(dst), ranges=ranges.to_proto(), notification=check_notify(notify) or b"", timeout_s=self.timeout if timeout is None else check_timeout(timeout)
         )
+        if request.ByteSize() > MAX_MESSAGE_BYTES:  # gRPC would refuse it RESOURCE_EXHAUSTED, which reads as BUSY: retried for ever
+            raise ArgumentError(f"a submit of {len(ranges)} ranges is {request.ByteSize()} bytes; hmcd takes at most {MAX_MESSAGE_BYTES}: submit fewer ranges at once")
         return self._call(self._transfers.Submit, request)
 
     def status(self, transfer_id: str) -> daemon_pb2.TransferStatus:

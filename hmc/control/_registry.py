@@ -54,7 +54,7 @@ from hmc.control._leases import Lease, LeaseFile, ProcessIdentity, ProcessWatch,
 from hmc.errors import ArgumentError, BufferWithdrawnError, BusyResourceError, ClosedResourceError, StaleDescriptorError, UnavailableError, UnknownBufferError
 from hmc.v1 import common_pb2, daemon_pb2
 
-__all__ = ["AgentSession", "Registry", "describe_ref"]
+__all__ = ["MAX_NAME_BYTES", "AgentSession", "Registry", "check_name", "describe_ref"]
 
 log = logging.getLogger("hmc.hmcd")
 
@@ -62,12 +62,31 @@ _WITHDRAWN_MEMORY = 10_000
 _FORWARDED = frozenset({daemon_pb2.EVENT_KIND_BUFFER_WITHDRAWN, daemon_pb2.EVENT_KIND_AGENT_DOWN})
 
 
+MAX_NAME_BYTES = 64 << 10
+"""Longest buffer name or id (UTF-8): each travels in lookups, events and the errors about its buffer (gRPC carries
+an error's message in 1 MiB of metadata: a longer one came back as BUSY), and the etcd directory keys on it."""
+
+
+def check_name(value: object, what: str = "buffer name") -> str:
+    """`value` if it is a non-empty str of valid text within `MAX_NAME_BYTES`; ArgumentError otherwise (never
+    repeating a long value)."""
+    if not isinstance(value, str) or not value:
+        raise ArgumentError(f"{what} must be a non-empty string, got {type(value).__name__} {str(value)[:64]!r}")
+    try:
+        size = len(value.encode())
+    except UnicodeEncodeError as exc:
+        raise ArgumentError(f"{what} {value[:64]!r} is not valid text: {exc.reason}") from exc
+    if size > MAX_NAME_BYTES:
+        raise ArgumentError(f"{what} {value[:64]!r}... is {size} bytes long; at most {MAX_NAME_BYTES}")
+    return value
+
+
 def describe_ref(ref: daemon_pb2.BufferRef) -> str:
-    """A BufferRef for messages: `id 'x'` or `name 'y'`; ArgumentError when empty."""
+    """A BufferRef for messages: `id 'x'` or `name 'y'`; ArgumentError when empty or too long."""
     which = ref.WhichOneof("ref")
     if which is None or not getattr(ref, which):
         raise ArgumentError("buffer reference is empty: give an id or a name")
-    return f"{which} {getattr(ref, which)!r}"
+    return f"{which} {check_name(getattr(ref, which), f'buffer {which}')!r}"
 
 
 class AgentSession:
@@ -304,6 +323,9 @@ class Registry:
         ArgumentError on a bad descriptor, BusyResourceError on a name another agent holds."""
         if not descriptor.id:
             raise ArgumentError("buffer descriptor has no id")
+        check_name(descriptor.id, "buffer id")
+        if descriptor.name:
+            check_name(descriptor.name)
         if descriptor.size <= 0:
             raise ArgumentError(f"buffer {descriptor.id!r} has size {descriptor.size}; it must be positive")
         if not descriptor.HasField("owner") or not descriptor.owner.id:

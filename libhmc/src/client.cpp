@@ -17,7 +17,6 @@ using hmc_internal::valid_timeout;
 
 namespace {
 
-constexpr int kMaxMessage = 64 << 20;  // hmcd's own bound (hmc/control/_hmcd.py's SERVER_OPTIONS): gRPC's 4 MiB would refuse a big listing
 constexpr int kMaxMetadata = 1 << 20;  // hmcd's error messages repeat the names given: a long one still arrives as its error, not BUSY
 
 // As hmc/control/_auth.py's check_socket_dir: a missing entry passes (connecting then fails UNAVAILABLE).
@@ -142,7 +141,7 @@ extern "C" hmc_status hmc_connect(const char *address, const char *token, const 
     }
     grpc::ChannelArguments arguments;
     arguments.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
-    arguments.SetInt(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, kMaxMessage);
+    arguments.SetInt(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, hmc_internal::kMaxMessage);
     arguments.SetInt(GRPC_ARG_MAX_METADATA_SIZE, kMaxMetadata);
     // A silent hmcd (stopped, cut off) ends a subscription UNAVAILABLE within ~15 s, as the agents' links do;
     // hmcd permits pings every 5 s (hmc/control/_hmcd.py's SERVER_OPTIONS).
@@ -230,7 +229,7 @@ extern "C" hmc_status hmc_lookup(hmc_client *client, const char *ref, hmc_buffer
     hmc_status status = need(client, out);
     if (status != HMC_OK) return status;
     hmc::v1::LookupBufferRequest request;
-    if (!to_ref(ref, request.mutable_ref())) return fail(HMC_ERR_INVALID_ARGUMENT, "a buffer reference must be a non-empty name or 'id:<id>'");
+    if (!to_ref(ref, request.mutable_ref())) return fail(HMC_ERR_INVALID_ARGUMENT, hmc_internal::kRefRule);
     auto buffer = std::make_unique<hmc_buffer>();
     grpc::ClientContext context;
     client->prepare(context, client->timeout_s);
@@ -276,7 +275,7 @@ extern "C" hmc_status hmc_negotiate(hmc_client *client, const char *src, const c
     if (status != HMC_OK) return status;
     hmc::v1::NegotiateRequest request;
     if (!to_ref(src, request.mutable_src()) || !to_ref(dst, request.mutable_dst())) {
-        return fail(HMC_ERR_INVALID_ARGUMENT, "a buffer reference must be a non-empty name or 'id:<id>'");
+        return fail(HMC_ERR_INVALID_ARGUMENT, hmc_internal::kRefRule);
     }
     auto path = std::make_unique<hmc_path>();
     grpc::ClientContext context;

@@ -24,7 +24,12 @@ hmc_status from_rpc(const grpc::Status &status, const grpc::ClientContext &conte
 // A timeout in seconds as the contract has it: finite, in (0, 1e6]; `zero_ok` admits 0 (do not wait).
 bool valid_timeout(double seconds, bool zero_ok = false);
 
-// A buffer reference: "id:<id>" or a name (non-empty, NUL-terminated).
+constexpr int kMaxMessage = 64 << 20;  // hmcd's own bound (hmc/control/_auth.py's MAX_MESSAGE_BYTES): gRPC's 4 MiB would refuse a big listing
+constexpr size_t kMaxName = 65536;     // the longest buffer name or id hmcd takes (hmc/control/_registry.py's MAX_NAME_BYTES)
+constexpr const char *kRefRule = "a buffer reference must be a non-empty name or 'id:<id>' of valid UTF-8, at most 65536 bytes after 'id:'";
+
+// A buffer reference: "id:<id>" or a name (non-empty, NUL-terminated, valid UTF-8, at most kMaxName bytes); false
+// (kRefRule) otherwise, before anything is sent.
 bool to_ref(const char *text, hmc::v1::BufferRef *ref);
 
 // A wire error code as an hmc_status: the table's own values, anything else (a newer hmcd's) HMC_ERR_INTERNAL.

@@ -99,13 +99,36 @@ bool valid_timeout(double seconds, bool zero_ok) {
     return std::isfinite(seconds) && seconds <= 1e6 && (seconds > 0 || (zero_ok && seconds == 0));
 }
 
+// Whether text[0, size) is UTF-8 as protobuf's string fields require: no overlong forms, no surrogates, at most U+10FFFF.
+static bool valid_utf8(const unsigned char *text, size_t size) {
+    for (size_t i = 0; i < size;) {
+        unsigned char c = text[i];
+        size_t more = c < 0x80 ? 0 : (c >= 0xC2 && c <= 0xDF) ? 1 : (c >= 0xE0 && c <= 0xEF) ? 2 : (c >= 0xF0 && c <= 0xF4) ? 3 : 4;
+        if (more == 4 || more >= size - i) return false;
+        unsigned char low = 0x80, high = 0xBF;  // the second byte's range, narrowed where the first byte demands
+        if (c == 0xE0) low = 0xA0;
+        if (c == 0xED) high = 0x9F;
+        if (c == 0xF0) low = 0x90;
+        if (c == 0xF4) high = 0x8F;
+        for (size_t k = 1; k <= more; ++k) {
+            unsigned char b = text[i + k];
+            if (b < (k == 1 ? low : 0x80) || b > (k == 1 ? high : 0xBF)) return false;
+        }
+        i += more + 1;
+    }
+    return true;
+}
+
 bool to_ref(const char *text, hmc::v1::BufferRef *ref) {
     if (text == nullptr || *text == '\0') return false;
-    if (std::strncmp(text, "id:", 3) == 0) {
-        if (text[3] == '\0') return false;
-        ref->set_id(text + 3);
+    bool by_id = std::strncmp(text, "id:", 3) == 0;
+    const char *value = by_id ? text + 3 : text;
+    size_t size = strnlen(value, kMaxName + 1);
+    if (size == 0 || size > kMaxName || !valid_utf8(reinterpret_cast<const unsigned char *>(value), size)) return false;
+    if (by_id) {
+        ref->set_id(value, size);
     } else {
-        ref->set_name(text);
+        ref->set_name(value, size);
     }
     return true;
 }

@@ -108,7 +108,7 @@ extern "C" hmc_status hmc_submit(hmc_client *client, const char *src, const char
     if (!valid_timeout(timeout_s)) return fail(HMC_ERR_INVALID_ARGUMENT, "the timeout must be finite seconds in (0, 1e6]");
     hmc::v1::SubmitTransferRequest request;
     if (!to_ref(src, request.mutable_src()) || !to_ref(dst, request.mutable_dst())) {
-        return fail(HMC_ERR_INVALID_ARGUMENT, "a buffer reference must be a non-empty name or 'id:<id>'");
+        return fail(HMC_ERR_INVALID_ARGUMENT, hmc_internal::kRefRule);
     }
     if (count == 0) return fail(HMC_ERR_INVALID_ARGUMENT, "no ranges to move");
     if (src_offsets == nullptr || dst_offsets == nullptr || lengths == nullptr) return fail(HMC_ERR_INVALID_ARGUMENT, "a range array is NULL");
@@ -125,6 +125,9 @@ extern "C" hmc_status hmc_submit(hmc_client *client, const char *src, const char
     ranges->mutable_dst_offsets()->assign(reinterpret_cast<const char *>(dst_offsets), count * 8);
     ranges->mutable_lengths()->assign(reinterpret_cast<const char *>(lengths), count * 8);
     request.set_timeout_s(timeout_s);
+    if (request.ByteSizeLong() > static_cast<size_t>(hmc_internal::kMaxMessage)) {  // else RESOURCE_EXHAUSTED, read as BUSY: retried for ever
+        return fail(HMC_ERR_INVALID_ARGUMENT, "a submit of " + std::to_string(count) + " ranges is larger than hmcd's 64 MiB bound on a message: submit fewer at once");
+    }
     hmc_status status = client->check_socket();
     if (status != HMC_OK) return status;
     auto transfer = std::make_unique<hmc_transfer>();

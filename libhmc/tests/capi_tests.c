@@ -248,32 +248,46 @@ static void test_null_handles(void) {
     hmc_transfer_free(NULL), hmc_events_close(NULL), hmc_string_free(NULL);
 }
 
-/* Names as long as hmcd takes: its error repeating an unknown name of 9000 bytes arrives as that error (not BUSY from
- * gRPC's default 8 KiB metadata limit), and a listing past gRPC's default 4 MiB arrives whole (hmcd sends up to 64 MiB). */
+/* Names as long as hmcd takes (64 KiB): its error repeating an unknown name of 9000 bytes arrives as that error (not
+ * BUSY from gRPC's default 8 KiB metadata limit), a listing past gRPC's default 4 MiB arrives whole (hmcd sends up to
+ * 64 MiB), and a reference one byte longer, or not UTF-8, is refused here before anything is sent. */
 static void long_names(void) {
     hmc_client *client = connect_unix();
-    enum { UNKNOWN = 9000, LONG = 1536 * 1024, COUNT = 3 };
-    char *name = malloc(LONG + 1);
+    enum { UNKNOWN = 9000, LONG = 64 * 1024, COUNT = 72 };  /* 72 names of 64 KiB: a listing of 4.5 MiB */
+    char *name = malloc(LONG + 2);
     CHECK(name != NULL);
-    memset(name, 'n', LONG);
+    memset(name, 'n', LONG + 1);
     name[UNKNOWN] = '\0';
     hmc_buffer *buffer = NULL;
     EXPECT(HMC_ERR_UNKNOWN_BUFFER, hmc_lookup(client, name, &buffer));
     CHECK(strstr(hmc_last_error(), "nnnnnnnn") != NULL);
-    name[UNKNOWN] = 'n', name[LONG] = '\0';
-    /* an agent with three buffers named 1.5 MiB each (cluster.py's "@FILE" spec: the name is that file's text) */
-    char dir[512], files[COUNT][600], specs[COUNT][640], ready[600];
+    name[UNKNOWN] = 'n', name[LONG + 1] = '\0';
+    EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_lookup(client, name, &buffer));  /* 64 KiB + 1 */
+    CHECK(buffer == NULL && strstr(hmc_last_error(), "65536") != NULL);
+    static const char *const not_utf8[] = {"kv\xff", "kv\xc3", "\xc0\xafkv", "kv\xed\xa0\x80", "id:\xf5\x80\x80\x80", "kv\xf4\x90\x80\x80"};
+    for (size_t i = 0; i < sizeof not_utf8 / sizeof not_utf8[0]; ++i) {
+        EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_lookup(client, not_utf8[i], &buffer));
+        hmc_path *path = NULL;
+        EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_negotiate(client, "capi-src", not_utf8[i], &path));
+    }
+    EXPECT(HMC_ERR_UNKNOWN_BUFFER, hmc_lookup(client, "kv-\xc3\xa9-\xf0\x9f\x98\x80", &buffer));  /* valid UTF-8 passes */
+    name[LONG] = '\0';
+    /* an agent with COUNT buffers named 64 KiB each (cluster.py's "@FILE" spec: the name is that file's text) */
+    char dir[512], ready[600];
+    static char files[COUNT][600], specs[COUNT][640];
     snprintf(dir, sizeof dir, "%s", state("dir"));
     snprintf(ready, sizeof ready, "%s/agent-long.ready", dir);
     unlink(ready);
     for (int i = 0; i < COUNT; ++i) {
         snprintf(files[i], sizeof files[i], "%s/long-name-%d", dir, i);
         snprintf(specs[i], sizeof specs[i], "@%s:4096", files[i]);
-        name[0] = (char)('0' + i);  /* distinct names */
+        snprintf(name, 16, "%08d", i), name[8] = 'n';  /* distinct names */
         FILE *file = fopen(files[i], "w");
         CHECK(file != NULL && fwrite(name, 1, LONG, file) == LONG && fclose(file) == 0);
     }
-    char *argv[] = {(char *)state("python"), (char *)state("cluster"), "agent", "long", dir, "node", specs[0], specs[1], specs[2], NULL};
+    char *argv[COUNT + 7] = {(char *)state("python"), (char *)state("cluster"), "agent", "long", dir, "node"};
+    for (int i = 0; i < COUNT; ++i) argv[6 + i] = specs[i];
+    argv[6 + COUNT] = NULL;
     pid_t agent = start_process(argv);
     await_file(ready, 60.0);
     hmc_buffer_list *list = NULL;
@@ -443,6 +457,13 @@ static void test_bad_ranges_write_nothing(void) {
     EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_submit(client, "capi-src", "capi-dst", so, dof, len, 1, NAN, &transfer));
     EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_submit(client, "capi-src", "capi-dst", so, dof, len, 1, -1.0, &transfer));
     EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_submit(client, "capi-src", "capi-dst", so, dof, len, 1, 10.0, NULL));
+    /* more ranges than hmcd's 64 MiB message holds: refused here, not BUSY (which a caller would retry for ever) */
+    enum { MANY = (64 << 20) / 24 + 1 };
+    uint64_t *many = calloc(MANY, sizeof *many);
+    CHECK(many != NULL);
+    EXPECT(HMC_ERR_INVALID_ARGUMENT, hmc_submit(client, "capi-src", "capi-dst", many, many, many, MANY, 10.0, &transfer));
+    CHECK(transfer == NULL && strstr(hmc_last_error(), "fewer") != NULL);
+    free(many);
     /* unknown buffers and read-only memory */
     EXPECT(HMC_ERR_UNKNOWN_BUFFER, hmc_submit(client, "capi-src", "no-such-buffer", so, dof, len, 1, 10.0, &transfer));
     EXPECT(HMC_ERR_UNKNOWN_BUFFER, hmc_submit(client, "no-such-buffer", "capi-dst", so, dof, len, 1, 10.0, &transfer));
