@@ -15,7 +15,7 @@ import pytest
 from control_fixtures import DaemonSet, FakeAgent, Hmcd, agent_info, daemon_set, descriptor, spawn_agent_child, submit_as_forwarder, wait_until
 
 from hmc.config import Config
-from hmc.control import DaemonLink
+from hmc.control import Client, DaemonLink
 from hmc.control._registry import MAX_NAME_BYTES
 from hmc.errors import ArgumentError, BufferWithdrawnError, BusyResourceError, ClosedResourceError, StaleDescriptorError, TimeoutError, UnavailableError, UnknownBufferError
 from hmc.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
@@ -231,6 +231,41 @@ def test_a_register_that_timed_out_on_a_stalled_hmcd_is_withdrawn_when_hmcd_runs
             assert client.lookup("ghost").id == again.id
     finally:
         agent.close()
+
+
+@pytest.mark.parametrize("a_keeps_it", [False, True], ids=["let-go", "kept"])
+def test_a_name_registered_while_hmcd_was_down_is_published_once_its_old_holder_lets_it_go(daemons: DaemonSet, a_keeps_it: bool) -> None:
+    """While hmcd is down, agent A unregisters 'kv' (or keeps it) and agent B registers 'kv': both only locally. The
+    restarted hmcd reserves 'kv' for A from its state file. A's hello names what A still holds, so a name it let go is
+    freed at once, and B's registration, sent again on re-attach, waits for the reservation rather than being refused
+    for good: B gets 'kv' well inside the reservation's grace (30 s), whichever agent attaches first. If A kept
+    'kv', A takes it back and B is refused."""
+    first = daemons.start(f"down-{a_keeps_it}")
+    a, b = FakeAgent(first.config()), FakeAgent(first.config())
+    try:
+        kv_a, kept = a.register("kv"), a.register("kept")
+        first.kill()
+        wait_until(lambda: a.link.broken is not None and b.link.broken is not None, what="both links to see hmcd gone")
+        if not a_keeps_it:
+            a.link.unregister(kv_a.id)
+        kv_b = b.register("kv")  # acknowledged here, while hmcd is down
+        second = daemons.restart(first)
+        with second.client() as client:
+            wait_until(lambda: a.link.broken is None and b.link.broken is None, what="both links attached again")
+            owner = kv_a if a_keeps_it else kv_b
+            wait_until(lambda: _found(client, "kv") == owner.id, what=f"'kv' published for {'A' if a_keeps_it else 'B'}")
+            assert client.lookup("kept").id == kept.id
+            assert {d.id for d in client.buffers(local_only=True)} == {owner.id, kept.id}
+    finally:
+        a.close()
+        b.close()
+
+
+def _found(client: Client, name: str) -> str | None:
+    try:
+        return client.lookup(name).id
+    except (UnknownBufferError, UnavailableError):
+        return None
 
 
 def test_a_name_is_busy_for_other_agents_while_its_holder_lives(hmcd: Hmcd, agent: FakeAgent) -> None:

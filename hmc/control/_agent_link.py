@@ -130,7 +130,7 @@ class DaemonLink:
         self.address = f"unix:{config.socket}"
         self._timeout = config.timeout_s
         self._agent_id = agent_info.id
-        self._hello_message = Message(hello=daemon_pb2.AgentHello(protocol_version=PROTOCOL_VERSION, agent=agent_info, reads_daemon_clock=True))
+        self._agent_info = agent_info
         self._on_instruction = on_instruction
         self._on_event = on_event
         self._on_cancel = on_cancel
@@ -158,7 +158,7 @@ class DaemonLink:
         self._hello: concurrent.futures.Future[daemon_pb2.DaemonHello] = concurrent.futures.Future()
         # Callbacks for "hmc-daemon-events"; None ends that thread.
         self._callbacks: queue.SimpleQueue[tuple[Callable[[Any], None], Any] | None] = queue.SimpleQueue()
-        self._stream = _Stream(self.address, self._hello_message)
+        self._stream = _Stream(self.address, self._greeting())
         self._thread = threading.Thread(target=self._run, name="hmc-daemon-link", daemon=True)
         self._events_thread = threading.Thread(target=self._run_callbacks, name="hmc-daemon-events", daemon=True)
         self._thread.start()
@@ -178,6 +178,14 @@ class DaemonLink:
             self._takes_measurements = hello.takes_measurements
         self.past_epochs: frozenset[int] = frozenset()
         """Earlier epochs of hmcd's registry this link was attached under (the last 16)."""
+
+    def _greeting(self) -> Message:
+        """A new stream's hello, naming the buffers this link holds: it registers them again once hmcd answers, and
+        hmcd frees whatever else it kept reserved for this agent."""
+        with self._lock:
+            names = sorted({descriptor.name for descriptor in self._published.values() if descriptor.name})
+        held = daemon_pb2.HeldNames(names=names)
+        return Message(hello=daemon_pb2.AgentHello(protocol_version=PROTOCOL_VERSION, agent=self._agent_info, reads_daemon_clock=True, held=held))
 
     # -- requests ---------------------------------------------------------------------
 
@@ -311,7 +319,7 @@ class DaemonLink:
                     return
                 delay = min(delay * 2, RETRY_MAX_S)
                 try:
-                    stream = _Stream(self.address, self._hello_message)
+                    stream = _Stream(self.address, self._greeting())
                 except Exception as exc:  # noqa: BLE001 - e.g. a socket path gRPC refuses; keep trying
                     log.warning("cannot reach hmcd at %s: %s", self.address, exc)
                     continue
@@ -367,7 +375,7 @@ class DaemonLink:
             for descriptor in self._published.values():
                 future, request_id = self._expect()
                 future.add_done_callback(functools.partial(self._registered_again, descriptor))
-                self._stream.requests.put(Message(register=daemon_pb2.RegisterBuffer(request_id=request_id, descriptor=descriptor)))
+                self._stream.requests.put(Message(register=daemon_pb2.RegisterBuffer(request_id=request_id, descriptor=descriptor, again=True)))
             count = len(self._published)
             self._takes_measurements = hello.takes_measurements
             if hello.takes_measurements:

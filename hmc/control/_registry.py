@@ -17,8 +17,11 @@ When the stream broke, and across hmcd restarts (the state file of
 `hmc.control._leases`), the name stays *reserved* for its holder, known by agent
 id and process identity (pid and start time), for `grace_s` while that process
 lives: the holder, attached again with the same id from the same process, takes
-each name back by registering it; anyone else gets BusyResourceError. A pidfd
-watch frees a dead holder's names at once. Only agents on this hmcd's host hold
+each name back by registering it, and its hello lists the names it still holds, so
+the others are freed at once; anyone else gets BusyResourceError, except a
+registration made while hmcd was away (RegisterBuffer.again), which waits for the
+reservation to end (`reservation_ended`). A pidfd watch frees a dead holder's
+names at once. Only agents on this hmcd's host hold
 leases (hmcd cannot see other hosts' processes); the pid is the one the agent's
 hello reports.
 
@@ -35,17 +38,18 @@ node's lease lost and regained) is usable again.
 Recently withdrawn ids and names are remembered (bounded) so a lookup can say
 BufferWithdrawnError rather than UnknownBufferError.
 
-Concurrency: owned by hmcd's event loop; nothing here awaits. The state file is
+Concurrency: owned by hmcd's event loop; nothing here awaits but `reservation_ended`. The state file is
 written on the loop whenever the held or reserved names change.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import NoReturn
 
 from hmc.control._events import EventBus
@@ -137,7 +141,7 @@ class _Holder:
 
     def describe(self) -> str:
         left = max(self.deadline - time.monotonic(), 0.0)
-        return f"agent {self.agent_id!r} (pid {self.process.pid}), which held it when {self.why}; reserved until it attaches again, at most {left:.0f}s more"
+        return f"agent {self.agent_id!r} (pid {self.process.pid}), which held it when {self.why}; reserved until it takes the name back or lets it go on attaching again, at most {left:.0f}s more"
 
     def close(self) -> None:
         if self.timer is not None:
@@ -175,6 +179,7 @@ class Registry:
         self._owner: dict[str, AgentSession] = {}
         self._holders: dict[str, _Holder] = {}
         self._reserved: dict[str, _Holder] = {}
+        self._changed = asyncio.Event()  # set (and replaced) whenever a reservation ends
         self._withdrawn_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._withdrawn_names: collections.OrderedDict[str, None] = collections.OrderedDict()
         events.add_listener(self._forward_to_agents)
@@ -214,7 +219,9 @@ class Registry:
 
     # -- sessions -----------------------------------------------------------------
 
-    def attach(self, info: common_pb2.AgentInfo) -> AgentSession:
+    def attach(self, info: common_pb2.AgentInfo, held: Collection[str] | None = None) -> AgentSession:
+        """A new session for the agent of `info`; `held` (from its hello: the names it registers again next) frees at
+        once what is reserved for it under any other name (None: an older agent; its reservations wait out the grace)."""
         if not info.id:
             raise ArgumentError("agent hello carries no agent id")
         if info.id in self._sessions:
@@ -227,6 +234,8 @@ class Registry:
         self._sessions[info.id] = session
         if holder is not None:
             holder.agent = info
+            if held is not None:
+                self._let_go(holder, set(held))
         self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_AGENT_UP, agent_id=info.id, agent=info))
         log.info("agent %s attached (pid %d)%s", info.id, info.pid, f"; {len(holder.names)} name(s) reserved for it" if holder else "")
         return session
@@ -300,6 +309,7 @@ class Registry:
             self._announce_withdrawn(descriptor, holder.agent_id)
         holder.names.clear()
         holder.buffers.clear()
+        self._reservations_changed()
         if down and holder.agent_id not in self._sessions:
             self._events.publish(daemon_pb2.Event(kind=daemon_pb2.EVENT_KIND_AGENT_DOWN, agent_id=holder.agent_id, agent=holder.agent))
 
@@ -309,9 +319,49 @@ class Registry:
         if descriptor.name and self._reserved.get(descriptor.name) is holder:
             del self._reserved[descriptor.name]
             holder.names.discard(descriptor.name)
+            self._reservations_changed()
         if not holder.names and not holder.buffers:
             del self._holders[holder.agent_id]
             holder.close()
+
+    def _let_go(self, holder: _Holder, held: set[str]) -> None:
+        """The holder came back holding only the names in `held`: free its others (withdrawing what waited under them)."""
+        gone = sorted(holder.names - held)
+        for name in gone:
+            holder.names.discard(name)
+            if self._reserved.get(name) is holder:
+                del self._reserved[name]
+        for buffer_id, descriptor in list(holder.buffers.items()):
+            if descriptor.name and descriptor.name not in held:
+                del holder.buffers[buffer_id]
+                self._announce_withdrawn(descriptor, holder.agent_id)
+        if gone:
+            log.info("agent %s came back without names %s; they are free", holder.agent_id, gone)
+            self._reservations_changed()
+            self._save()
+        if not holder.names and not holder.buffers:
+            del self._holders[holder.agent_id]
+            holder.close()
+
+    def _reservations_changed(self) -> None:
+        """Wake every registration waiting for a reservation to end (`reservation_ended`)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def reserved_for_another(self, session: AgentSession, name: str) -> float | None:
+        """Seconds left on the reservation of `name` for another agent whose process lives (None: no such one)."""
+        holder = self._reserved.get(name)
+        if holder is None or holder.agent_id == session.agent_id or name in self._by_name:
+            return None
+        if process_identity(holder.process.pid) != holder.process:
+            return None
+        return max(holder.deadline - time.monotonic(), 0.0)
+
+    async def reservation_ended(self, timeout: float) -> None:
+        """Return when a reservation ends (its holder took its name back or let it go, died, or ran out of grace), or
+        after `timeout` seconds."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout)
 
     def _waiting_for(self, buffer_id: str) -> _Holder | None:
         return next((h for h in self._holders.values() if buffer_id in h.buffers), None)

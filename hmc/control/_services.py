@@ -34,6 +34,9 @@ __all__ = ["add_services"]
 
 log = logging.getLogger("hmc.hmcd")
 
+_RESERVATION_SLACK_S = 0.05
+"""Past a reservation's end before a waiting registration looks again (its timer ends it at that moment)."""
+
 PROTOCOL_VERSION = common_pb2.PROTOCOL_VERSION_1
 
 
@@ -68,7 +71,7 @@ class RegistryServicer(daemon_pb2_grpc.RegistryServiceServicer):
             return
         if not hello.agent.node:
             hello.agent.node = daemon.config.node
-        session = daemon.registry.attach(hello.agent)
+        session = daemon.registry.attach(hello.agent, hello.held.names if hello.HasField("held") else None)
         session.reads_daemon_clock = hello.reads_daemon_clock
         writer: asyncio.Task[None] | None = None
         clean = False  # the agent closed its stream (EOF): it is gone; otherwise it may come back (registry: "Sessions")
@@ -143,19 +146,28 @@ class RegistryServicer(daemon_pb2_grpc.RegistryServiceServicer):
 
     async def _register_and_ack(self, session: AgentSession, request: daemon_pb2.RegisterBuffer) -> None:
         try:
-            error = await self._register(session, request.descriptor)
+            error = await self._register(session, request.descriptor, request.again)
         except Exception as exc:  # noqa: BLE001 - a bug must still answer the agent, which waits for this ack
             log.exception("registering buffer %s failed", request.descriptor.id)
             error = common_pb2.Error(code=int(ErrorCode.INTERNAL), message=f"hmcd failed to register buffer {request.descriptor.id!r}: {exc!r}")
         await session.outbox.put(daemon_pb2.DaemonMessage(ack=daemon_pb2.Ack(request_id=request.request_id, error=error)))
 
-    async def _register(self, session: AgentSession, descriptor: common_pb2.BufferDescriptor) -> common_pb2.Error | None:
-        """Check, then publish in the directory (which may refuse a name another node holds, or wait for etcd), then register."""
+    async def _register(self, session: AgentSession, descriptor: common_pb2.BufferDescriptor, again: bool = False) -> common_pb2.Error | None:
+        """Check, then publish in the directory (which may refuse a name another node holds, or wait for etcd), then register.
+
+        `again`: the agent registered it while hmcd was away; a name reserved for another live agent is waited for
+        until that reservation ends, then checked again (see RegisterBuffer.again)."""
         daemon = self._daemon
-        try:
-            daemon.registry.prepare(session, descriptor)
-        except HMCError as exc:
-            return common_pb2.Error(code=int(exc.code), message=str(exc))
+        while True:
+            try:
+                daemon.registry.prepare(session, descriptor)
+                break
+            except HMCError as exc:
+                left = daemon.registry.reserved_for_another(session, descriptor.name) if again and descriptor.name else None
+                if left is None:
+                    return common_pb2.Error(code=int(exc.code), message=str(exc))
+                log.info("buffer %s: its name %r is reserved for another agent; waiting up to %.1fs for that to end", descriptor.id, descriptor.name, left)
+                await daemon.registry.reservation_ended(left + _RESERVATION_SLACK_S)
         try:
             await daemon.directory.publish(descriptor, daemon.config.timeout_s / 2)  # answered before the agent's own deadline
         except HMCError as exc:
