@@ -5,8 +5,10 @@ Client -> decode travels in kv_transfer_params: one prefill reply ("an offer"), 
 names the prompt it holds by digest and how many decode sub-requests may load it (`loads`).
 Scheduler -> worker travels in `HMCConnectorMetadata` (one per step). Worker -> peer worker travels
 as HMC notifications (JSON, small), which arrive after the data of the transfer they ride on:
-  want    decode -> prefill (push): "write request R's blocks, holding prompt P, into these blocks of mine"
-  release decode -> prefill: "one of R's loads is done (or never comes)"; with all=true: "free R"
+  want    decode -> prefill (push): "write request R's blocks, holding prompt P, into these blocks of mine,
+          within `budget` seconds" (the decode side's time left, counted from before the want arrives)
+  release decode -> prefill: "one of R's loads is done (or never comes)"; with all=true: "free R"; with
+          dreq=D: "decode request D gave up: stop its push" (its load is counted once, by the push)
   kv      prefill -> decode: one part of request R's blocks, holding prompt P, has landed
   err     prefill -> decode: request R's blocks will not come, and why
 """
@@ -63,6 +65,8 @@ class Offer:
             blocks = params.get("remote_block_ids")
             if not isinstance(blocks, list) or not all(type(b) is int and 0 <= b <= MAX_BLOCK_ID for b in blocks):
                 raise TypeError("remote_block_ids is not a list of block ids")
+            if len(set(blocks)) != len(blocks):  # a block named twice would load one block's KV into two positions
+                raise ValueError("remote_block_ids names a block more than once")
             loads = hmc.get("loads", 1)
             if type(loads) is not int or not 1 <= loads <= MAX_LOADS:
                 raise ValueError(f"loads must be an integer in 1..{MAX_LOADS}, not {loads!r}")

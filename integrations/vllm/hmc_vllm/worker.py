@@ -19,21 +19,29 @@ Failures become data: a failed, refused or late load is reported in failed_recvi
 `block_ids_with_load_errors`, and the prefill instance is told at once (`release`); a prefill request
 is held until it has served its `loads` decode loads, its lease expires, or it is released, and is
 then reported finished so vLLM frees its blocks.
+Deadlines (push): the want carries the decode side's budget, the seconds left to its deadline; the prefill
+worker pushes only within that budget, counted from before the want arrived (and within the lease), and
+never starts a want whose budget is spent. A push load that fails while a push may still be under way is
+cancelled (`release` naming the decode request) and reported only after the budget, counted from the want's
+acknowledgement, has run out or the prefill side answers `err`: vLLM never reuses blocks a push may reach.
+Peers: `kv` and `err` count only from the agent that owns the load's peer buffers, and once a decode agent
+has sent a `want` for a held request, only the agents that did may release it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import hmc
-from hmc.errors import HMCError
+from hmc.errors import HMCError, ProtocolError
 from hmc_vllm.layout import KVLayout, block_ranges, describe, storages
 from hmc_vllm.metadata import HMCConnectorMetadata, RecvTask, SendTask, WorkerHandshake, decode, encode
 from hmc_vllm.stats import TransferRecorder
@@ -55,6 +63,9 @@ class _Load:
     landed: set[int] = field(default_factory=set)
     handles: list[hmc.TransferHandle] = field(default_factory=list)  # pull reads, or the want message
     peer: WorkerHandshake | None = None
+    senders: frozenset[str] = frozenset()  # agents owning the peer's buffers: the only ones whose kv and err count
+    budget: float | None = None  # push: the seconds the want gave the prefill side to finish writing
+    quiet: float | None = None  # push: time.monotonic() after which no push for it writes (set once the want is acknowledged)
 
 
 @dataclass
@@ -69,6 +80,16 @@ class _Push:
     want: dict[str, Any]  # the decode side's request, to answer if the push fails
 
 
+@dataclass(frozen=True)
+class _Want:
+    """Prefill side: a decode worker's `want` and the agent that sent it."""
+
+    message: dict[str, Any]
+    sender: str
+    received: float  # time.monotonic()
+    deadline: float | None  # time.monotonic() by which a push for it must have ended; None: the want named no budget
+
+
 @dataclass
 class _Held:
     """Prefill side: a request's blocks, held until `loads` decode loads are done, released or expired."""
@@ -77,6 +98,7 @@ class _Held:
     served: int = 0
     released: bool = False  # freed by a release of all: no more pushes start
     pushes: dict[str, _Push] = field(default_factory=dict)  # by decode request id
+    wanters: set[str] = field(default_factory=set)  # agents that sent a want for it: once any has, only they may release it
 
     @property
     def done(self) -> bool:
@@ -97,8 +119,9 @@ class HMCConnectorWorker:
         self.layout: KVLayout | None = None
         self._handshake: WorkerHandshake | None = None
         self._held: dict[str, _Held] = {}  # prefill: blocks held for decode instances
-        self._wanted: dict[str, list[tuple[dict[str, Any], float]]] = {}  # prefill: wants that came before their SendTask
+        self._wanted: dict[str, list[_Want]] = {}  # prefill: wants that came before their SendTask
         self._loads: dict[str, _Load] = {}  # decode: by local request id
+        self._ending: dict[str, _Load] = {}  # decode: failed push loads, not yet reported, whose blocks a push may still reach
         self._steps: queue.SimpleQueue[HMCConnectorMetadata] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards the four result sets below, shared with the engine's thread
         self._finished_sending: set[str] = set()
@@ -126,6 +149,7 @@ class HMCConnectorWorker:
 
     def _run(self, kv_caches: Mapping[str, Any], ready: queue.SimpleQueue[BaseException | None]) -> None:
         _unpin()
+        started = time.monotonic()
         try:
             self._register(kv_caches)
         except BaseException as exc:  # handed to the engine's thread, which raises it
@@ -133,14 +157,20 @@ class HMCConnectorWorker:
             return
         ready.put(None)
         assert self.agent is not None
+        since = started
         while not self._stop.is_set():
+            asked = time.monotonic()
             try:
-                self._turn(self.agent.notifications(timeout=self.settings.poll_s))
+                self._turn(self.agent.notifications(timeout=self.settings.poll_s), since)
             except Exception:  # a bug here must not stop the thread that enforces every deadline
                 _log.exception("HMCConnector: connector thread error (continuing)")
+            since = asked  # the next batch was queued after this call drained the inbox
 
-    def _turn(self, notes: list[hmc.Notification]) -> None:
-        """One round of the connector thread: new steps, peer messages, then handles and deadlines."""
+    def _turn(self, notes: list[hmc.Notification], since: float) -> None:
+        """One round of the connector thread: new steps, peer messages, then handles and deadlines.
+
+        `since` (time.monotonic()) precedes the arrival of every note: a want's budget counts from there.
+        """
         while True:
             try:
                 self._take(self._steps.get_nowait())
@@ -148,7 +178,7 @@ class HMCConnectorWorker:
                 break
         for note in notes:
             try:
-                self._on_message(note.payload)
+                self._on_message(note.payload, note.sender_agent, since)
             except Exception:  # one malformed message must not drop the rest of the batch
                 _log.exception("HMCConnector: ignored a notification it could not handle")
         self._poll_pushes()
@@ -180,7 +210,7 @@ class HMCConnectorWorker:
         """Start the step's holds, releases and loads; each one's failure stays its own."""
         for send in meta.sends:
             held = self._held[send.request_id] = _Held(send)
-            for want, _ in self._wanted.pop(send.request_id, []):
+            for want in self._wanted.pop(send.request_id, []):
                 self._push(held, want)
         for request_id in meta.releases:
             self._release(request_id, everything=True)
@@ -205,6 +235,7 @@ class HMCConnectorWorker:
                 return
             load.peer = self._peer(task)
             remote = [hmc.BufferDescriptor.FromString(b) for b in load.peer.buffers]
+            load.senders = frozenset(r.owner.id for r in remote)
             if self.settings.mode == "hmcd":
                 self._migrate(load, remote)
             elif self.settings.mode == "pull":
@@ -212,12 +243,13 @@ class HMCConnectorWorker:
                 for (src, dst), (r_off, l_off, lengths) in block_ranges(load.peer.layout, self.layout, task.remote_blocks, task.local_blocks).items():
                     load.handles.append(self.agent.read(self.buffers[dst], remote[src], r_off, l_off, lengths, timeout=self._remaining(task)))
             else:
+                load.budget = self._remaining(task)
                 load.handles.append(
                     self._message(
                         remote[0],
                         encode(
-                            "want", req=task.remote_request_id, dreq=task.request_id, blocks=list(task.local_blocks),
-                            rblocks=list(task.remote_blocks), prompt=task.prompt, peer=self._handshake.to_wire() if self._handshake else None,
+                            "want", req=task.remote_request_id, dreq=task.request_id, blocks=list(task.local_blocks), rblocks=list(task.remote_blocks),
+                            prompt=task.prompt, peer=self._handshake.to_wire() if self._handshake else None, budget=load.budget,
                         ),
                     )
                 )
@@ -255,25 +287,30 @@ class HMCConnectorWorker:
 
     # -- prefill side -------------------------------------------------------------------------
 
-    def _push(self, held: _Held, want: dict[str, Any]) -> None:
+    def _push(self, held: _Held, wanted: _Want) -> None:
         """Write the held blocks a `want` asked for into the decode worker's blocks (once per decode request)."""
         assert self.agent is not None and self.layout is not None
-        send, dreq = held.task, str(want.get("dreq"))
+        send, want, dreq = held.task, wanted.message, str(wanted.message.get("dreq"))
+        held.wanters.add(wanted.sender)
         if dreq in held.pushes:
             return
         try:
             if held.released or held.served >= send.loads:
                 raise HMCError(f"request {send.request_id} served its {send.loads} load(s) or was released")
+            if wanted.deadline is None:
+                raise ProtocolError(f"the want for request {send.request_id} names no budget (a decode side older than this one)")
             if want.get("prompt") != send.prompt:
                 raise HMCError(f"request {send.request_id} holds another prompt's KV (digest {send.prompt[:12]}, wanted {str(want.get('prompt'))[:12]})")
             peer = WorkerHandshake.from_wire(want.get("peer") or {})
             remote = [hmc.BufferDescriptor.FromString(b) for b in peer.buffers]
             rblocks = [int(b) for b in want.get("rblocks", ())]
-            if not set(rblocks) <= set(send.block_ids):
-                raise HMCError(f"blocks {sorted(set(rblocks) - set(send.block_ids))} are not held for request {send.request_id}")
+            if not rblocks or rblocks != list(send.block_ids[-len(rblocks):]):  # in order: block i of the want is position i
+                raise HMCError(f"blocks {rblocks} are not the last blocks held for request {send.request_id}, in order ({list(send.block_ids)})")
             self.before_push(send, rblocks)
             groups = block_ranges(self.layout, peer.layout, rblocks, [int(b) for b in want.get("blocks", ())])
-            timeout = max(send.expiry - time.time(), self.settings.message_timeout_s)
+            timeout = min(wanted.deadline - time.monotonic(), send.expiry - time.time())  # ends before the decode side gives up
+            if timeout <= 0:
+                raise HMCError(f"the want for request {send.request_id} came after the decode side's deadline or the lease")
             handles = [
                 self.agent.write(
                     self.buffers[src], remote[dst], s_off, d_off, lengths,
@@ -318,6 +355,20 @@ class HMCConnectorWorker:
         else:
             self._serve(held)
 
+    def _cancel(self, request_id: str, dreq: str, sender: str) -> None:
+        """The decode side gave up on `dreq`: stop its push, or refuse its parked want (the load was served or will be, once)."""
+        held = self._held.get(request_id)
+        push = held.pushes.get(dreq) if held is not None else None
+        if push is not None:
+            for handle in push.handles:  # _poll_pushes answers err once they end
+                handle.cancel()
+            return
+        wants = self._wanted.get(request_id, [])
+        for i, want in enumerate(wants):
+            if want.sender == sender and str(want.message.get("dreq")) == dreq:
+                wants[i] = replace(want, deadline=-math.inf)  # refused, and its load served, when the hold comes
+                self._reply_error(want.message, f"the load of request {request_id} was cancelled")
+
     def _finish_send(self, request_id: str) -> None:
         self._held.pop(request_id, None)
         with self._lock:
@@ -337,7 +388,7 @@ class HMCConnectorWorker:
             bad, self._bad_blocks = self._bad_blocks, set()
         return bad
 
-    def _on_message(self, payload: bytes) -> None:
+    def _on_message(self, payload: bytes, sender: str, since: float) -> None:
         try:
             message = decode(payload)
         except HMCError as exc:
@@ -346,26 +397,42 @@ class HMCConnectorWorker:
         kind = message["t"]
         if kind == "want":
             req = str(message.get("req"))
-            held = self._held.get(req)
+            budget = message.get("budget")
+            deadline = since + budget if isinstance(budget, (int, float)) and math.isfinite(budget) and budget >= 0 else None
+            held, want = self._held.get(req), _Want(message, sender, time.monotonic(), deadline)
             if held is None:
-                self._wanted.setdefault(req, []).append((message, time.monotonic()))
+                self._wanted.setdefault(req, []).append(want)
             else:
-                self._push(held, message)
-        elif kind == "release":
-            self._release(str(message.get("req")), everything=message.get("all") is True)
-        elif kind == "kv":
-            load = self._loads.get(str(message.get("dreq")))
-            if load is None:
-                return
+                self._push(held, want)
+            return
+        if kind == "release":
+            held = self._held.get(str(message.get("req")))
+            if held is not None and held.wanters and sender not in held.wanters:
+                _log.warning("HMCConnector: ignored a release of request %s from agent %s, which sent no want for it", held.task.request_id, sender)
+            elif "dreq" in message:
+                self._cancel(str(message.get("req")), str(message["dreq"]), sender)
+            else:
+                self._release(str(message.get("req")), everything=message.get("all") is True)
+            return
+        dreq = str(message.get("dreq"))
+        load = self._loads.get(dreq) or self._ending.get(dreq)
+        if load is None:
+            return
+        if sender not in load.senders:  # any agent holding a key of ours could send one: only the peer's count
+            _log.warning("HMCConnector: ignored a %s for request %s from agent %s, not the prefill worker it loads from", kind, load.task.request_id, sender)
+            return
+        if dreq in self._ending:  # the prefill side answers nothing while a push of it is under way: none is now
+            if kind == "err":
+                self._report_failed(load.task)
+            return
+        if kind == "kv":
             if message.get("prompt") != load.task.prompt:
                 self._fail_load(load.task, f"the blocks that landed hold another prompt's KV (digest {str(message.get('prompt'))[:12]}, this prompt {load.task.prompt[:12]})")
                 return
             load.parts = int(message["parts"])
             load.landed.add(int(message["part"]))
         else:
-            load = self._loads.get(str(message.get("dreq")))
-            if load is not None:
-                self._fail_load(load.task, f"the prefill instance refused: {message.get('reason')}")
+            self._fail_load(load.task, f"the prefill instance refused: {message.get('reason')}", settled=True)
 
     def _poll_pushes(self) -> None:
         for held in list(self._held.values()):
@@ -385,11 +452,12 @@ class HMCConnectorWorker:
 
     def _poll_loads(self) -> None:
         for request_id, load in list(self._loads.items()):
+            self._acknowledged(load)
             if not all(h.done() for h in load.handles):
                 continue
             failed = [h.error for h in load.handles if h.error is not None]
-            if failed:
-                self._fail_load(load.task, f"transfer failed: {failed[0]}")
+            if failed:  # push: the want never reached the prefill side, which pushes nothing
+                self._fail_load(load.task, f"transfer failed: {failed[0]}", settled=True)
             elif self.settings.mode == "pull" or (load.parts is not None and len(load.landed) == load.parts):
                 self._loads.pop(request_id)
                 assert self.layout is not None
@@ -411,23 +479,46 @@ class HMCConnectorWorker:
                 self.stats.failure("push")
                 self._finish_send(request_id)
         for req, wants in list(self._wanted.items()):
-            if mono - wants[0][1] > min(self.settings.lease_s, UNKNOWN_WANT_S):
+            if mono - wants[0].received > min(self.settings.lease_s, UNKNOWN_WANT_S):
                 self._wanted.pop(req)
-                for message, _ in wants:
-                    self._reply_error(message, f"request {req} is not held here (expired or unknown)")
+                for want in wants:
+                    self._reply_error(want.message, f"request {req} is not held here (expired or unknown)")
         for load in list(self._loads.values()):
             if load.task.deadline <= now:
                 self._fail_load(load.task, f"no KV after {self.settings.load_timeout_s:g}s")
+        for load in list(self._ending.values()):
+            self._acknowledged(load)
+            if load.quiet is not None and load.quiet <= mono:
+                self._report_failed(load.task)
 
-    def _fail_load(self, task: RecvTask, reason: str) -> None:
+    def _acknowledged(self, load: _Load) -> None:
+        """Push: once the want is acknowledged, the prefill side got it no later than now, and its push ends `budget` after."""
+        if load.quiet is None and load.budget is not None and load.handles and load.handles[0].done():
+            load.quiet = time.monotonic() + load.budget if load.handles[0].error is None else time.monotonic()
+
+    def _fail_load(self, task: RecvTask, reason: str, settled: bool = False) -> None:
+        """Fail a load; a push that may still write (not `settled` by the prefill side) is cancelled and reported once it cannot."""
         load = self._loads.pop(task.request_id, None)
         _log.error("HMCConnector: loading request %s from engine %s failed: %s", task.request_id, task.remote_engine_id, reason)
         if load is None:  # a release (nothing parked), or reported already
             return
-        for handle in load.handles:
-            handle.cancel()
-        if self.settings.mode != "push":  # a push's prefill side knows already; a reader's does not
+        if self.settings.mode != "push":  # a push's prefill side is told below, or knows already; a reader's does not
+            for handle in load.handles:
+                handle.cancel()
             self._tell_release(task)
+        elif load.handles and load.budget is not None and not settled:  # vLLM may reuse the blocks once reported: not while a push may reach them
+            self._ending[task.request_id] = load
+            try:
+                remote = hmc.BufferDescriptor.FromString(self._peer(task).buffers[0])
+                self._message(remote, encode("release", req=task.remote_request_id, dreq=task.request_id))
+            except Exception as exc:  # HMCError, or an undecodable descriptor: the push ends at its deadline anyway
+                _log.warning("HMCConnector: cancel of request %s not delivered: %s", task.remote_request_id, exc)
+            return
+        self._report_failed(task)
+
+    def _report_failed(self, task: RecvTask) -> None:
+        """Hand the failed load and its blocks to vLLM, which may reuse them from now on."""
+        self._ending.pop(task.request_id, None)
         self.stats.failure("load")
         with self._lock:
             self._finished_recving.add(task.request_id)
