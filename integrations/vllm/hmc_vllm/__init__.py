@@ -10,6 +10,6 @@ from __future__ import annotations
 SUPPORTED_VLLM: tuple[str, ...] = ("0.32.0",)
 
 #: Bumped whenever the handshake or the messages between connectors change; part of the compatibility check.
-HMC_CONNECTOR_VERSION = 1
+HMC_CONNECTOR_VERSION = 2  # 2: pull mode claims its blocks and reads only once granted
 
 __all__ = ["HMC_CONNECTOR_VERSION", "SUPPORTED_VLLM"]

@@ -7,10 +7,15 @@ Scheduler -> worker travels in `HMCConnectorMetadata` (one per step). Worker -> 
 as HMC notifications (JSON, small), which arrive after the data of the transfer they ride on:
   want    decode -> prefill (push): "write request R's blocks, holding prompt P, into these blocks of mine,
           within `budget` seconds" (the decode side's time left, counted from before the want arrives)
+  claim   decode -> prefill (pull): "may decode request D read these of R's blocks (rblocks), holding prompt
+          P, into these blocks of mine, within `budget` seconds?" (the fields of a want)
+  grant   prefill -> decode: "D may read R's blocks rblocks, holding prompt P" (checked as a want is; the
+          blocks stay held until D's release or the claim's budget ends)
   release decode -> prefill: "one of R's loads is done (or never comes)"; with all=true: "free R"; with
-          dreq=D: "decode request D gave up: stop its push" (its load is counted once, by the push)
+          dreq=D: "decode request D is over: stop its push, end its grant" (its load is counted once, by
+          the push, the grant or the refusal)
   kv      prefill -> decode: one part of request R's blocks, holding prompt P, has landed
-  err     prefill -> decode: request R's blocks will not come, and why
+  err     prefill -> decode: request R's blocks will not come (a want or claim refused), and why
 """
 
 from __future__ import annotations
@@ -156,7 +161,7 @@ class HMCConnectorMetadata(KVConnectorMetadata):
 
 
 def encode(kind: str, **fields: Any) -> bytes:
-    """A peer message: `kind` is want, release, kv or err."""
+    """A peer message: `kind` is want, claim, grant, release, kv or err."""
     return json.dumps({"t": kind, **fields}, separators=(",", ":")).encode()
 
 
@@ -166,6 +171,6 @@ def decode(payload: bytes) -> dict[str, Any]:
         message = json.loads(payload)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProtocolError(f"not an HMCConnector message: {payload[:40]!r}") from exc
-    if not isinstance(message, dict) or message.get("t") not in ("want", "release", "kv", "err"):
+    if not isinstance(message, dict) or message.get("t") not in ("want", "claim", "grant", "release", "kv", "err"):
         raise ProtocolError(f"not an HMCConnector message: {payload[:40]!r}")
     return message

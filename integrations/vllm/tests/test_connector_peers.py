@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,9 @@ pytestmark = [
 if importlib.util.find_spec("vllm") is not None:
     import torch
 
-    from hmc_vllm.metadata import HMCConnectorMetadata, SendTask, encode
+    from hmc_vllm.connector import ConnectorSettings
+    from hmc_vllm.layout import block_ranges, describe, storages
+    from hmc_vllm.metadata import HMCConnectorMetadata, SendTask, WorkerHandshake, decode, encode
     from hmc_vllm.worker import HMCConnectorWorker
 
 __all__ = ["pair", "settings", "tiny_model"]  # fixtures, used by name
@@ -155,3 +158,173 @@ def test_a_push_stalled_past_the_decode_deadline_writes_nothing(settings: Any) -
         p.go.set()
         p.close()
         d.close()
+
+
+# -- F3: in pull mode the prefill side checks what a decode side reads: claim, then grant -------------
+
+
+@pytest.fixture
+def pulling() -> Iterator[tuple[HMCConnectorWorker, dict[str, Any], HMCConnectorWorker, dict[str, Any]]]:
+    """A prefill and a decode worker in pull mode: random bytes at P, poison at D."""
+    pull = ConnectorSettings(mode="pull", lease_s=3.0, load_timeout_s=3.0, message_timeout_s=3.0)
+    p, p_caches = fresh_worker("P", pull)
+    d, d_caches = fresh_worker("D", pull)
+    for t in p_caches.values():
+        t.copy_(torch.randn(t.shape))
+    for t in d_caches.values():
+        t.fill_(-7.0)
+    try:
+        yield p, p_caches, d, d_caches
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize(
+    ("remote", "prompt"), [((4, 5, 6), "B"), ((4, 5, 6), "C"), ((20, 21, 22), "B")], ids=["reviewer", "other-blocks", "other-prompt"],
+)
+def test_a_pull_of_blocks_not_held_for_its_prompt_fails_and_reads_nothing(pulling: Any, remote: tuple[int, ...], prompt: str) -> None:
+    """The reviewer's scenario: genuine descriptors, remote_block_ids of another prompt's blocks, the offer's digest set to this prompt's."""
+    p, _, d, d_caches = pulling
+    assert d.layout is not None
+    local = (11, 12, 13)
+    poisoned = {b: block_bytes(d_caches, d.layout, b) for b in local}
+    p.submit(HMCConnectorMetadata(sends=[SendTask("p-c", (20, 21, 22), time.time() + 30, prompt="C")]))  # P's blocks 4, 5, 6 hold prompt A, offered to nobody
+    d.submit(HMCConnectorMetadata(recvs=[recv_task(p, "d-b", "p-c", local, remote, prompt=prompt)]))
+    _, _, failed = collect(d, lambda s, r, f: "d-b" in r)
+    assert failed == {"d-b"} and d.block_ids_with_load_errors() == set(local)
+    sending, _, _ = collect(p, lambda s, r, f: "p-c" in s)  # its one load is spent on the refusal
+    assert sending == {"p-c"}
+    assert {b: block_bytes(d_caches, d.layout, b) for b in local} == poisoned
+
+
+@pytest.mark.parametrize("remote", [(5, 4, 3), (3, 4), (3, 3, 5)], ids=["reordered", "not-the-tail", "repeated"])
+def test_a_claim_for_blocks_out_of_order_is_refused_and_nothing_is_read(pulling: Any, remote: tuple[int, ...]) -> None:
+    p, _, d, d_caches = pulling
+    assert d.layout is not None
+    local = (11, 12, 13)[: len(remote)]
+    poisoned = {b: block_bytes(d_caches, d.layout, b) for b in local}
+    p.submit(HMCConnectorMetadata(sends=[SendTask("p-21", (3, 4, 5), time.time() + 30, prompt="A")]))
+    d.submit(HMCConnectorMetadata(recvs=[recv_task(p, "d-21", "p-21", local, remote, prompt="A")]))
+    _, _, failed = collect(d, lambda s, r, f: "d-21" in r)
+    assert failed == {"d-21"} and d.block_ids_with_load_errors() == set(local)
+    sending, _, _ = collect(p, lambda s, r, f: "p-21" in s)
+    assert sending == {"p-21"}
+    assert {b: block_bytes(d_caches, d.layout, b) for b in local} == poisoned
+
+
+def test_a_grant_from_an_agent_that_is_not_the_loads_peer_is_ignored(pulling: Any) -> None:
+    """P2 holds a key of D's first buffer: its grant must not start D's reads; P's own answer (err: another prompt) decides."""
+    p, _, d, d_caches = pulling
+    other, _ = fresh_worker("P2", ConnectorSettings(mode="pull"))
+    try:
+        assert d.layout is not None and other.agent is not None and d.handshake() is not None
+        poisoned = block_bytes(d_caches, d.layout, 11)
+        d.submit(HMCConnectorMetadata(recvs=[recv_task(p, "d-50", "p-50", (11,), (3,), seconds=30, prompt="B")]))  # parked at P: not held yet
+        mine = hmc.BufferDescriptor.FromString(d.handshake().buffers[0])  # type: ignore[union-attr]
+        forged = encode("grant", dreq="d-50", req="p-50", rblocks=[3], prompt="B")
+        other.agent.write(other.buffers[0], mine, [], [], [], notify=forged, timeout=3).wait()  # queued at D before P answers
+        p.submit(HMCConnectorMetadata(sends=[SendTask("p-50", (3,), time.time() + 30, prompt="A")]))
+        _, _, failed = collect(d, lambda s, r, f: "d-50" in r)
+        assert failed == {"d-50"}
+        assert block_bytes(d_caches, d.layout, 11) == poisoned
+    finally:
+        other.close()
+
+
+def test_a_claim_naming_another_agents_buffers_is_dropped_unanswered(pulling: Any) -> None:
+    """P2 claims D's load of P's request, naming D's buffers: P grants nothing (to D) and spends no load; D's own claim is served."""
+    p, p_caches, d, d_caches = pulling
+    other, _ = fresh_worker("P2", ConnectorSettings(mode="pull"))
+    try:
+        assert p.layout is not None and d.layout is not None and other.agent is not None and d.handshake() is not None
+        p.submit(HMCConnectorMetadata(sends=[SendTask("p-51", (3, 4), time.time() + 30, prompt="A")]))
+        theirs = hmc.BufferDescriptor.FromString(p.handshake().buffers[0])  # type: ignore[union-attr]
+        claim = encode("claim", req="p-51", dreq="d-51", blocks=[11, 12], rblocks=[3, 4], prompt="A", peer=d.handshake().to_wire(), budget=30.0)  # type: ignore[union-attr]
+        other.agent.write(other.buffers[0], theirs, [], [], [], notify=claim, timeout=3).wait()
+        d.submit(HMCConnectorMetadata(recvs=[recv_task(p, "d-51", "p-51", (11, 12), (3, 4), prompt="A")]))
+        _, _, failed = collect(d, lambda s, r, f: "d-51" in r)
+        assert not failed
+        collect(p, lambda s, r, f: "p-51" in s)
+        for src, dst in ((3, 11), (4, 12)):
+            assert block_bytes(d_caches, d.layout, dst) == block_bytes(p_caches, p.layout, src)
+    finally:
+        other.close()
+
+
+class Claimer:
+    """A bare HMC agent with KV buffers that claims blocks and reads them when it likes (a decode side held mid-read)."""
+
+    def __init__(self) -> None:
+        self.caches = cpu_caches()
+        flat = storages(self.caches)
+        self.agent = hmc.Agent(hmc.Config.load())
+        self.buffers = [self.agent.register(b, name=f"claimer/kv{i}") for i, b in enumerate(flat)]
+        self.handshake = WorkerHandshake(tuple(b.descriptor.SerializeToString() for b in self.buffers), describe(self.caches, flat, NUM_BLOCKS))
+        self.answers: dict[str, dict[str, Any]] = {}  # by decode request id, until asked for
+
+    def send(self, p: HMCConnectorWorker, kind: str, **fields: Any) -> None:
+        theirs = hmc.BufferDescriptor.FromString(p.handshake().buffers[0])  # type: ignore[union-attr]
+        self.agent.write(self.buffers[0], theirs, [], [], [], notify=encode(kind, **fields), timeout=3).wait()
+
+    def answer(self, dreq: str, timeout: float = 10.0) -> dict[str, Any]:
+        """The grant or err for `dreq` (waits on the agent's inbox; answers for others are kept for their turn)."""
+        deadline = time.monotonic() + timeout
+        while dreq not in self.answers:
+            assert time.monotonic() < deadline, f"no answer for {dreq}"
+            for note in self.agent.notifications(timeout=0.5):
+                message = decode(note.payload)
+                self.answers[str(message.get("dreq"))] = message
+        return self.answers.pop(dreq)
+
+    def read(self, p: HMCConnectorWorker, rblocks: list[int], blocks: list[int]) -> None:
+        assert p.layout is not None
+        remote = [hmc.BufferDescriptor.FromString(b) for b in p.handshake().buffers]  # type: ignore[union-attr]
+        for (src, dst), (r_off, l_off, lengths) in block_ranges(p.layout, self.handshake.layout, rblocks, blocks).items():
+            self.agent.read(self.buffers[dst], remote[src], r_off, l_off, lengths, timeout=3).wait()
+
+
+def test_a_granted_pull_holds_its_blocks_past_a_release_of_all_and_the_lease_until_its_read_ends_or_its_budget(pulling: Any) -> None:
+    p, p_caches, _, _ = pulling
+    assert p.layout is not None
+    claimer = Claimer()
+    try:
+        peer = claimer.handshake.to_wire()
+        p.submit(HMCConnectorMetadata(sends=[SendTask("p-60", (3,), time.time() + 30, prompt="A", loads=2), SendTask("p-62", (5,), time.time() + 1.0, prompt="A")]))
+        claimer.send(p, "claim", req="p-60", dreq="x-60", blocks=[11], rblocks=[3], prompt="A", peer=peer, budget=30.0)
+        claimer.send(p, "claim", req="p-62", dreq="x-62", blocks=[12], rblocks=[5], prompt="A", peer=peer, budget=2.5)
+        assert claimer.answer("x-60") == {"t": "grant", "dreq": "x-60", "req": "p-60", "rblocks": [3], "prompt": "A"}
+        assert claimer.answer("x-62")["t"] == "grant"
+        granted = time.monotonic()
+        # A release of all, then a marker held and released in a later step: once the marker is reported, the release was taken.
+        p.submit(HMCConnectorMetadata(releases=["p-60"]))
+        p.submit(HMCConnectorMetadata(sends=[SendTask("marker", (9,), time.time() + 30)], releases=["marker"]))
+        sending, _, _ = collect(p, lambda s, r, f: "marker" in s)
+        assert sending == {"marker"}  # p-60 released and p-62's lease soon over, but their reads may still run
+        claimer.read(p, [3], [11])
+        assert block_bytes(claimer.caches, claimer.handshake.layout, 11) == block_bytes(p_caches, p.layout, 3)
+        claimer.send(p, "release", req="p-60", dreq="x-60")  # the read is over: now the release of all frees it
+        sending, _, _ = collect(p, lambda s, r, f: "p-60" in s)
+        assert sending == {"p-60"}
+        sending, _, _ = collect(p, lambda s, r, f: "p-62" in s)  # nobody releases it: freed when its budget ends, not at its lease
+        assert sending == {"p-62"} and time.monotonic() - granted > 2.0
+    finally:
+        claimer.agent.close()
+
+
+def test_a_pull_serves_each_load_byte_for_byte_then_frees_the_request(pulling: Any) -> None:
+    p, p_caches, d, d_caches = pulling
+    assert p.layout is not None and d.layout is not None
+    untouched = block_bytes(d_caches, d.layout, 0)
+    p.submit(HMCConnectorMetadata(sends=[SendTask("p-70", (3, 4, 5, 20), time.time() + 30, prompt="A", loads=2)]))
+    d.submit(HMCConnectorMetadata(recvs=[recv_task(p, "0_d-70", "p-70", (7, 8, 9, 63), (3, 4, 5, 20), prompt="A")]))
+    _, _, failed = collect(d, lambda s, r, f: "0_d-70" in r)
+    assert not failed
+    assert p.get_transfer_results()[0] == set()  # one load of two: still held
+    d.submit(HMCConnectorMetadata(recvs=[recv_task(p, "1_d-70", "p-70", (21, 22), (5, 20), prompt="A")]))
+    _, _, failed = collect(d, lambda s, r, f: "1_d-70" in r)
+    assert not failed
+    collect(p, lambda s, r, f: "p-70" in s)
+    for src, dst in ((3, 7), (4, 8), (5, 9), (20, 63), (5, 21), (20, 22)):
+        assert block_bytes(d_caches, d.layout, dst) == block_bytes(p_caches, p.layout, src)
+    assert block_bytes(d_caches, d.layout, 0) == untouched and d.block_ids_with_load_errors() == set()
