@@ -70,13 +70,18 @@ def test_split_layout_is_two_runs_per_layer_one_buffer_each() -> None:
     assert layout.segments[1][1] == NUM_BLOCKS * 32 * 32 * 4 and layout.block_bytes == 32 * 32 * 4
 
 
-@pytest.mark.parametrize("make", [cpu_caches, split_caches], ids=["cpu", "split"])
-def test_block_ranges_copy_exactly_the_named_blocks(make: Any) -> None:
-    src, dst = make(), make()
+def randomize_and_poison(src: dict[str, Any], dst: dict[str, Any]) -> None:
+    """Random values in every source cache, poison (-7.0) in every destination cache."""
     for t in src.values():
         t.copy_(torch.randn(t.shape))
     for t in dst.values():
         t.fill_(-7.0)
+
+
+@pytest.mark.parametrize("make", [cpu_caches, split_caches], ids=["cpu", "split"])
+def test_block_ranges_copy_exactly_the_named_blocks(make: Any) -> None:
+    src, dst = make(), make()
+    randomize_and_poison(src, dst)
     s_flat, d_flat = storages(src), storages(dst)
     s_layout, d_layout = describe(src, s_flat, NUM_BLOCKS), describe(dst, d_flat, NUM_BLOCKS)
     poisoned = block_bytes(dst, d_layout, 0)
@@ -364,12 +369,14 @@ def settings() -> ConnectorSettings:
 
 @pytest.fixture
 def pair(settings: ConnectorSettings) -> Iterator[tuple[HMCConnectorWorker, dict[str, Any], HMCConnectorWorker, dict[str, Any]]]:
+    yield from worker_pair(settings)
+
+
+def worker_pair(settings: ConnectorSettings) -> Iterator[tuple[HMCConnectorWorker, dict[str, Any], HMCConnectorWorker, dict[str, Any]]]:
+    """A prefill worker P with random KV and a decode worker D with poisoned KV, closed at the end."""
     p, p_caches = fresh_worker("P", settings)
     d, d_caches = fresh_worker("D", settings)
-    for t in p_caches.values():
-        t.copy_(torch.randn(t.shape))
-    for t in d_caches.values():
-        t.fill_(-7.0)
+    randomize_and_poison(p_caches, d_caches)
     try:
         yield p, p_caches, d, d_caches
     finally:
@@ -403,10 +410,7 @@ def test_blocks_arrive_byte_for_byte_and_both_sides_finish(mode: str) -> None:
     p, p_caches = fresh_worker("P", settings)
     d, d_caches = fresh_worker("D", settings)
     try:
-        for t in p_caches.values():
-            t.copy_(torch.randn(t.shape))
-        for t in d_caches.values():
-            t.fill_(-7.0)
+        randomize_and_poison(p_caches, d_caches)
         assert p.layout is not None and d.layout is not None
         untouched = block_bytes(d_caches, d.layout, 0)
         p.submit(HMCConnectorMetadata(sends=[SendTask("p-1", (3, 4, 5, 20), time.time() + 5)]))

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import hmc
-from test_connector_halves import NUM_BLOCKS, block_bytes, blocks, collect, cpu_caches, decoder, fresh_worker, pair, prefill_params, recv_task, request, settings, tiny_model
+from test_connector_halves import NUM_BLOCKS, block_bytes, blocks, collect, cpu_caches, decoder, fresh_worker, pair, prefill_params, recv_task, request, settings, tiny_model, worker_pair, randomize_and_poison
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
@@ -25,8 +25,6 @@ pytestmark = [
 ]
 
 if importlib.util.find_spec("vllm") is not None:
-    import torch
-
     from hmc_vllm.connector import ConnectorSettings
     from hmc_vllm.layout import block_ranges, describe, storages
     from hmc_vllm.metadata import HMCConnectorMetadata, SendTask, WorkerHandshake, decode, encode
@@ -140,10 +138,7 @@ def test_a_push_stalled_past_the_decode_deadline_writes_nothing(settings: Any) -
     p.register_kv_caches(p_caches)
     d, d_caches = fresh_worker("D", settings)
     try:
-        for t in p_caches.values():
-            t.copy_(torch.randn(t.shape))
-        for t in d_caches.values():
-            t.fill_(-7.0)
+        randomize_and_poison(p_caches, d_caches)
         assert d.layout is not None
         poisoned = block_bytes(d_caches, d.layout, 11)
         p.submit(HMCConnectorMetadata(sends=[SendTask("p-41", (3,), time.time() + 30, prompt="A")]))
@@ -166,18 +161,7 @@ def test_a_push_stalled_past_the_decode_deadline_writes_nothing(settings: Any) -
 @pytest.fixture
 def pulling() -> Iterator[tuple[HMCConnectorWorker, dict[str, Any], HMCConnectorWorker, dict[str, Any]]]:
     """A prefill and a decode worker in pull mode: random bytes at P, poison at D."""
-    pull = ConnectorSettings(mode="pull", lease_s=3.0, load_timeout_s=3.0, message_timeout_s=3.0)
-    p, p_caches = fresh_worker("P", pull)
-    d, d_caches = fresh_worker("D", pull)
-    for t in p_caches.values():
-        t.copy_(torch.randn(t.shape))
-    for t in d_caches.values():
-        t.fill_(-7.0)
-    try:
-        yield p, p_caches, d, d_caches
-    finally:
-        p.close()
-        d.close()
+    yield from worker_pair(ConnectorSettings(mode="pull", lease_s=3.0, load_timeout_s=3.0, message_timeout_s=3.0))
 
 
 @pytest.mark.parametrize(
