@@ -8,7 +8,8 @@ same `kv` parts, then send `release`. Only the agents owning the load's peer buf
 or `grant` from any other agent is dropped. A load fails at its deadline, at once on `err`, or when its
 transfers fail; a push load that fails while a push may still be under way is cancelled (`release`
 naming the decode request) and reported only once no push of it can write (`quiet`).
-Concurrency: everything here runs on the connector thread, except the result sets (see hmc_vllm.side).
+Concurrency: everything here runs on the connector thread, except the result sets (see hmc_vllm.side); its
+messages go through the outbox (hmc_vllm.outbox), so a want or claim counts as sent once posted there.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import hmc
 from hmc.errors import HMCError
 from hmc_vllm.layout import block_ranges
 from hmc_vllm.metadata import RecvTask, WorkerHandshake, encode
+from hmc_vllm.outbox import Outgoing
 from hmc_vllm.side import WorkerSide
 
 _log = logging.getLogger(__name__)
@@ -35,7 +37,7 @@ class Load:
     started: float
     parts: int | None = None  # push: kv parts announced by the prefill side
     landed: set[int] = field(default_factory=set)
-    handles: list[hmc.TransferHandle] = field(default_factory=list)  # the want or claim message, then (pull) the reads
+    handles: list[hmc.TransferHandle | Outgoing] = field(default_factory=list)  # the want or claim message, then (pull) the reads
     peer: WorkerHandshake | None = None
     senders: frozenset[str] = frozenset()  # agents owning the peer's buffers: the only ones whose kv, err and grant count
     budget: float | None = None  # push and pull: the seconds the want or claim gave the prefill side
@@ -88,6 +90,7 @@ class DecodeSide(WorkerSide):
                             kind, req=task.remote_request_id, dreq=task.request_id, blocks=list(task.local_blocks), rblocks=list(task.remote_blocks),
                             prompt=task.prompt, peer=self._handshake.to_wire() if self._handshake else None, budget=load.budget,
                         ),
+                        f"{kind} for request {task.remote_request_id}",
                     )
                 )
         except Exception as exc:  # HMCError, or a peer handshake the offer's parse let through: this load only
@@ -114,7 +117,7 @@ class DecodeSide(WorkerSide):
             return
         try:
             remote = hmc.BufferDescriptor.FromString(self._peer(task).buffers[0])
-            self._message(remote, encode("release", req=task.remote_request_id, all=task.release_all))
+            self._message(remote, encode("release", req=task.remote_request_id, all=task.release_all), f"release of request {task.remote_request_id}")
         except Exception as exc:  # HMCError, or an undecodable descriptor: the lease frees the blocks
             _log.warning("HMCConnector: release of request %s not delivered (its lease frees it): %s", task.remote_request_id, exc)
 
@@ -122,7 +125,7 @@ class DecodeSide(WorkerSide):
         """Tell the prefill instance that decode request `task.request_id` is over: its push stops, its grant ends."""
         try:
             remote = hmc.BufferDescriptor.FromString(self._peer(task).buffers[0])
-            self._message(remote, encode("release", req=task.remote_request_id, dreq=task.request_id))
+            self._message(remote, encode("release", req=task.remote_request_id, dreq=task.request_id), f"release of {task.request_id}'s load")
         except Exception as exc:  # HMCError, or an undecodable descriptor: the push or grant ends at its budget anyway
             _log.warning("HMCConnector: release of %s's load of request %s not delivered: %s", task.request_id, task.remote_request_id, exc)
 
@@ -182,8 +185,9 @@ class DecodeSide(WorkerSide):
                     self._tell_over(load.task)
                 elif self.settings.mode == "hmcd" and load.peer is not None:
                     try:
-                        self._message(hmc.BufferDescriptor.FromString(load.peer.buffers[0]), encode("release", req=load.task.remote_request_id))
-                    except HMCError as exc:
+                        remote = hmc.BufferDescriptor.FromString(load.peer.buffers[0])
+                        self._message(remote, encode("release", req=load.task.remote_request_id), f"release of request {load.task.remote_request_id}")
+                    except Exception as exc:  # an undecodable descriptor
                         _log.warning("HMCConnector: release of request %s not delivered (its lease frees it): %s", load.task.remote_request_id, exc)
 
     def _expire_loads(self) -> None:

@@ -12,7 +12,9 @@ read counts as in flight on the held request, which is then not freed (by its le
 until the claimer's `release` for that decode request or the claim's budget, counted from when the grant
 is sent (no earlier than the decode side's reads can end), whichever comes first.
 Once a decode agent has sent a want or claim for a held request, only the agents that did may release it.
-Concurrency: everything here runs on the connector thread.
+Concurrency: everything here runs on the connector thread, which never writes to a peer itself: messages and
+pushes go through the outbox (hmc_vllm.outbox); a push's writes are issued by its peer's sender, each with the
+time left when it is issued, and a push whose time is spent by then fails and is answered `err`.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import hmc
 from hmc.errors import HMCError, ProtocolError
 from hmc_vllm.layout import KVLayout, block_ranges
 from hmc_vllm.metadata import SendTask, WorkerHandshake, encode
+from hmc_vllm.outbox import Outgoing, peer_key
+from hmc_vllm.parked import ParkedWants, Want
 from hmc_vllm.side import WorkerSide
 
 _log = logging.getLogger(__name__)
@@ -43,7 +47,7 @@ class Push:
 
     request_id: str
     dreq: str
-    handles: list[hmc.TransferHandle]
+    sent: Outgoing  # its writes, issued by the decode agent's sender
     started: float
     nbytes: int
     want: dict[str, Any]  # the decode side's request, to answer if the push fails
@@ -55,20 +59,6 @@ class Pull:
 
     claimer: str  # the agent that claimed it: the only one whose release ends it
     until: float  # time.monotonic() after which no read of it can still run
-
-
-@dataclass(frozen=True)
-class Want:
-    """A decode worker's `want` or `claim` and the agent that sent it."""
-
-    message: dict[str, Any]
-    sender: str
-    received: float  # time.monotonic()
-    deadline: float | None  # time.monotonic() by which the decode side's budget is spent (counted early); None: no budget named
-
-    @property
-    def kind(self) -> str:
-        return str(self.message.get("t"))
 
 
 @dataclass
@@ -137,11 +127,11 @@ class PrefillSide(WorkerSide):
     def __init__(self, settings: Any) -> None:
         super().__init__(settings)
         self._held: dict[str, Held] = {}
-        self._wanted: dict[str, list[Want]] = {}  # wants and claims that came before their SendTask
+        self._wanted = ParkedWants()  # wants and claims that came before their SendTask
 
     def _hold(self, send: SendTask) -> None:
         held = self._held[send.request_id] = Held(send)
-        for want in self._wanted.pop(send.request_id, []):
+        for want in self._wanted.take(send.request_id):
             self._answer(held, want)
 
     def _on_request(self, message: dict[str, Any], sender: str, since: float) -> None:
@@ -154,7 +144,10 @@ class PrefillSide(WorkerSide):
         deadline = since + budget if isinstance(budget, (int, float)) and math.isfinite(budget) and budget >= 0 else None
         held, want = self._held.get(req), Want(message, sender, time.monotonic(), deadline)
         if held is None:
-            self._wanted.setdefault(req, []).append(want)
+            refused = self._wanted.park(req, want)
+            if refused is not None and refused != "repeat":
+                _log.warning("HMCConnector: refused a %s for request %s: %s", want.kind, req, refused)
+                self._reply_error(message, refused)
         else:
             self._answer(held, want)
 
@@ -174,32 +167,37 @@ class PrefillSide(WorkerSide):
         except Exception as exc:  # HMCError, or a malformed want or claim: refused, this load only
             _log.error("HMCConnector: %s of request %s refused or failed: %s", wanted.kind, held.task.request_id, exc)
             self.stats.failure("push")
-            self._reply_error(wanted.message, str(exc))
+            if not wanted.answered:
+                self._reply_error(wanted.message, str(exc))
             self._serve(held)
 
     def _push(self, held: Held, wanted: Want, admitted: Admitted) -> None:
         """Write the held blocks into the decode worker's blocks, ending within its budget."""
-        assert self.agent is not None
+        agent, buffers = self.agent, self.buffers
+        assert agent is not None
         send, dreq = held.task, str(wanted.message.get("dreq"))
         self.before_push(send, admitted.rblocks)
-        timeout = time_left(held, wanted)  # after the hook: a stalled thread must not start a late push
-        groups = admitted.groups
-        handles = [
-            self.agent.write(
-                self.buffers[src], admitted.remote[dst], s_off, d_off, lengths,
-                notify=encode("kv", dreq=dreq, part=i, parts=len(groups), prompt=send.prompt), timeout=timeout,
-            )
-            for i, ((src, dst), (s_off, d_off, lengths)) in enumerate(groups.items())
-        ]
+        time_left(held, wanted)  # after the hook: a stalled thread must not start a late push
+        groups, remote = admitted.groups, admitted.remote
+
+        def write(out: Outgoing, issued: list[hmc.TransferHandle]) -> None:  # on the decode agent's sender
+            for i, ((src, dst), (s_off, d_off, lengths)) in enumerate(groups.items()):
+                if out.cancelled:
+                    raise HMCError(f"the push of request {send.request_id} to {dreq} was cancelled")
+                notify = encode("kv", dreq=dreq, part=i, parts=len(groups), prompt=send.prompt)
+                issued.append(agent.write(buffers[src], remote[dst], s_off, d_off, lengths, notify=notify, timeout=time_left(held, wanted)))
+
+        sent = self.outbox.post(peer_key(remote[0]), write, f"push of request {send.request_id} to {dreq}")
         nbytes = sum(int(lengths.sum()) for _, _, lengths in groups.values())
-        held.pushes[dreq] = Push(send.request_id, dreq, handles, time.monotonic(), nbytes, wanted.message)
+        held.pushes[dreq] = Push(send.request_id, dreq, sent, time.monotonic(), nbytes, wanted.message)
 
     def _grant(self, held: Held, wanted: Want, admitted: Admitted) -> None:
         """Let the claimer read the blocks it claimed, holding them for as long as its reads may run."""
         time_left(held, wanted)
         send, dreq = held.task, str(wanted.message.get("dreq"))
         until = time.monotonic() + float(wanted.message["budget"])  # its reads started after the claim was sent, and end within the budget
-        self._message(admitted.remote[0], encode("grant", dreq=dreq, req=send.request_id, rblocks=admitted.rblocks, prompt=send.prompt))
+        grant = encode("grant", dreq=dreq, req=send.request_id, rblocks=admitted.rblocks, prompt=send.prompt)
+        self._message(admitted.remote[0], grant, f"grant of request {send.request_id} to {dreq}")
         held.pulls[dreq] = Pull(wanted.sender, until)
         held.served += 1
 
@@ -209,7 +207,8 @@ class PrefillSide(WorkerSide):
     def _reply_error(self, want: Mapping[str, Any], reason: str) -> None:
         try:
             peer = WorkerHandshake.from_wire(want.get("peer") or {})
-            self._message(hmc.BufferDescriptor.FromString(peer.buffers[0]), encode("err", dreq=want.get("dreq"), reason=reason))
+            remote = hmc.BufferDescriptor.FromString(peer.buffers[0])
+            self._message(remote, encode("err", dreq=want.get("dreq"), reason=reason), f"err for {want.get('dreq')} ({reason})")
         except Exception as exc:  # HMCError, or a want whose peer is not one
             _log.warning("HMCConnector: could not tell the decode instance: %s", exc)
 
@@ -247,8 +246,7 @@ class PrefillSide(WorkerSide):
         """
         held = self._held.get(request_id)
         if held is not None and dreq in held.pushes:
-            for handle in held.pushes[dreq].handles:  # _poll_pushes answers err once they end
-                handle.cancel()
+            held.pushes[dreq].sent.cancel()  # _poll_pushes answers err once its writes end
             return
         if held is not None and dreq in held.pulls:
             if held.pulls[dreq].claimer != sender:
@@ -258,11 +256,9 @@ class PrefillSide(WorkerSide):
             if held.done:
                 self._finish_send(request_id)
             return
-        wants = self._wanted.get(request_id, [])
-        for i, want in enumerate(wants):
-            if want.sender == sender and str(want.message.get("dreq")) == dreq:
-                wants[i] = replace(want, deadline=-math.inf)  # refused, and its load served, when the hold comes
-                self._reply_error(want.message, f"the load of request {request_id} was cancelled")
+        want = self._wanted.cancel(request_id, sender, dreq)  # refused, and its load served, when the hold comes
+        if want is not None:
+            self._reply_error(want.message, f"the load of request {request_id} was cancelled")
 
     def _finish_send(self, request_id: str) -> None:
         self._held.pop(request_id, None)
@@ -272,13 +268,13 @@ class PrefillSide(WorkerSide):
     def _poll_pushes(self) -> None:
         for held in list(self._held.values()):
             for push in list(held.pushes.values()):
-                if not all(h.done() for h in push.handles):
+                if not push.sent.done():
                     continue
-                failed = [h.error for h in push.handles if h.error is not None]
-                if failed:
-                    _log.error("HMCConnector: push of request %s to %s failed: %s", push.request_id, push.dreq, failed[0])
+                failed = push.sent.error
+                if failed is not None:
+                    _log.error("HMCConnector: push of request %s to %s failed: %s", push.request_id, push.dreq, failed)
                     self.stats.failure("push")
-                    self._reply_error(push.want, f"the push failed: {failed[0]}")  # the decode side fails now, not at its deadline
+                    self._reply_error(push.want, f"the push failed: {failed}")  # the decode side fails now, not at its deadline
                 else:
                     self.stats.record("push", push.nbytes, time.monotonic() - push.started)
                     _log.debug("HMCConnector: pushed request %s to %s in %.3f ms", push.request_id, push.dreq, 1e3 * (time.monotonic() - push.started))
@@ -298,8 +294,7 @@ class PrefillSide(WorkerSide):
                 _log.warning("HMCConnector: lease of request %s expired before a decode instance took its blocks; freeing them", request_id)
                 self.stats.failure("push")
                 self._finish_send(request_id)
-        for req, wants in list(self._wanted.items()):
-            if mono - wants[0].received > min(self.settings.lease_s, UNKNOWN_WANT_S):
-                self._wanted.pop(req)
-                for want in wants:
+        for req, wants in self._wanted.stale(mono, min(self.settings.lease_s, UNKNOWN_WANT_S)):
+            for want in wants:
+                if not want.answered:
                     self._reply_error(want.message, f"request {req} is not held here (expired or unknown)")

@@ -19,7 +19,8 @@ then reported finished so vLLM frees its blocks (never while a push or a granted
 Concurrency: nothing here blocks the forward pass: all HMC work runs on the connector's own thread
 ("hmc-connector"), which takes each step's metadata as soon as vLLM binds it, reacts to peer messages
 as they arrive (a push starts when the `want` lands, not at the next engine step) and leaves its
-results for `get_transfer_results`. That thread, and every thread the agent starts from it, may run on
+results for `get_transfer_results`. It never writes to a peer itself (a write to a new peer blocks until the
+peer answers): every message and push goes through a sender per peer agent (hmc_vllm.outbox). That thread, and every thread the agent starts from it, may run on
 any CPU: vLLM's CPU backend pins the worker's main thread to one core, where it spins between steps,
 and HMC's threads pinned beside it starved for seconds.
 """
@@ -95,6 +96,7 @@ class HMCConnectorWorker(PrefillSide, DecodeSide):
 
         `since` (time.monotonic()) precedes the arrival of every note: a want's or claim's budget counts from there.
         """
+        self.outbox.settle()
         while True:
             try:
                 self._take(self._steps.get_nowait())
@@ -173,6 +175,7 @@ class HMCConnectorWorker(PrefillSide, DecodeSide):
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.settings.message_timeout_s)
+        self.outbox.close(timeout=self.settings.message_timeout_s)  # a sender ends once its write returns
         if self._client is not None:
             self._client.close()
             self._client = None
