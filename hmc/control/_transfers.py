@@ -316,10 +316,6 @@ class TransferTable:
             self._finish(record, common_pb2.TRANSFER_STATE_FAILED, error_to_proto(error))
             log.info("hmcd stopping: transfer %s ended %s: %s", record.status.transfer_id, common_pb2.TransferState.Name(record.status.state), record.status.error.message)
 
-    @property
-    def active(self) -> int:
-        return len(self._active)
-
 
 def _forwarded(request: daemon_pb2.SubmitTransferRequest, transfer_id: str, dst: common_pb2.BufferDescriptor) -> daemon_pb2.SubmitTransferRequest:
     """The request as sent to the hmcd owning src: same id, dst already resolved, no further hops."""
